@@ -1,0 +1,91 @@
+"""Arms: the user's intervention arm and the native twin twinrun derives from it.
+
+The twin is the same config with only the `intervention` node replaced by `native`; both are
+resolved, and if their difference reaches outside `intervention` (an interpolation that reads
+the intervention, say), the pair is not a twin and the run is refused before any compute.
+"""
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from twinrun.errors import TwinrunError
+
+INTERVENTION_KEY = "intervention"
+NATIVE = {"_target_": "twinrun.interventions.Native"}
+EXCLUDED = ("hydra", "launcher")  # how a run is launched does not enter its result
+
+
+class NotATwin(TwinrunError):
+    pass
+
+
+@dataclass
+class Arm:
+    name: str  # directory under RUN_DIR/arms/
+    config: dict  # resolved, plain containers
+    role: str  # "intervention" | "twin" | "replicate"
+
+
+def _resolved(cfg: DictConfig, what: str) -> dict:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        msg = str(err).splitlines()[0]
+        raise NotATwin(f"the {what} config does not resolve ({msg}); a value outside "
+                       "`intervention` must not depend on the intervention") from None
+
+
+def twin_of(cfg: DictConfig) -> DictConfig:
+    """The same config with the intervention replaced by the native one (same seed, all else)."""
+    twin = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    twin[INTERVENTION_KEY] = dict(NATIVE)
+    return twin
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
+
+
+def config_diff(a: dict, b: dict) -> list[dict]:
+    """Leaf-level differences between two resolved configs: [{key, a, b}], sorted by key."""
+    fa, fb = flatten(a), flatten(b)
+    keys = sorted(set(fa) | set(fb))
+    return [{"key": k, "a": fa.get(k), "b": fb.get(k)} for k in keys if fa.get(k, ...) != fb.get(k, ...)]
+
+
+def outside_intervention(diff: list[dict]) -> list[str]:
+    return [d["key"] for d in diff if d["key"].split(".")[0] != INTERVENTION_KEY]
+
+
+def for_compute(cfg: dict) -> dict:
+    """The part of a resolved config that can change a result (launching excluded)."""
+    return {k: v for k, v in cfg.items() if k not in EXCLUDED}
+
+
+def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False) -> tuple[list[Arm], list[dict]]:
+    """[intervention, twin(, replicate)] and the diff between them; refuse a pair that is not a twin."""
+    if cfg[INTERVENTION_KEY].get("_target_") == NATIVE["_target_"]:
+        raise TwinrunError(
+            "intervention=native: no intervention declared; declare one, e.g. "
+            "`python -m twinrun +experiment=pin_sigma` (twinrun derives the native twin itself)"
+        )
+    mine = for_compute(_resolved(cfg, "intervention arm's"))
+    twin = for_compute(_resolved(twin_of(cfg), "derived twin's"))
+    diff = config_diff(mine, twin)
+    bad = outside_intervention(diff)
+    if bad:
+        raise NotATwin(
+            f"the derived twin differs outside `intervention` at {', '.join(bad)}; a twin may "
+            "differ only in the intervention: do not let other keys interpolate from it"
+        )
+    arms = [Arm(intervention_name, mine, "intervention"), Arm("native", twin, "twin")]
+    if replicate:
+        arms.append(Arm("native_replicate", twin, "replicate"))
+    return arms, diff

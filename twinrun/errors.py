@@ -1,0 +1,36 @@
+"""User-facing errors and the exit codes every twinrun command shares."""
+
+EXIT_OK = 0  # every validity check and gate passed
+EXIT_GATE = 1  # a validity check or a no-op gate failed: the instrument is broken, effects withheld
+EXIT_USAGE = 2  # bad config, bad input, damaged store: nothing was computed from it
+EXIT_REFUSED = 3  # an absolute comparison across kernel paths, refused
+
+
+class TwinrunError(Exception):
+    """A user mistake or unusable input: printed as one line, never as a traceback."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(TwinrunError):
+    """A config value is out of range or inconsistent; the message names the key, value and fix."""
+
+    def __init__(self, key: str, value, fix: str):
+        super().__init__(f"{key}={value!r}: {fix}")
+        self.key, self.value = key, value
+
+
+class StoreError(TwinrunError):
+    """A store or run directory is missing, damaged, or foreign; the message names the path."""
+
+    def __init__(self, path, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+
+
+def fail(err: TwinrunError) -> "NoReturn":  # noqa: F821
+    """Print the one-line error and exit with its code."""
+    import sys
+
+    print(f"twinrun: error: {err}", file=sys.stderr)
+    raise SystemExit(err.exit_code)

@@ -1,0 +1,202 @@
+"""Reduce a run: validity checks → no-op gates → effects (only if everything passed).
+
+    python -m twinrun.reduce RUN_DIR
+
+Exit codes: 0 every check and gate passed; 1 a check or gate failed (the instrument is broken:
+effects withheld); 2 bad input (missing, damaged or foreign stores).
+"""
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from twinrun import arms as arms_mod
+from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
+from twinrun.estimator import estimate
+from twinrun.store import read_json, read_store, write_json
+
+ESTIMANDS = ("all", "cond", "residual")
+# Store metadata that must agree across every store of a run (the protocol).
+PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
+
+
+def check(name: str, passed: bool, detail: str) -> dict:
+    return {"name": name, "passed": bool(passed), "detail": detail}
+
+
+def load_run(run_dir: Path) -> tuple[dict, dict]:
+    """run.json and every store it lists ({(arm, bin_index): Store}), each checked."""
+    run = read_json(run_dir / "run.json")
+    if run.get("format") != "twinrun-run/1":
+        raise StoreError(run_dir / "run.json", f"not a twinrun run index (format {run.get('format')!r})")
+    stores = {}
+    for b in run["bins"]:
+        for arm in run["arms"]:
+            entry = b["stores"].get(arm["name"], {})
+            path = run_dir / "arms" / arm["name"] / entry.get("file", "")
+            if entry.get("status") != "done":
+                raise StoreError(path, f"bin {b['index']} (σ={b['sigma']:g}) of arm {arm['name']} is "
+                                 f"{entry.get('status', 'missing')}: resume the run, then reduce")
+            store = read_store(path, entry.get("sha256"))
+            if store.meta["config_hash"] != arm["config_hash"]:
+                raise StoreError(path, "config hash differs from run.json's: a store from another run")
+            if store.meta["arm"] != arm["name"] or store.meta["bin_index"] != b["index"]:
+                raise StoreError(path, "store belongs to another arm or bin than run.json says")
+            stores[arm["name"], b["index"]] = store
+    return run, stores
+
+
+def validity_checks(run_dir: Path, run: dict, stores: dict) -> list[dict]:
+    names = [a["name"] for a in run["arms"]]
+    configs = {n: yaml.safe_load((run_dir / "arms" / n / "config.yaml").read_text()) for n in names}
+    out = []
+    diffs = {n: arms_mod.outside_intervention(arms_mod.config_diff(configs[names[0]], configs[n])) for n in names}
+    bad = {n: d for n, d in diffs.items() if d}
+    out.append(check("configs_differ_only_in_intervention", not bad,
+                     "ok" if not bad else f"arms differ outside `intervention` at {bad}"))
+    unequal = [b["index"] for b in run["bins"] if len({stores[n, b["index"]].meta["draws_digest"] for n in names}) > 1]
+    out.append(check("identical_draws", not unequal,
+                     f"draw digests equal in all {len(run['bins'])} bins" if not unequal
+                     else f"draw digests differ between arms in bins {unequal}"))
+    ref = next(iter(stores.values())).meta
+    mismatched = sorted({str(s.path) for s in stores.values() for k in PROTOCOL_KEYS if s.meta[k] != ref[k]})
+    out.append(check("same_protocol", not mismatched,
+                     "images, draws, folds and parameter layout equal in every store" if not mismatched
+                     else f"protocol differs in {mismatched}"))
+    wrong_sigma = [s.path.name for (n, i), s in stores.items() if s.meta["sigma"] != run["bins"][i]["sigma"]]
+    out.append(check("stores_match_bins", not wrong_sigma,
+                     "every store's σ matches its bin" if not wrong_sigma else f"σ mismatch in {wrong_sigma}"))
+    return out
+
+
+def grams(run: dict, stores: dict, chunk_params: int) -> tuple[dict, list[str], int]:
+    """Gram matrices over all (arm, bin, fold) rows for each parameter view, read in column chunks."""
+    names = [a["name"] for a in run["arms"]]
+    n_bins = len(run["bins"])
+    rows = torch.cat([stores[n, b]. sums for n in names for b in range(n_bins)])
+    layout = next(iter(stores.values())).meta["layout"]
+    n_rows = rows.shape[0]
+    g = {"all": np.zeros((n_rows, n_rows)), "cond": np.zeros((n_rows, n_rows))}
+    for entry in layout:
+        for start in range(entry["offset"], entry["offset"] + entry["numel"], chunk_params):
+            stop = min(start + chunk_params, entry["offset"] + entry["numel"])
+            x = rows[:, start:stop].double()
+            block = (x @ x.T).numpy()
+            g["all"] += block
+            if entry["cond"]:
+                g["cond"] += block
+    has_cond = any(e["cond"] for e in layout)
+    n_folds = rows.shape[0] // (len(names) * n_bins)
+    g["residual"] = residual_gram(g["all"], len(names), n_bins, n_folds, names.index("native"))
+    if not has_cond:
+        del g["cond"]
+    return g, names, n_folds
+
+
+def residual_gram(g_all: np.ndarray, n_arms: int, n_bins: int, n_folds: int, twin: int) -> np.ndarray:
+    """Gram of R^{arm}_{b,f} = S^{arm}_{b,f} − mean_b' S^{twin}_{b',f}: the twin's shared direction
+    removed from both arms alike, so the residual is still a no-op where the arms agree."""
+    n = n_arms * n_bins * n_folds
+    t = np.eye(n)
+    for arm in range(n_arms):
+        for b in range(n_bins):
+            for f in range(n_folds):
+                for b2 in range(n_bins):
+                    t[(arm * n_bins + b) * n_folds + f, (twin * n_bins + b2) * n_folds + f] -= 1.0 / n_bins
+    return t @ g_all @ t.T
+
+
+def pair_estimate(g: np.ndarray, a: int, b: int, bin_index: int, n_bins: int, n_folds: int, sizes):
+    def block(i, j):
+        ri = slice((i * n_bins + bin_index) * n_folds, (i * n_bins + bin_index + 1) * n_folds)
+        rj = slice((j * n_bins + bin_index) * n_folds, (j * n_bins + bin_index + 1) * n_folds)
+        return g[ri, rj]
+
+    return estimate(block(a, b), block(a, a), block(b, b), sizes, sizes)
+
+
+def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=1_000_000) -> tuple[dict, int]:
+    run_dir = Path(run_dir)
+    run, stores = load_run(run_dir)
+    estimands = list(estimands or run.get("estimands") or ESTIMANDS)
+    threshold = float(gate_threshold if gate_threshold is not None else run.get("gate_threshold", 0.95))
+    checks = validity_checks(run_dir, run, stores)
+    g, names, n_folds = grams(run, stores, chunk_params)
+    unknown = [e for e in estimands if e not in g]
+    if unknown:
+        raise TwinrunError(f"reduce.estimands={estimands}: {unknown} not available here "
+                           f"(have {sorted(g)}; `cond` needs conditioning parameters among probe.params)")
+    inter = next(i for i, a in enumerate(run["arms"]) if a["role"] == "intervention")
+    twin = names.index("native")
+    sizes = np.asarray(next(iter(stores.values())).meta["fold_sizes"], dtype=np.float64)
+    n_bins = len(run["bins"])
+
+    gates, effects = [], []
+    for b in run["bins"]:
+        identical = torch.equal(stores[names[inter], b["index"]].sums, stores["native", b["index"]].sums)
+        for e in estimands:
+            est = pair_estimate(g[e], inter, twin, b["index"], n_bins, n_folds, sizes)
+            row = {"sigma": b["sigma"], "estimand": e, "cos": est.cos, "se": est.se, "cos_naive": est.cos_naive,
+                   "below_noise": est.below_noise}
+            if b["gate"]:
+                passed = est.cos is not None and abs(est.cos) >= threshold
+                gates.append({"sigma": b["sigma"], "estimand": e, "cos": est.cos, "se": est.se,
+                              "threshold": threshold, "passed": passed, "bit_identical": identical})
+            effects.append(row)
+    if not gates:
+        checks.append(check("has_gate", False, "no bin where the intervention is a no-op: nothing vouches for the instrument"))
+    valid = all(c["passed"] for c in checks)
+    ok = valid and all(x["passed"] for x in gates)
+    summary = {"run_dir": str(run_dir), "arms": names, "valid": valid, "checks": checks, "gates": gates,
+               "effects": effects if ok else []}
+    write_json(run_dir / "summary.json", summary)
+    return summary, EXIT_OK if ok else EXIT_GATE
+
+
+def _num(x, fmt="{:.4f}") -> str:
+    return "below noise" if x is None else fmt.format(x)
+
+
+def render(summary: dict) -> str:
+    lines = [f"twinrun reduce: {summary['run_dir']}", "", "validity checks:"]
+    lines += [f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}" for c in summary["checks"]]
+    lines += ["", "no-op gates (intervention vs native twin where the intervention does nothing):"]
+    for x in summary["gates"]:
+        se = "" if x["se"] is None else f" ± {x['se']:.1e}"
+        lines.append(f"  [{'ok' if x['passed'] else 'FAIL'}] σ={x['sigma']:<6g} {x['estimand']:<9} "
+                     f"cos={_num(x['cos'], '{:.6f}')}{se}  (≥ {x['threshold']})  "
+                     f"bit-identical: {'yes' if x['bit_identical'] else 'no'}")
+    ok = summary["valid"] and all(x["passed"] for x in summary["gates"])
+    if not ok:
+        lines += ["", "INSTRUMENT BROKEN: a validity check or no-op gate failed. Effects are withheld; "
+                  "nothing else from this run should be read."]
+        return "\n".join(lines)
+    lines += ["", "effects (debiased cos to the twin, ± jackknife SE; 1 − cos is the effect):",
+              f"  {'σ':>6}  {'estimand':<9} {'cos':>12} {'± se':>9} {'naive cos':>10}"]
+    for x in summary["effects"]:
+        se = "" if x["se"] is None else f"{x['se']:.4f}"
+        lines.append(f"  {x['sigma']:>6g}  {x['estimand']:<9} {_num(x['cos']):>12} {se:>9} {x['cos_naive']:>10.4f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m twinrun.reduce", description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", type=Path, help="a twinrun run directory (holds run.json)")
+    args = p.parse_args(argv)
+    try:
+        if not (args.run_dir / "run.json").is_file():
+            raise StoreError(args.run_dir, "not a twinrun run directory (no run.json)")
+        summary, code = reduce_run(args.run_dir)
+    except TwinrunError as err:
+        fail(err)
+    print(render(summary))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

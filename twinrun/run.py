@@ -1,0 +1,207 @@
+"""A twin run: plan it (validate, derive arms, write configs) then measure it, bin by bin.
+
+`plan_run` runs where the user typed the command and writes everything the job needs into the
+run directory before any compute; `run_job(run_dir)` is the job itself (in-process, or pickled by
+submitit onto a node): it reads only the run directory, measures every arm of a bin back to back
+on the same draws, and skips the bins whose stores already exist and verify (resume).
+"""
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from twinrun import draws, probe
+from twinrun.arms import Arm, derive_arms
+from twinrun.errors import ConfigError, StoreError, TwinrunError
+from twinrun.store import read_json, read_store, store_name, write_json, write_store
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build(node: dict, key: str):
+    """One level of Hydra instantiate, with a one-line error naming the key."""
+    try:
+        return hydra.utils.instantiate(node)
+    except Exception as err:  # instantiate wraps every builder failure in its own exception
+        msg = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{key}._target_", node.get("_target_"), f"could not be built: {msg}") from None
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: DictConfig, n_available_images: int) -> None:
+    """Reject bad input before any compute: each error names the key, the value and the fix."""
+    grid = list(cfg.sigma_grid.sigmas)
+    if not grid:
+        raise ConfigError("sigma_grid.sigmas", grid, "is empty; give at least one σ, e.g. [0.1,0.5,1.0]")
+    if not all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in grid):
+        raise ConfigError("sigma_grid.sigmas", grid, "every σ must be a positive finite number")
+    if any(b <= a for a, b in zip(grid, grid[1:])):
+        raise ConfigError("sigma_grid.sigmas", grid,
+                          f"must be strictly increasing without duplicates, e.g. {sorted(set(grid))}")
+    p = cfg.probe
+    if p.n_draws < 1:
+        raise ConfigError("probe.n_draws", p.n_draws, "must be ≥ 1")
+    if p.n_images < 2:
+        raise ConfigError("probe.n_images", p.n_images, "must be ≥ 2 (the estimator needs 2 folds)")
+    if p.n_images > n_available_images:
+        raise ConfigError("probe.n_images", p.n_images,
+                          f"the data set has only {n_available_images} images; use at most that")
+    if not 2 <= p.n_folds <= p.n_images:
+        raise ConfigError("probe.n_folds", p.n_folds,
+                          f"must be between 2 and probe.n_images={p.n_images} (a fold holds ≥ 1 image)")
+    if not p.params:
+        raise ConfigError("probe.params", list(p.params), "give at least one pattern, e.g. ['*']")
+    if p.chunk_images == 0 or p.chunk_images < -1:
+        raise ConfigError("probe.chunk_images", p.chunk_images, "must be ≥ 1, or -1 for all images at once")
+    unknown = [e for e in cfg.reduce.estimands if e not in ("all", "cond", "residual")]
+    if unknown or not cfg.reduce.estimands:
+        raise ConfigError("reduce.estimands", list(cfg.reduce.estimands), "choose from all, cond, residual")
+    if not 0 < cfg.reduce.gate_threshold <= 1:
+        raise ConfigError("reduce.gate_threshold", cfg.reduce.gate_threshold, "must be in (0, 1]")
+    if cfg.reduce.chunk_params < 1:
+        raise ConfigError("reduce.chunk_params", cfg.reduce.chunk_params, "must be ≥ 1")
+
+
+def fold_sizes(n_images: int, n_folds: int) -> list[int]:
+    """Contiguous folds of the probe's images, as equal as possible."""
+    base, extra = divmod(n_images, n_folds)
+    return [base + (1 if f < extra else 0) for f in range(n_folds)]
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan_run(cfg: DictConfig, run_dir: Path) -> dict:
+    """Validate, derive the twin, write configs, diff and run.json. Returns run.json's content."""
+    run_dir = Path(run_dir)
+    intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
+    images, _ = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
+    validate(cfg, n_available_images=images.shape[0])
+    grid = [float(s) for s in cfg.sigma_grid.sigmas]
+    intervention.check(grid)
+    arms, diff = derive_arms(cfg, intervention.name, replicate=False)
+    run = {
+        "format": "twinrun-run/1",
+        "status": "planned",
+        "arms": [{"name": a.name, "role": a.role, "config_hash": config_hash(a.config)} for a in arms],
+        "estimands": list(cfg.reduce.estimands),
+        "gate_threshold": float(cfg.reduce.gate_threshold),
+        "bins": [
+            {"index": i, "sigma": s, "gate": s in intervention.gate_sigmas(grid),
+             "stores": {a.name: {"file": store_name(i, s), "status": "pending"} for a in arms}}
+            for i, s in enumerate(grid)
+        ],
+    }
+    existing = run_dir / "run.json"
+    if existing.exists():
+        return _resume_plan(existing, run)
+    for arm in arms:
+        (run_dir / "arms" / arm.name).mkdir(parents=True, exist_ok=True)
+        (run_dir / "arms" / arm.name / "config.yaml").write_text(yaml.safe_dump(arm.config, sort_keys=False))
+    write_json(run_dir / "config_diff.json", diff)
+    write_json(existing, run)
+    return run
+
+
+def _resume_plan(path: Path, planned: dict) -> dict:
+    old = read_json(path)
+    if [a["config_hash"] for a in old.get("arms", [])] != [a["config_hash"] for a in planned["arms"]]:
+        raise StoreError(path.parent, "holds a run of a different config; use a new run directory")
+    return old
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+def load_arms(run_dir: Path, run: dict) -> list[Arm]:
+    return [Arm(a["name"], yaml.safe_load((run_dir / "arms" / a["name"] / "config.yaml").read_text()), a["role"])
+            for a in run["arms"]]
+
+
+def bin_done(run_dir: Path, b: dict, arm: str) -> bool:
+    """A bin's store counts as done only if it exists and its sha256 matches run.json."""
+    entry = b["stores"][arm]
+    if entry.get("status") != "done":
+        return False
+    try:
+        read_store(run_dir / "arms" / arm / entry["file"], entry.get("sha256"))
+        return True
+    except StoreError as err:
+        print(f"twinrun: re-measuring {err}")
+        return False
+
+
+def run_job(run_dir: str | Path) -> dict:
+    """Measure every pending (arm, bin): arms interleaved bin by bin on the same draws."""
+    run_dir = Path(run_dir)
+    run = read_json(run_dir / "run.json")
+    arms = load_arms(run_dir, run)
+    cfg = arms[0].config  # every arm shares everything outside `intervention`
+    p = cfg["probe"]
+    device = torch.device(p["device"])
+    model = build(cfg["model"], "model").to(device)
+    images_all, image_ids_all = build(cfg["data"], "data")
+    images = images_all[: p["n_images"]].to(device)
+    image_ids = list(image_ids_all[: p["n_images"]])
+    names = probe.select_params(model, list(p["params"]))
+    # The model names its own conditioning pathway (the `cond` estimand's parameter view).
+    layout = probe.layout(model, names, list(getattr(model, "COND_PARAM_PATTERNS", ())))
+    sizes = fold_sizes(p["n_images"], p["n_folds"])
+    fold_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
+    interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
+    hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
+
+    run["status"] = "running"
+    write_json(run_dir / "run.json", run)
+    for b in run["bins"]:
+        todo = [a for a in arms if not bin_done(run_dir, b, a.name)]
+        if not todo:
+            continue
+        sigma = b["sigma"]
+        t0 = time.perf_counter()
+        eps = draws.noise(cfg["seed"], sigma, image_ids, p["n_draws"], tuple(images.shape[1:]))
+        timings = []
+        for arm in todo:
+            t_arm = time.perf_counter()
+            eps_dev = eps.to(device)
+            sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
+            try:
+                sums = probe.fold_sums(model, names, images, eps_dev, sigma, sigma_cond.to(device),
+                                       fold_of_image, len(sizes), p["chunk_images"])
+                probe.check_finite(sums, arm.name, b["index"], sigma)
+            except TwinrunError:
+                _mark_failed(run_dir, run, b, arm.name)
+                raise
+            meta = {"arm": arm.name, "bin_index": b["index"], "sigma": sigma,
+                    "sigma_cond": float(sigma_cond), "n_images": p["n_images"], "n_draws": p["n_draws"],
+                    "fold_sizes": sizes, "image_ids": image_ids, "seed": cfg["seed"],
+                    "draws_digest": draws.digest(eps_dev, sigma), "config_hash": hashes[arm.name],
+                    "layout": layout}
+            entry = b["stores"][arm.name]
+            entry["sha256"] = write_store(run_dir / "arms" / arm.name / entry["file"], sums, meta)
+            entry["status"] = "done"
+            write_json(run_dir / "run.json", run)
+            timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
+        print(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
+              f"({time.perf_counter() - t0:.2f}s)", flush=True)
+    run["status"] = "measured"
+    write_json(run_dir / "run.json", run)
+    return run
+
+
+def _mark_failed(run_dir: Path, run: dict, b: dict, arm: str) -> None:
+    b["stores"][arm]["status"] = "failed"
+    run["status"] = "failed"
+    run["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"]}
+    write_json(run_dir / "run.json", run)

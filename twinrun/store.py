@@ -1,0 +1,146 @@
+"""Stores: one safetensors file per (arm, bin), and run.json, the run's index.
+
+Everything the reducer reads is written to a temporary file in the same directory, fsynced and
+renamed into place, so a store is either whole or absent. run.json records each store's sha256;
+reading a store checks it, and nothing read from a run directory is unpickled or executed.
+"""
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from twinrun.errors import StoreError
+
+STORE_FORMAT = "twinrun-store/1"
+RUN_FORMAT = "twinrun-run/1"
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+
+def atomic_write(path: Path, data: bytes) -> str:
+    """Write bytes via temp file + fsync + rename; return their sha256."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise StoreError(path, f"cannot write ({err.strerror or err}); finished stores are kept") from None
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_json(path: Path, obj) -> str:
+    return atomic_write(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def read_json(path: Path) -> dict:
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StoreError(path, "not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise StoreError(path, f"not readable JSON ({err})") from None
+    if not isinstance(obj, dict):
+        raise StoreError(path, "not a JSON object")
+    return obj
+
+
+def store_name(bin_index: int, sigma: float) -> str:
+    return f"bin{bin_index:02d}_sigma{sigma:g}.safetensors"
+
+
+def write_store(path: Path, sums: torch.Tensor, meta: dict) -> str:
+    """Write `sums` [n_folds, n_params] float32 with string metadata; return the file's sha256."""
+    assert sums.dtype == torch.float32 and sums.dim() == 2, (sums.dtype, sums.shape)
+    strings = {"format": STORE_FORMAT}
+    strings.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
+    data = safetensors.torch.save({"sums": sums.contiguous().cpu()}, metadata=strings)
+    return atomic_write(path, data)
+
+
+@dataclass
+class Store:
+    path: Path
+    sums: torch.Tensor  # [n_folds, n_params] float32
+    meta: dict  # decoded metadata (JSON values decoded)
+    sha256: str
+
+
+def _header(path: Path, data: bytes) -> dict:
+    if len(data) < 8:
+        raise StoreError(path, f"truncated ({len(data)} bytes): not a safetensors store")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > len(data):
+        raise StoreError(path, "truncated or corrupt safetensors header")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise StoreError(path, "corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise StoreError(path, "corrupt safetensors header")
+    return header
+
+
+def _decode(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def read_store(path: Path, sha256: str | None = None) -> Store:
+    """Read and check one store; any problem is a StoreError naming the path."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StoreError(path, "missing store (the bin was not measured, or the file was removed)") from None
+    except OSError as err:
+        raise StoreError(path, f"cannot read ({err.strerror})") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise StoreError(path, "sha256 does not match run.json: the store was altered or damaged")
+    header = _header(path, data)
+    raw_meta = header.get("__metadata__") or {}
+    if not isinstance(raw_meta, dict) or raw_meta.get("format") != STORE_FORMAT:
+        raise StoreError(path, f"not a twinrun store (format {raw_meta.get('format')!r}, expected {STORE_FORMAT})")
+    info = header.get("sums")
+    if not isinstance(info, dict) or info.get("dtype") != "F32" or len(info.get("shape", [])) != 2:
+        raise StoreError(path, f"tensor 'sums' must be float32 [n_folds, n_params], found {info}")
+    try:
+        sums = safetensors.torch.load(data)["sums"]
+    except Exception as err:  # safetensors raises its own error types for damaged payloads
+        raise StoreError(path, f"damaged safetensors payload ({type(err).__name__})") from None
+    meta = {k: _decode(v) for k, v in raw_meta.items() if isinstance(v, str)}
+    _check_meta(path, sums, meta)
+    return Store(path, sums, meta, digest)
+
+
+def _check_meta(path: Path, sums: torch.Tensor, meta: dict) -> None:
+    required = ("arm", "bin_index", "sigma", "sigma_cond", "n_images", "n_draws", "fold_sizes",
+                "draws_digest", "config_hash", "layout")
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise StoreError(path, f"metadata lacks {', '.join(missing)}")
+    try:
+        n_params = sum(int(g["numel"]) for g in meta["layout"])
+        n_folds = len(meta["fold_sizes"])
+    except (TypeError, KeyError, ValueError):
+        raise StoreError(path, "metadata 'layout' or 'fold_sizes' is malformed") from None
+    if tuple(sums.shape) != (n_folds, n_params):
+        raise StoreError(path, f"'sums' has shape {list(sums.shape)}, metadata says [{n_folds}, {n_params}]")

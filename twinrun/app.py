@@ -1,7 +1,9 @@
-"""The Hydra app: `python -m twinrun +experiment=pin_sigma [overrides]`.
+"""The Hydra app: `python -m twinrun +experiment=pin_sigma [overrides]` (add `-m` to sweep).
 
-Plans the run (validate, derive the twin, write configs), measures both arms bin by bin, then
-reduces. The process exits with the reducer's code (0 ok, 1 gate/check failed, 2 bad input).
+Each run (each sweep point) is planned here: validated, its twin derived, its configs written.
+With launcher=local it is then measured and reduced in this process; with submitit_local/slurm
+it is submitted (a sweep as one job array), waited for, and reduced here. The process exits
+with the reducer's code (0 ok, 1 a gate/check failed, 2 bad input), the worst over a sweep.
 """
 
 import functools
@@ -15,12 +17,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from twinrun.config import register_configs
-from twinrun.errors import EXIT_USAGE, TwinrunError, fail
+from twinrun.errors import EXIT_OK, EXIT_USAGE, TwinrunError, fail
 
 # conf/ sits beside the package in a checkout or editable install (`pip install -e .`).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
-_state = {"task_started": False, "codes": []}
+# What the Hydra task leaves for main(): whether it started (to tell Hydra's config errors from
+# ours), each point's exit code, the points a sweep defers for one array submission.
+_state = {"task_started": False, "codes": [], "deferred": [], "launcher": None, "sweep_dir": None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,35 +34,80 @@ def _unique() -> str:
     return secrets.token_hex(3)
 
 
-def run_point(cfg: DictConfig, run_dir: Path) -> int:
-    """Plan, measure and reduce one run (one sweep point); return the reducer's exit code."""
+def reduce_and_report(run_dir: Path) -> int:
     from twinrun.reduce import reduce_run, render
-    from twinrun.run import plan_run, run_job
 
-    plan_run(cfg, run_dir)
-    print(f"twinrun: run directory {run_dir}", flush=True)
-    run_job(run_dir)
-    summary, code = reduce_run(run_dir, chunk_params=cfg.reduce.chunk_params)
+    summary, code = reduce_run(run_dir)
     print(render(summary), flush=True)
     return code
 
 
-def _task(cfg: DictConfig) -> int:
+def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
+    """Plan one run, then measure and reduce it (local), submit it, or defer it to the array."""
+    from twinrun.run import plan_run, run_job
+
+    plan_run(cfg, run_dir)
+    print(f"twinrun: run directory {run_dir}", flush=True)
+    launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
+    if launcher["name"] == "local":
+        run_job(run_dir)
+        return reduce_and_report(run_dir)
+    if sweeping:
+        _state["deferred"].append(run_dir)
+        _state["launcher"] = launcher
+        return None
+    return submit_and_collect([run_dir], launcher, run_dir)
+
+
+def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path) -> int:
+    """Submit the runs (one job, or one array), wait unless told not to, reduce each."""
+    from twinrun import launch
+
+    jobs = launch.submit(run_dirs, launcher, folder_root)
+    if not launcher["wait"]:
+        for run_dir, job in zip(run_dirs, jobs):
+            print(f"twinrun: submitted job {job.job_id} for {run_dir}; follow it with "
+                  f"`python -m twinrun.status {run_dir}`, then `python -m twinrun.reduce {run_dir}`")
+        return EXIT_OK
+    failed = launch.wait(run_dirs, jobs, launcher)
+    codes = [reduce_and_report(r) if r not in failed else failed[r] for r in run_dirs]
+    return max(codes)
+
+
+def _task(cfg: DictConfig) -> int | None:
     _state["task_started"] = True
     hc = HydraConfig.get()
+    sweeping = hc.mode == RunMode.MULTIRUN
+    if sweeping:
+        _state["sweep_dir"] = Path(hc.sweep.dir)
     run_dir = Path(hc.runtime.output_dir)
     try:
-        code = run_point(cfg, run_dir)
+        code = run_point(cfg, run_dir, sweeping)
     except TwinrunError as err:
-        if hc.mode == RunMode.MULTIRUN:
-            print(f"twinrun: error: {err}", file=sys.stderr)
-            code = err.exit_code
-        else:
+        if not sweeping:
             fail(err)
-    if hc.mode == RunMode.MULTIRUN:
+        print(f"twinrun: error: {run_dir}: {err}", file=sys.stderr)
+        code = err.exit_code
+    if not sweeping:
+        raise SystemExit(code)
+    if code is not None:
         _state["codes"].append(code)
-        return code
-    raise SystemExit(code)
+    return code
+
+
+def _finish_sweep() -> int:
+    """After Hydra's sweep: submit deferred points as one array, then write the sweep summary."""
+    from twinrun.sweep import write_sweep_summary
+
+    sweep_dir = _state["sweep_dir"]
+    if _state["deferred"]:
+        try:
+            _state["codes"].append(submit_and_collect(_state["deferred"], _state["launcher"], sweep_dir))
+        except TwinrunError as err:
+            fail(err)
+    if _state["launcher"] is None or _state["launcher"]["wait"]:
+        write_sweep_summary(sweep_dir)
+    return max(_state["codes"] or [EXIT_OK])
 
 
 def main() -> None:
@@ -74,5 +123,5 @@ def main() -> None:
         if exc.code == 1 and not _state["task_started"]:
             raise SystemExit(EXIT_USAGE) from None
         raise
-    if _state["codes"]:
-        raise SystemExit(max(_state["codes"]))
+    if _state["sweep_dir"] is not None:
+        raise SystemExit(_finish_sweep())

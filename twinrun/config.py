@@ -79,8 +79,31 @@ class ReduceConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"  # local | submitit_local | slurm
-    wait: bool = True
+    # local: in this process | submitit_local: submitit's local executor (the same pickled job
+    # SLURM runs) | slurm: one SLURM job per pair (a job array for a sweep), both arms inside.
+    name: str = "local"
+    wait: bool = True  # false: return after submission; `python -m twinrun.status RUN_DIR` later
+    # SLURM knobs (submitit's names; units in the names). None = the cluster's default.
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    timeout_min: int = 240
+    nodes: int = 1  # the twin pair runs in one process: more nodes would only idle
+    gpus_per_node: int = 1  # 0 allowed (CPU-only partitions)
+    cpus_per_task: int = 4
+    mem_gb: Optional[float] = None
+    # USR2 this long before the time limit: the job checkpoints and requeues itself.
+    signal_delay_s: int = 120
+    # Requeues allowed on time limits (preemptions do not count): a long probe finishes across
+    # several limits; each resume skips finished bins.
+    max_num_timeout: int = 10
+    array_parallelism: int = 32
+    additional_parameters: dict = field(default_factory=dict)  # extra sbatch options
+    setup: list = field(default_factory=list)  # shell lines run before the job (module load …)
+    # submitit's pickles and logs, relative to the run (or sweep) directory.
+    folder: str = "submitit"
+    poll_s: float = 2.0  # how often waiting reads the run directory
 
 
 @dataclass

@@ -7,6 +7,7 @@ not by n_images x n_draws.
 """
 
 import fnmatch
+import sys
 
 import torch
 from torch.func import functional_call, grad, vmap
@@ -37,6 +38,15 @@ def layout(model: torch.nn.Module, names: list[str], cond_patterns: list[str]) -
         out.append({"name": n, "offset": offset, "numel": numel, "shape": list(params[n].shape), "cond": cond})
         offset += numel
     return out
+
+
+def cond_patterns(model: torch.nn.Module) -> list[str]:
+    """The model's own names for its conditioning pathway: `COND_PARAM_PATTERNS` on the model
+    (or its class, or its module); none means the `cond` estimand is unavailable."""
+    found = getattr(model, "COND_PARAM_PATTERNS", None)
+    if found is None:
+        found = getattr(sys.modules.get(type(model).__module__), "COND_PARAM_PATTERNS", ())
+    return list(found)
 
 
 def edm_weight(sigma: torch.Tensor, sigma_data: float) -> torch.Tensor:

@@ -73,6 +73,17 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
         raise ConfigError("reduce.chunk_params", cfg.reduce.chunk_params, "must be ≥ 1")
 
 
+def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
+    """probe.params must match parameters, and `cond` needs conditioning ones among them."""
+    names = probe.select_params(model, list(cfg.probe.params))
+    has_cond = any(e["cond"] for e in probe.layout(model, names, probe.cond_patterns(model)))
+    if "cond" in cfg.reduce.estimands and not has_cond:
+        raise ConfigError("reduce.estimands", list(cfg.reduce.estimands),
+                          f"`cond` needs conditioning parameters among probe.params={list(cfg.probe.params)} "
+                          f"(the model's are {probe.cond_patterns(model) or 'not declared'}); drop `cond` "
+                          "or probe them")
+
+
 def fold_sizes(n_images: int, n_folds: int) -> list[int]:
     """Contiguous folds of the probe's images, as equal as possible."""
     base, extra = divmod(n_images, n_folds)
@@ -90,6 +101,7 @@ def plan_run(cfg: DictConfig, run_dir: Path) -> dict:
     validate(cfg, n_available_images=images.shape[0])
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     intervention.check(grid)
+    check_params(build(OmegaConf.to_container(cfg.model, resolve=True), "model"), cfg)
     arms, diff = derive_arms(cfg, intervention.name, replicate=False)
     run = {
         "format": "twinrun-run/1",
@@ -155,8 +167,7 @@ def run_job(run_dir: str | Path) -> dict:
     images = images_all[: p["n_images"]].to(device)
     image_ids = list(image_ids_all[: p["n_images"]])
     names = probe.select_params(model, list(p["params"]))
-    # The model names its own conditioning pathway (the `cond` estimand's parameter view).
-    layout = probe.layout(model, names, list(getattr(model, "COND_PARAM_PATTERNS", ())))
+    layout = probe.layout(model, names, probe.cond_patterns(model))
     sizes = fold_sizes(p["n_images"], p["n_folds"])
     fold_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
     interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}

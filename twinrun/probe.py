@@ -12,11 +12,13 @@ import sys
 import torch
 from torch.func import functional_call, grad, vmap
 
-from twinrun.errors import ConfigError, TwinrunError
+from twinrun.errors import EXIT_GATE, ConfigError, TwinrunError
 
 
 class NonFiniteGradient(TwinrunError):
-    pass
+    """The measurement itself failed: the instrument is broken at this bin (exit 1)."""
+
+    exit_code = EXIT_GATE
 
 
 def select_params(model: torch.nn.Module, patterns: list[str]) -> list[str]:

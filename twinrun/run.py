@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from twinrun import draws, probe
 from twinrun.arms import Arm, derive_arms
 from twinrun.errors import ConfigError, StoreError, TwinrunError
+from twinrun.lock import run_lock
 from twinrun.store import read_json, read_store, store_name, write_json, write_store
 
 
@@ -32,7 +33,8 @@ def build(node: dict, key: str):
     try:
         return hydra.utils.instantiate(node)
     except Exception as err:  # instantiate wraps every builder failure in its own exception
-        msg = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        cause = err.__cause__ or err
+        msg = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
         raise ConfigError(f"{key}._target_", node.get("_target_"), f"could not be built: {msg}") from None
 
 
@@ -155,8 +157,15 @@ def bin_done(run_dir: Path, b: dict, arm: str) -> bool:
 
 
 def run_job(run_dir: str | Path) -> dict:
-    """Measure every pending (arm, bin): arms interleaved bin by bin on the same draws."""
+    """Measure every pending bin, all arms back to back on the same draws; one writer at a time."""
     run_dir = Path(run_dir)
+    with run_lock(run_dir):
+        for stale in run_dir.glob("arms/*/.*.tmp-*"):  # a write cut short by a kill: never read
+            stale.unlink()
+        return _measure(run_dir)
+
+
+def _measure(run_dir: Path) -> dict:
     run = read_json(run_dir / "run.json")
     arms = load_arms(run_dir, run)
     cfg = arms[0].config  # every arm shares everything outside `intervention`
@@ -174,16 +183,18 @@ def run_job(run_dir: str | Path) -> dict:
     hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
 
     run["status"] = "running"
+    run.pop("failure", None)
     write_json(run_dir / "run.json", run)
     for b in run["bins"]:
-        todo = [a for a in arms if not bin_done(run_dir, b, a.name)]
-        if not todo:
+        # The bin is the unit of twin validity: if any arm of it is missing, measure all of its
+        # arms again, back to back in this process, rather than pair stores from two processes.
+        if all(bin_done(run_dir, b, a.name) for a in arms):
             continue
         sigma = b["sigma"]
         t0 = time.perf_counter()
         eps = draws.noise(cfg["seed"], sigma, image_ids, p["n_draws"], tuple(images.shape[1:]))
         timings = []
-        for arm in todo:
+        for arm in arms:
             t_arm = time.perf_counter()
             eps_dev = eps.to(device)
             sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
@@ -191,18 +202,18 @@ def run_job(run_dir: str | Path) -> dict:
                 sums = probe.fold_sums(model, names, images, eps_dev, sigma, sigma_cond.to(device),
                                        fold_of_image, len(sizes), p["chunk_images"])
                 probe.check_finite(sums, arm.name, b["index"], sigma)
+                meta = {"arm": arm.name, "bin_index": b["index"], "sigma": sigma,
+                        "sigma_cond": float(sigma_cond), "n_images": p["n_images"], "n_draws": p["n_draws"],
+                        "fold_sizes": sizes, "image_ids": image_ids, "seed": cfg["seed"],
+                        "draws_digest": draws.digest(eps_dev, sigma), "config_hash": hashes[arm.name],
+                        "layout": layout}
+                entry = b["stores"][arm.name]
+                entry["sha256"] = write_store(run_dir / "arms" / arm.name / entry["file"], sums, meta)
+                entry["status"] = "done"
+                write_json(run_dir / "run.json", run)
             except TwinrunError:
                 _mark_failed(run_dir, run, b, arm.name)
                 raise
-            meta = {"arm": arm.name, "bin_index": b["index"], "sigma": sigma,
-                    "sigma_cond": float(sigma_cond), "n_images": p["n_images"], "n_draws": p["n_draws"],
-                    "fold_sizes": sizes, "image_ids": image_ids, "seed": cfg["seed"],
-                    "draws_digest": draws.digest(eps_dev, sigma), "config_hash": hashes[arm.name],
-                    "layout": layout}
-            entry = b["stores"][arm.name]
-            entry["sha256"] = write_store(run_dir / "arms" / arm.name / entry["file"], sums, meta)
-            entry["status"] = "done"
-            write_json(run_dir / "run.json", run)
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
         print(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
               f"({time.perf_counter() - t0:.2f}s)", flush=True)
@@ -212,7 +223,11 @@ def run_job(run_dir: str | Path) -> dict:
 
 
 def _mark_failed(run_dir: Path, run: dict, b: dict, arm: str) -> None:
+    """Record which arm and bin failed; best effort (on a full disk run.json may not be writable)."""
     b["stores"][arm]["status"] = "failed"
     run["status"] = "failed"
     run["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"]}
-    write_json(run_dir / "run.json", run)
+    try:
+        write_json(run_dir / "run.json", run)
+    except StoreError as err:
+        print(f"twinrun: could not record the failure in run.json: {err}")

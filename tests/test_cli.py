@@ -1,0 +1,127 @@
+"""`python -m twinrun` end to end in a subprocess: results, exit codes, one-line errors."""
+
+import json
+import textwrap
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import TINY, run_twinrun
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_run(tmp_path, *extra, name="run"):
+    run_dir = tmp_path / name
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path)
+    return proc, run_dir
+
+
+def test_tiny_run_end_to_end(tmp_path):
+    proc, run_dir = tiny_run(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["valid"] is True
+    assert [c["passed"] for c in summary["checks"]] == [True] * len(summary["checks"])
+    gates = summary["gates"]
+    assert {g["estimand"] for g in gates} == {"all", "cond", "residual"}
+    assert all(g["sigma"] == 0.5 and g["bit_identical"] and g["cos"] == pytest.approx(1.0, abs=1e-12) for g in gates)
+    assert len(summary["effects"]) == 3 * 3
+    # stores: one per (arm, bin), float32 [n_folds, n_params], identical draws across arms
+    run = json.loads((run_dir / "run.json").read_text())
+    assert [a["name"] for a in run["arms"]] == ["pin_sigma", "native"]
+    for b in run["bins"]:
+        sums = {a: load_file(run_dir / "arms" / a / b["stores"][a]["file"])["sums"] for a in ("pin_sigma", "native")}
+        assert sums["native"].shape[0] == 4 and sums["native"].dtype.is_floating_point
+        if b["sigma"] == 0.5:
+            assert (sums["native"] == sums["pin_sigma"]).all()
+        else:
+            assert not (sums["native"] == sums["pin_sigma"]).all()
+    diff = json.loads((run_dir / "config_diff.json").read_text())
+    assert {d["key"] for d in diff} == {"intervention._target_", "intervention.sigma_pin"}
+    assert "effects (debiased cos" in proc.stdout
+
+
+def test_same_command_twice_is_bitwise_equal(tmp_path):
+    (_, a), (_, b) = tiny_run(tmp_path, name="a"), tiny_run(tmp_path, name="b")
+    for arm in ("pin_sigma", "native"):
+        files = sorted((a / "arms" / arm).glob("*.safetensors"))
+        assert files
+        for f in files:
+            assert f.read_bytes() == (b / "arms" / arm / f.name).read_bytes()
+
+
+BROKEN = textwrap.dedent("""
+    import torch
+    from twinrun.interventions import PinSigma
+
+    class NotANoOpAtItsGate(PinSigma):
+        '''Claims σ_pin as its no-op bin but feeds 3·σ_pin: the gate must catch it.'''
+        def sigma_cond(self, sigma):
+            return torch.full_like(sigma, 3 * self.sigma_pin)
+""")
+
+
+def test_broken_intervention_fails_its_gate_and_withholds_effects(tmp_path):
+    (tmp_path / "broken_intervention.py").write_text(BROKEN)
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}",
+                        "intervention._target_=broken_intervention.NotANoOpAtItsGate"],
+                       cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["effects"] == []
+    assert not all(g["passed"] for g in summary["gates"])
+    assert not any(g["bit_identical"] for g in summary["gates"])
+    assert "INSTRUMENT BROKEN" in proc.stdout and "effects (debiased" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("intervention.sigma_pin=0.3", "intervention.sigma_pin"),
+        ("sigma_grid.sigmas=[]", "sigma_grid.sigmas"),
+        ("sigma_grid.sigmas=[0.5,0.2,0.5]", "sigma_grid.sigmas"),
+        ("sigma_grid.sigmas=[-0.1,0.5]", "sigma_grid.sigmas"),
+        ("probe.n_draws=0", "probe.n_draws"),
+        ("probe.n_folds=1", "probe.n_folds"),
+        ("probe.n_folds=9", "probe.n_folds"),
+        ("probe.n_images=5000", "probe.n_images"),
+        ("reduce.estimands=[all,curvature]", "reduce.estimands"),
+        ("intervention._target_=twinrun.interventions.NoSuchThing", "intervention._target_"),
+        ("probe.params=[nothing.matches]", "probe.params"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_before_any_compute(tmp_path, override, key):
+    proc, run_dir = tiny_run(tmp_path, override)
+    assert proc.returncode == 2, (proc.stdout[-1000:], proc.stderr[-2000:])
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("twinrun: error: ") and key in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(run_dir.glob("arms/*/*.safetensors"))
+
+
+def test_unknown_key_is_hydras_error_with_exit_2(tmp_path):
+    proc, _ = tiny_run(tmp_path, "probe.n_imgaes=8")
+    assert proc.returncode == 2
+    assert "Key 'n_imgaes' not in 'ProbeConfig'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_intervention_declared_is_refused(tmp_path):
+    proc = run_twinrun([*TINY, f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
+    assert proc.returncode == 2 and "+experiment=pin_sigma" in proc.stderr
+
+
+def test_twin_that_differs_outside_the_intervention_is_refused(tmp_path):
+    proc, _ = tiny_run(tmp_path, "sigma_grid.sigmas=[0.2,${intervention.sigma_pin}]")
+    assert proc.returncode == 2 and "intervention" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_reduce_command_reproduces_the_summary(tmp_path):
+    proc, run_dir = tiny_run(tmp_path)
+    assert proc.returncode == 0
+    first = (run_dir / "summary.json").read_text()
+    again = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.reduce")
+    assert again.returncode == 0 and (run_dir / "summary.json").read_text() == first
+    missing = run_twinrun([str(tmp_path / "nope")], cwd=tmp_path, module="twinrun.reduce")
+    assert missing.returncode == 2 and "nope" in missing.stderr and "Traceback" not in missing.stderr

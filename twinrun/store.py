@@ -115,10 +115,21 @@ def read_store(path: Path, sha256: str | None = None) -> Store:
     digest = hashlib.sha256(data).hexdigest()
     if sha256 is not None and digest != sha256:
         raise StoreError(path, "sha256 does not match run.json: the store was altered or damaged")
+    try:
+        sums, meta = _parse(path, data)
+    except StoreError:
+        raise
+    except Exception as err:  # a hostile or damaged file must end as a named error, never a traceback
+        raise StoreError(path, f"malformed store ({type(err).__name__})") from None
+    return Store(path, sums, meta, digest)
+
+
+def _parse(path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
     header = _header(path, data)
     raw_meta = header.get("__metadata__") or {}
     if not isinstance(raw_meta, dict) or raw_meta.get("format") != STORE_FORMAT:
-        raise StoreError(path, f"not a twinrun store (format {raw_meta.get('format')!r}, expected {STORE_FORMAT})")
+        fmt = raw_meta.get("format") if isinstance(raw_meta, dict) else None
+        raise StoreError(path, f"not a twinrun store (format {fmt!r}, expected {STORE_FORMAT})")
     info = header.get("sums")
     if not isinstance(info, dict) or info.get("dtype") != "F32" or len(info.get("shape", [])) != 2:
         raise StoreError(path, f"tensor 'sums' must be float32 [n_folds, n_params], found {info}")
@@ -128,7 +139,7 @@ def read_store(path: Path, sha256: str | None = None) -> Store:
         raise StoreError(path, f"damaged safetensors payload ({type(err).__name__})") from None
     meta = {k: _decode(v) for k, v in raw_meta.items() if isinstance(v, str)}
     _check_meta(path, sums, meta)
-    return Store(path, sums, meta, digest)
+    return sums, meta
 
 
 def _check_meta(path: Path, sums: torch.Tensor, meta: dict) -> None:

@@ -1,0 +1,173 @@
+"""Nothing lost: kill -9 anywhere, NaN gradients, a full disk. Finished bins stay valid."""
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import run_twinrun
+from twinrun.errors import StoreError, TwinrunError
+from twinrun.run import plan_run, run_job
+from twinrun.store import read_store
+
+pytestmark = pytest.mark.slow
+
+# Five bins so that kills land before, between and inside bins.
+FAULT_RUN = ["+experiment=pin_sigma", "probe.n_images=8", "probe.n_draws=3", "probe.n_folds=4",
+             "sigma_grid.sigmas=[0.2,0.35,0.5,0.8,1.2]"]
+
+# Test-side fault injection (no hook in twinrun): every fsync in the child sleeps first, so a
+# store's temporary file sits half-committed long enough to be killed mid-write.
+SLOW_FSYNC = textwrap.dedent("""
+    import os, time
+    _fsync = os.fsync
+    def _slow_fsync(fd):
+        time.sleep(0.3)
+        _fsync(fd)
+    os.fsync = _slow_fsync
+""")
+
+
+def stores_of(run_dir):
+    return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in sorted(run_dir.glob("arms/*/*.safetensors"))}
+
+
+def start(args, cwd, env):
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=cwd, env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_when(proc, condition, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"finished before the kill point:\n{proc.stdout.read()}"
+        assert time.monotonic() < deadline, "kill point never reached"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path):
+    ref = tmp_path / "ref"
+    done = run_twinrun([*FAULT_RUN, f"hydra.run.dir={ref}"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(SLOW_FSYNC)
+    env = {"PYTHONPATH": str(tmp_path / "inject")}
+    run_dir = tmp_path / "killed"
+    rng = random.Random(0)
+
+    # 1. mid-write: the second store's temporary file exists, not yet renamed
+    proc = start(["twinrun", *FAULT_RUN, f"hydra.run.dir={run_dir}"], tmp_path, env)
+    kill_when(proc, lambda: len(list(run_dir.glob("arms/*/.*.tmp-*"))) >= 1 and
+              len(list(run_dir.glob("arms/*/*.safetensors"))) >= 1)
+    assert list(run_dir.glob("arms/*/.*.tmp-*")), "killed with a half-written store on disk"
+    assert (run_dir / ".lock").exists(), "the dead writer's lock is left behind"
+
+    # 2. a few resumes killed at random moments, then one left to finish
+    for _ in range(3):
+        proc = start(["twinrun.resume", str(run_dir)], tmp_path, env)
+        time.sleep(rng.uniform(0.5, 3.0))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    final = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume")
+    assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
+    assert "recovering the stale lock" in final.stdout or not (run_dir / ".lock").exists()
+
+    assert stores_of(run_dir) == stores_of(ref)
+    assert not list(run_dir.glob("arms/*/.*.tmp-*"))
+    ref_summary = json.loads((ref / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["effects"] == ref_summary["effects"] and summary["gates"] == ref_summary["gates"]
+
+
+def test_resume_skips_finished_bins(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_twinrun([*FAULT_RUN, f"hydra.run.dir={run_dir}"], cwd=tmp_path).returncode == 0
+    before = {p: p.stat().st_mtime_ns for p in run_dir.glob("arms/*/*.safetensors")}
+    again = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume")
+    assert again.returncode == 0 and "bin 1/" not in again.stdout
+    assert {p: p.stat().st_mtime_ns for p in run_dir.glob("arms/*/*.safetensors")} == before
+
+
+NAN_AT_HIGH_SIGMA = textwrap.dedent("""
+    import torch
+    from twinrun.interventions import PinSigma
+
+    class NanAboveOne(PinSigma):
+        '''Feeds NaN as σ_cond when σ > 1: the gradient of that bin is NaN.'''
+        def sigma_cond(self, sigma):
+            value = float('nan') if float(sigma) > 1 else self.sigma_pin
+            return torch.full_like(sigma, value)
+""")
+
+
+def test_nan_gradient_stops_with_arm_bin_and_sigma_named(tmp_path):
+    (tmp_path / "nan_intervention.py").write_text(NAN_AT_HIGH_SIGMA)
+    run_dir = tmp_path / "run"
+    proc = run_twinrun([*FAULT_RUN, f"hydra.run.dir={run_dir}", "intervention._target_=nan_intervention.NanAboveOne"],
+                       cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "arm pin_sigma, bin 4 (σ=1.2)" in err[0] and "NaN" in err[0]
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "bin_index": 4, "sigma": 1.2}
+    for b in run["bins"][:4]:  # every earlier bin is whole and verifies
+        for arm, entry in b["stores"].items():
+            read_store(run_dir / "arms" / arm / entry["file"], entry["sha256"])
+
+
+def test_disk_full_is_a_clear_error_and_finished_bins_stay_valid(tmp_path, compose_cfg, monkeypatch):
+    cfg = compose_cfg(FAULT_RUN)
+    plan_run(cfg, tmp_path)
+    real_fsync, calls = os.fsync, {"n": 0}
+
+    def fsync_until_full(fd):
+        calls["n"] += 1
+        if calls["n"] > 9:  # a few stores and run.json updates succeed, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_until_full)
+    with pytest.raises(StoreError, match="No space left on device") as err:
+        run_job(tmp_path)
+    assert "finished stores are kept" in str(err.value)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert not list(tmp_path.glob("arms/*/.*.tmp-*")), "no half-written file is left to be read"
+    run = json.loads((tmp_path / "run.json").read_text())
+    done = [(arm, e) for b in run["bins"] for arm, e in b["stores"].items() if e["status"] == "done"]
+    assert done
+    for arm, entry in done:
+        read_store(tmp_path / "arms" / arm / entry["file"], entry["sha256"])
+    # and the run completes once there is space again
+    run_job(tmp_path)
+    assert json.loads((tmp_path / "run.json").read_text())["status"] == "measured"
+
+
+def test_a_permission_error_names_the_path(tmp_path, compose_cfg, monkeypatch):
+    import builtins
+
+    import twinrun.store
+
+    cfg = compose_cfg(FAULT_RUN)
+    plan_run(cfg, tmp_path)
+
+    def no_write_in_native(path, mode="r", *args, **kwargs):  # root ignores chmod: inject EACCES
+        if "w" in mode and "/arms/native/" in str(path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(twinrun.store, "open", no_write_in_native, raising=False)
+    with pytest.raises(StoreError, match=r"arms/native/bin00.*Permission denied"):
+        run_job(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["failure"]["arm"] == "native" and run["bins"][0]["stores"]["pin_sigma"]["status"] == "done"

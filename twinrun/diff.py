@@ -1,0 +1,92 @@
+"""Tensor diff: `python -m twinrun.diff A B` for two safetensors files or two directories of them.
+
+Prints how many tensors differ, the largest absolute difference and the cosine of the flattened
+whole: the check that tells "bit-identical" from merely "close". Exit 0 when bit-identical,
+1 when they differ, 2 for bad input (missing path, not safetensors, mismatched names or shapes).
+"""
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
+
+
+@dataclass
+class TensorDiff:
+    n_tensors: int
+    n_differ: int
+    max_abs_diff: float
+    cosine: float  # of the two flattened wholes (every tensor concatenated), float64
+    differing: list  # names of the tensors that are not bit-identical
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, or of every *.safetensors below a directory (keyed by
+    relative path + name). safetensors never unpickles: safe on files from anyone."""
+    path = Path(path)
+    files = sorted(path.rglob("*.safetensors")) if path.is_dir() else [path]
+    if not path.exists():
+        raise StoreError(path, "not found")
+    if not files:
+        raise StoreError(path, "holds no .safetensors files")
+    out = {}
+    for f in files:
+        prefix = f"{f.relative_to(path).as_posix()}:" if path.is_dir() else ""
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    out[prefix + name] = handle.get_tensor(name)
+        except Exception as err:  # any damage in a foreign file ends as a named error
+            raise StoreError(f, f"not a readable safetensors file ({type(err).__name__})") from None
+    return out
+
+
+def diff_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> TensorDiff:
+    if a.keys() != b.keys():
+        only = sorted(a.keys() ^ b.keys())
+        raise TwinrunError(f"the two sides hold different tensors: {only[:5]}{' …' if len(only) > 5 else ''}")
+    differing, max_abs = [], 0.0
+    dot = norm_a = norm_b = 0.0
+    for name in sorted(a):
+        x, y = a[name], b[name]
+        if x.shape != y.shape:
+            raise TwinrunError(f"tensor {name}: shapes {list(x.shape)} and {list(y.shape)} differ")
+        if not (x.dtype == y.dtype and torch.equal(x, y)):
+            differing.append(name)
+            max_abs = max(max_abs, float((x.double() - y.double()).abs().max()) if x.numel() else 0.0)
+        xd, yd = x.double().flatten(), y.double().flatten()
+        dot += float(xd @ yd)
+        norm_a += float(xd @ xd)
+        norm_b += float(yd @ yd)
+    cos = dot / (norm_a * norm_b) ** 0.5 if norm_a > 0 and norm_b > 0 else float("nan")
+    return TensorDiff(len(a), len(differing), max_abs, cos, differing)
+
+
+def render(d: TensorDiff) -> str:
+    if d.n_differ == 0:
+        return f"bit-identical: 0 / {d.n_tensors} tensors differ"
+    head = ", ".join(d.differing[:5]) + (" …" if len(d.differing) > 5 else "")
+    return (f"{d.n_differ} / {d.n_tensors} tensors differ ({head}); max |a−b| = {d.max_abs_diff:.3e}; "
+            f"cosine of the whole = {d.cosine:.12f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m twinrun.diff", description=__doc__.splitlines()[0])
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    args = p.parse_args(argv)
+    try:
+        d = diff_tensors(load_tensors(args.a), load_tensors(args.b))
+    except TwinrunError as err:
+        fail(err)
+    print(render(d))
+    return EXIT_OK if d.n_differ == 0 else EXIT_GATE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

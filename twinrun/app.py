@@ -8,6 +8,7 @@ with the reducer's code (0 ok, 1 a gate/check failed, 2 bad input), the worst ov
 
 import functools
 import secrets
+import shlex
 import sys
 from pathlib import Path
 
@@ -34,6 +35,12 @@ def _unique() -> str:
     return secrets.token_hex(3)
 
 
+def reproduce_command(run_dir: Path) -> str:
+    """The command that reruns (or resumes) exactly this run: its overrides and its directory."""
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
+    return " ".join(["python -m twinrun", *map(shlex.quote, overrides), f"hydra.run.dir={shlex.quote(str(run_dir))}"])
+
+
 def reduce_and_report(run_dir: Path) -> int:
     from twinrun.reduce import reduce_run, render
 
@@ -46,7 +53,7 @@ def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
     """Plan one run, then measure and reduce it (local), submit it, or defer it to the array."""
     from twinrun.run import plan_run, run_job
 
-    plan_run(cfg, run_dir)
+    plan_run(cfg, run_dir, command=reproduce_command(run_dir))
     print(f"twinrun: run directory {run_dir}", flush=True)
     launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
     if launcher["name"] == "local":

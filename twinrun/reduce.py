@@ -18,6 +18,7 @@ import yaml
 from twinrun import arms as arms_mod
 from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
 from twinrun.estimator import estimate
+from twinrun.report import write_report
 from twinrun.store import read_json, read_store, write_json
 
 ESTIMANDS = ("all", "cond", "residual")
@@ -155,6 +156,7 @@ def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=
     summary = {"run_dir": str(run_dir), "arms": names, "valid": valid, "checks": checks, "gates": gates,
                "effects": effects if ok else []}
     write_json(run_dir / "summary.json", summary)
+    write_report(run_dir, summary, run)
     return summary, EXIT_OK if ok else EXIT_GATE
 
 

@@ -95,7 +95,7 @@ def fold_sizes(n_images: int, n_folds: int) -> list[int]:
 # ----------------------------------------------------------------------------- plan
 
 
-def plan_run(cfg: DictConfig, run_dir: Path) -> dict:
+def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict:
     """Validate, derive the twin, write configs, diff and run.json. Returns run.json's content."""
     run_dir = Path(run_dir)
     intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
@@ -108,6 +108,7 @@ def plan_run(cfg: DictConfig, run_dir: Path) -> dict:
     run = {
         "format": "twinrun-run/1",
         "status": "planned",
+        "command": command,
         "arms": [{"name": a.name, "role": a.role, "config_hash": config_hash(a.config)} for a in arms],
         "estimands": list(cfg.reduce.estimands),
         "gate_threshold": float(cfg.reduce.gate_threshold),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from twinrun.report import HEATMAP_PNG, plot_sweep
 from twinrun.store import read_json, write_json
 
 
@@ -37,6 +38,24 @@ def _point(run_dir: Path) -> dict:
     return point
 
 
+def write_sweep_report(sweep_dir: Path, summary: dict) -> Path:
+    """sweep_report.md: each point's verdict linked to its run, then the heatmap."""
+    lines = ["# twinrun sweep report", "", f"{summary['n_points']} points; "
+             f"{'every point valid with its gates passed' if summary['all_valid'] else 'NOT every point passed its checks and gates'}.",
+             "", "| point | overrides | status | valid | gates passed | report |", "|---|---|---|---|---|---|"]
+    for p in summary["points"]:
+        rel = Path(p["run_dir"]).relative_to(sweep_dir)
+        lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} | {p['valid']} | {p['gates_passed']} "
+                     f"| [report]({rel}/report.md) |")
+    png = plot_sweep(summary, sweep_dir / HEATMAP_PNG)
+    if png is not None:
+        lines += ["", "Effect over (pinned σ, noising σ), estimand `all`; points whose gates failed are blank.",
+                  "", f"![sweep heatmap]({png.name})"]
+    path = sweep_dir / "sweep_report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def write_sweep_summary(sweep_dir: Path) -> dict:
     """Collect the points; for pin_sigma, lay the effects out as (sigma_pin, sigma, estimand)."""
     sweep_dir = Path(sweep_dir)
@@ -52,5 +71,6 @@ def write_sweep_summary(sweep_dir: Path) -> dict:
                "all_valid": all(p["valid"] and p["gates_passed"] for p in points) if points else False,
                "points": points, "effects": effect_map}
     write_json(sweep_dir / "sweep_summary.json", summary)
+    write_sweep_report(sweep_dir, summary)
     print(f"twinrun: sweep summary of {len(points)} points in {sweep_dir / 'sweep_summary.json'}", flush=True)
     return summary

@@ -14,7 +14,8 @@ from twinrun.errors import TwinrunError
 
 INTERVENTION_KEY = "intervention"
 NATIVE = {"_target_": "twinrun.interventions.Native"}
-EXCLUDED = ("hydra", "launcher")  # how a run is launched does not enter its result
+# How a run is launched, and what it is later compared with, do not enter its result.
+EXCLUDED = ("hydra", "launcher", "reference")
 
 
 class NotATwin(TwinrunError):

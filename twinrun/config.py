@@ -107,6 +107,25 @@ class LauncherConfig:
 
 
 @dataclass
+class DeterminismConfig:
+    # Pins results *within* one kernel path (deterministic algorithms, cuDNN benchmark off,
+    # CUBLAS_WORKSPACE_CONFIG, explicit fp32 matmul precision, no TF32 in cuDNN). It cannot choose
+    # which path a fresh environment takes: the twin, not this switch, is the control for that.
+    enabled: bool = True
+    float32_matmul_precision: str = "highest"  # highest | high | medium (TF32 / bf16 matmuls)
+    # Durable home for torch.compile caches (Inductor/Triton default to /tmp and vanish on
+    # reboot, taking autotune winners with them). null = ~/.cache/twinrun/compile.
+    compile_cache_dir: Optional[str] = None
+
+
+@dataclass
+class ArmsConfig:
+    # Measure the native twin a second time in the same job: the within-environment determinism
+    # control (the reducer reports "k / N tensors differ", the max difference and the cosine).
+    replicate: bool = False
+
+
+@dataclass
 class TwinrunConfig:
     model: Any = MISSING
     data: Any = MISSING
@@ -115,6 +134,11 @@ class TwinrunConfig:
     sigma_grid: SigmaGridConfig = field(default_factory=SigmaGridConfig)
     reduce: ReduceConfig = field(default_factory=ReduceConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+    arms: ArmsConfig = field(default_factory=ArmsConfig)
+    # An earlier run's directory whose native twin is this run's reference (same protocol). The
+    # reducer checks whether it is alive in this environment before showing anything against it.
+    reference: Optional[str] = None
     # One seed for every random stream (draws are keyed by (seed, bin σ, image, draw)).
     seed: int = 0
 

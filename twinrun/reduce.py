@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from twinrun import arms as arms_mod
+from twinrun.env import kernel_path_diff
 from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
 from twinrun.estimator import estimate
 from twinrun.report import write_report
@@ -72,6 +73,36 @@ def validity_checks(run_dir: Path, run: dict, stores: dict) -> list[dict]:
     wrong_sigma = [s.path.name for (n, i), s in stores.items() if s.meta["sigma"] != run["bins"][i]["sigma"]]
     out.append(check("stores_match_bins", not wrong_sigma,
                      "every store's σ matches its bin" if not wrong_sigma else f"σ mismatch in {wrong_sigma}"))
+    return out + provenance_checks(run, stores, names)
+
+
+def provenance_checks(run: dict, stores: dict, names: list[str]) -> list[dict]:
+    """Validity rule 3: each bin's arms ran in one process/node/boot/GPU/job on one kernel path,
+    and the kernel-path sentinel read around the jobs never moved."""
+    out = []
+    split = {}
+    for b in run["bins"]:
+        records = [stores[n, b["index"]].meta.get("env") or {} for n in names]
+        fields = sorted({k for r in records for k in r if any(r.get(k) != o.get(k) for o in records)})
+        if fields or not records[0]:
+            split[b["index"]] = fields or ["(no record)"]
+    out.append(check("same_allocation_per_bin", not split,
+                     "every bin's arms ran back to back in one process (same job, node, boot, GPU)" if not split
+                     else "arms of a bin ran apart: " + "; ".join(f"bin {i}: {', '.join(f)}" for i, f in split.items())))
+    paths = {(s.meta.get("env") or {}).get("kernel_path_sha256") for s in stores.values()}
+    out.append(check("one_kernel_path", len(paths) == 1 and None not in paths,
+                     "every store was measured on one kernel path" if len(paths) == 1
+                     else f"stores come from {len(paths)} kernel paths"))
+    jobs = run.get("jobs", [])
+    readings = {j["sentinel_start"] for j in jobs} | {j["sentinel_end"] for j in jobs if j.get("sentinel_end")}
+    readings |= {(s.meta.get("env") or {}).get("sentinel") for s in stores.values()}
+    unclosed = bool(jobs) and jobs[-1].get("sentinel_end") is None
+    ok = len(readings) == 1 and not unclosed
+    detail = (f"sentinel identical at the start and end of all {len(jobs)} job(s)" if ok
+              else "the last job ended without its closing sentinel reading: resume the run to take it"
+              if len(readings) == 1 else
+              f"the kernel-path sentinel changed during the run ({len(readings)} distinct readings)")
+    out.append(check("sentinel_unchanged", ok, detail))
     return out
 
 
@@ -121,6 +152,90 @@ def pair_estimate(g: np.ndarray, a: int, b: int, bin_index: int, n_bins: int, n_
     return estimate(block(a, b), block(a, a), block(b, b), sizes, sizes)
 
 
+def replicate_report(run, stores, g_all, names, n_folds, sizes, threshold) -> dict:
+    """The native twin measured twice in one job: bit-identical, or how far apart."""
+    n_bins = len(run["bins"])
+    twin, rep = names.index("native"), names.index("native_replicate")
+    differ, max_abs, cosines = 0, 0.0, []
+    for b in run["bins"]:
+        x, y = stores["native", b["index"]].sums, stores["native_replicate", b["index"]].sums
+        if not torch.equal(x, y):
+            differ += 1
+            max_abs = max(max_abs, float((x.double() - y.double()).abs().max()))
+        cosines.append(pair_estimate(g_all, twin, rep, b["index"], n_bins, n_folds, sizes).cos)
+    min_cos = None if any(c is None for c in cosines) else min(cosines)
+    detail = f"{differ} / {n_bins} tensors differ between the native twin and its replicate"
+    if differ:
+        detail += f"; max |Δ| = {max_abs:.3e}, min debiased cos = {_num(min_cos, '{:.9f}')}"
+    return {"n_tensors": n_bins, "n_differ": differ, "max_abs_diff": max_abs, "min_cos": min_cos,
+            "max_effect": None if min_cos is None else 1 - min_cos, "detail": detail}
+
+
+def cross_estimates(a: dict, b: dict, estimands=("all", "cond"), chunk_params: int = 1_000_000) -> list[dict]:
+    """Debiased cos between two arms' stores bin by bin ({sigma: Store} each, same protocol)."""
+    rows = []
+    for sigma in sorted(a):
+        x, y, layout = a[sigma].sums, b[sigma].sums, a[sigma].meta["layout"]
+        sizes = np.asarray(a[sigma].meta["fold_sizes"], dtype=np.float64)
+        f = x.shape[0]
+        acc = {e: [np.zeros((f, f)) for _ in range(3)] for e in ("all", "cond")}
+        for entry in layout:
+            for start in range(entry["offset"], entry["offset"] + entry["numel"], chunk_params):
+                stop = min(start + chunk_params, entry["offset"] + entry["numel"])
+                xs, ys = x[:, start:stop].double(), y[:, start:stop].double()
+                blocks = [(xs @ ys.T).numpy(), (xs @ xs.T).numpy(), (ys @ ys.T).numpy()]
+                for e in ("all", "cond") if entry["cond"] else ("all",):
+                    for i in range(3):
+                        acc[e][i] += blocks[i]
+        for e in estimands:
+            est = estimate(*acc[e], sizes, sizes)
+            rows.append({"sigma": sigma, "estimand": e, "cos": est.cos, "se": est.se, "cos_naive": est.cos_naive})
+    return rows
+
+
+def arm_stores(run_dir: Path, arm: str) -> tuple[dict, dict]:
+    """{σ: Store} of one arm of a run, each verified against run.json."""
+    run, stores = load_run(run_dir)
+    return run, {b["sigma"]: stores[arm, b["index"]] for b in run["bins"]}
+
+
+def protocol_mismatch(a: dict, b: dict) -> list[str]:
+    """Protocol keys that differ between two arms' stores ({σ: Store}); [] when comparable."""
+    if sorted(a) != sorted(b):
+        return [f"sigma grid {sorted(a)} vs {sorted(b)}"]
+    ma, mb = next(iter(a.values())).meta, next(iter(b.values())).meta
+    return [k for k in (*PROTOCOL_KEYS, "image_ids", "seed") if ma.get(k) != mb.get(k)]
+
+
+def reference_report(run, stores, inter_name, ref_dir: Path, threshold, chunk_params, run_ok) -> dict:
+    """Is the reference alive in this environment? Its native arm against today's native twin."""
+    _, ref = arm_stores(ref_dir, "native")
+    mine = {b["sigma"]: stores["native", b["index"]] for b in run["bins"]}
+    bad = protocol_mismatch(mine, ref)
+    if bad:
+        raise TwinrunError(f"reference={ref_dir}: measured under another protocol ({', '.join(bad)}); "
+                           "a reference must share the grid, images, draws, folds, seed and parameters")
+    vs_twin = cross_estimates(mine, ref, chunk_params=chunk_params)
+    alive = all(r["cos"] is not None and r["cos"] >= threshold for r in vs_twin)
+    fields = kernel_path_diff(next(iter(mine.values())).meta.get("kernel_path", {}),
+                              next(iter(ref.values())).meta.get("kernel_path", {}))
+    out = {"path": str(ref_dir), "alive": alive, "kernel_path_differs_in": fields, "native_vs_reference": vs_twin}
+    if alive:
+        out["detail"] = (f"reference ALIVE in this environment: today's native twin matches it (debiased cos ≥ "
+                         f"{threshold} in every bin and estimand). Comparisons against it are labelled "
+                         "'vs reference'.")
+        if run_ok:
+            inter = {b["sigma"]: stores[inter_name, b["index"]] for b in run["bins"]}
+            out["intervention_vs_reference"] = cross_estimates(inter, ref, chunk_params=chunk_params)
+    else:
+        worst = min((r["cos"] for r in vs_twin if r["cos"] is not None), default=None)
+        out["detail"] = (f"reference DEAD in this environment: today's native twin does not match it (min debiased cos "
+                         f"{_num(worst, '{:.6f}')} < {threshold}). Kernel-path fields that differ: "
+                         f"{', '.join(fields) or 'none recorded'}. This gap is the environment's, not the "
+                         "intervention's: read effects against the twin only.")
+    return out
+
+
 def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=1_000_000) -> tuple[dict, int]:
     run_dir = Path(run_dir)
     run, stores = load_run(run_dir)
@@ -151,10 +266,18 @@ def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=
             effects.append(row)
     if not gates:
         checks.append(check("has_gate", False, "no bin where the intervention is a no-op: nothing vouches for the instrument"))
+    replicate = None
+    if "native_replicate" in names:
+        replicate = replicate_report(run, stores, g["all"], names, n_folds, sizes, threshold)
+        checks.append(check("replicate_within_gate", replicate["min_cos"] is not None and replicate["min_cos"] >= threshold,
+                            replicate["detail"]))
     valid = all(c["passed"] for c in checks)
     ok = valid and all(x["passed"] for x in gates)
     summary = {"run_dir": str(run_dir), "arms": names, "valid": valid, "checks": checks, "gates": gates,
-               "effects": effects if ok else []}
+               "effects": effects if ok else [], "replicate": replicate}
+    if run.get("reference"):
+        summary["reference"] = reference_report(run, stores, names[inter], Path(run["reference"]), threshold,
+                                                chunk_params, ok)
     write_json(run_dir / "summary.json", summary)
     write_report(run_dir, summary, run)
     return summary, EXIT_OK if ok else EXIT_GATE
@@ -173,6 +296,10 @@ def render(summary: dict) -> str:
         lines.append(f"  [{'ok' if x['passed'] else 'FAIL'}] σ={x['sigma']:<6g} {x['estimand']:<9} "
                      f"cos={_num(x['cos'], '{:.6f}')}{se}  (≥ {x['threshold']})  "
                      f"bit-identical: {'yes' if x['bit_identical'] else 'no'}")
+    if summary.get("replicate"):
+        lines += ["", f"replicate: {summary['replicate']['detail']}"]
+    if summary.get("reference"):
+        lines += ["", summary["reference"]["detail"]]
     ok = summary["valid"] and all(x["passed"] for x in summary["gates"])
     if not ok:
         lines += ["", "INSTRUMENT BROKEN: a validity check or no-op gate failed. Effects are withheld; "

@@ -17,8 +17,9 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from twinrun import draws, probe
+from twinrun import draws, probe, provenance
 from twinrun.arms import Arm, derive_arms
+from twinrun.env import fingerprint
 from twinrun.errors import ConfigError, StoreError, TwinrunError
 from twinrun.lock import run_lock
 from twinrun.store import read_json, read_store, store_name, write_json, write_store
@@ -86,6 +87,19 @@ def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
                           "or probe them")
 
 
+def check_reference(reference: str | None) -> str | None:
+    """A reference must be an earlier run directory with a native twin; checked before compute."""
+    if reference is None:
+        return None
+    path = Path(reference).expanduser().resolve()
+    if path.name == "native" and path.parent.name == "arms":  # given the arm directory itself
+        path = path.parent.parent
+    if not (path / "run.json").is_file() or not (path / "arms" / "native").is_dir():
+        raise ConfigError("reference", reference, "must be an earlier twinrun run directory (with run.json "
+                          "and arms/native/)")
+    return str(path)
+
+
 def fold_sizes(n_images: int, n_folds: int) -> list[int]:
     """Contiguous folds of the probe's images, as equal as possible."""
     base, extra = divmod(n_images, n_folds)
@@ -104,11 +118,12 @@ def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     intervention.check(grid)
     check_params(build(OmegaConf.to_container(cfg.model, resolve=True), "model"), cfg)
-    arms, diff = derive_arms(cfg, intervention.name, replicate=False)
+    arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate))
     run = {
         "format": "twinrun-run/1",
         "status": "planned",
         "command": command,
+        "reference": check_reference(cfg.reference),
         "arms": [{"name": a.name, "role": a.role, "config_hash": config_hash(a.config)} for a in arms],
         "estimands": list(cfg.reduce.estimands),
         "gate_threshold": float(cfg.reduce.gate_threshold),
@@ -170,6 +185,10 @@ def _measure(run_dir: Path) -> dict:
     run = read_json(run_dir / "run.json")
     arms = load_arms(run_dir, run)
     cfg = arms[0].config  # every arm shares everything outside `intervention`
+    # Step: pin determinism before any torch work, then read where this job runs.
+    determinism = provenance.setup_determinism(cfg)
+    fp = fingerprint()
+    provenance.refuse_straddling(run_dir, run, fp)
     p = cfg["probe"]
     device = torch.device(p["device"])
     model = build(cfg["model"], "model").to(device)
@@ -182,6 +201,8 @@ def _measure(run_dir: Path) -> dict:
     fold_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
     interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
     hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
+    job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(model, device))
+    record = provenance.bin_record(fp, job["sentinel_start"])
 
     run["status"] = "running"
     run.pop("failure", None)
@@ -207,7 +228,7 @@ def _measure(run_dir: Path) -> dict:
                         "sigma_cond": float(sigma_cond), "n_images": p["n_images"], "n_draws": p["n_draws"],
                         "fold_sizes": sizes, "image_ids": image_ids, "seed": cfg["seed"],
                         "draws_digest": draws.digest(eps_dev, sigma), "config_hash": hashes[arm.name],
-                        "layout": layout}
+                        "layout": layout, "env": record, "kernel_path": fp["kernel_path"]}
                 entry = b["stores"][arm.name]
                 entry["sha256"] = write_store(run_dir / "arms" / arm.name / entry["file"], sums, meta)
                 entry["status"] = "done"
@@ -218,9 +239,27 @@ def _measure(run_dir: Path) -> dict:
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
         print(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
               f"({time.perf_counter() - t0:.2f}s)", flush=True)
+    job["sentinel_end"] = provenance.read_sentinel(model, device)["digest"]
     run["status"] = "measured"
     write_json(run_dir / "run.json", run)
     return run
+
+
+def start_job(run_dir: Path, run: dict, fp: dict, determinism: dict, sentinel: dict) -> dict:
+    """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/."""
+    (run_dir / "env").mkdir(exist_ok=True)
+    if run.get("kernel_path_sha256") is None:
+        run["kernel_path_sha256"] = provenance.kernel_path_sha256(fp)
+        write_json(run_dir / "env" / "kernel_path.json", fp)
+    jobs = run.setdefault("jobs", [])
+    job = {"index": len(jobs), "kernel_path_sha256": provenance.kernel_path_sha256(fp),
+           "hostname": fp["info"].get("hostname"), "boot_id": fp["info"].get("boot_id"),
+           "slurm_job_id": (fp["info"].get("slurm") or {}).get("SLURM_JOB_ID"),
+           "sentinel_start": sentinel["digest"], "sentinel_end": None}
+    write_json(run_dir / "env" / f"job{job['index']:03d}.json",
+               {"fingerprint": fp, "determinism": determinism, "sentinel": sentinel})
+    jobs.append(job)
+    return job
 
 
 def _mark_failed(run_dir: Path, run: dict, b: dict, arm: str) -> None:

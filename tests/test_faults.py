@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import run_twinrun
+from conftest import measured, run_twinrun
 from twinrun.errors import StoreError, TwinrunError
 from twinrun.run import plan_run, run_job
 from twinrun.store import read_store
@@ -33,10 +33,6 @@ SLOW_FSYNC = textwrap.dedent("""
         _fsync(fd)
     os.fsync = _slow_fsync
 """)
-
-
-def stores_of(run_dir):
-    return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in sorted(run_dir.glob("arms/*/*.safetensors"))}
 
 
 def start(args, cwd, env):
@@ -83,7 +79,7 @@ def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path):
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
     assert "recovering the stale lock" in final.stdout or not (run_dir / ".lock").exists()
 
-    assert stores_of(run_dir) == stores_of(ref)
+    assert measured(run_dir) == measured(ref)
     assert not list(run_dir.glob("arms/*/.*.tmp-*"))
     ref_summary = json.loads((ref / "summary.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -260,7 +260,9 @@ def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=
             row = {"sigma": b["sigma"], "estimand": e, "cos": est.cos, "se": est.se, "cos_naive": est.cos_naive,
                    "below_noise": est.below_noise}
             if b["gate"]:
-                passed = est.cos is not None and abs(est.cos) >= threshold
+                # Bit-identical arms are the strongest no-op evidence, even where the signal is
+                # below noise and the cosine therefore undefined.
+                passed = identical or (est.cos is not None and abs(est.cos) >= threshold)
                 gates.append({"sigma": b["sigma"], "estimand": e, "cos": est.cos, "se": est.se,
                               "threshold": threshold, "passed": passed, "bit_identical": identical})
             effects.append(row)

@@ -22,7 +22,7 @@ from twinrun.arms import Arm, derive_arms
 from twinrun.env import fingerprint
 from twinrun.errors import ConfigError, StoreError, TwinrunError
 from twinrun.lock import run_lock
-from twinrun.store import read_json, read_store, store_name, write_json, write_store
+from twinrun.store import atomic_write, read_json, read_store, store_name, write_json, write_store
 
 
 def config_hash(config: dict) -> str:
@@ -138,7 +138,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict
         return _resume_plan(existing, run)
     for arm in arms:
         (run_dir / "arms" / arm.name).mkdir(parents=True, exist_ok=True)
-        (run_dir / "arms" / arm.name / "config.yaml").write_text(yaml.safe_dump(arm.config, sort_keys=False))
+        atomic_write(run_dir / "arms" / arm.name / "config.yaml", yaml.safe_dump(arm.config, sort_keys=False).encode())
     write_json(run_dir / "config_diff.json", diff)
     write_json(existing, run)
     return run

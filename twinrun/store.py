@@ -23,7 +23,7 @@ MAX_HEADER_BYTES = 64 * 1024 * 1024
 
 
 def atomic_write(path: Path, data: bytes) -> str:
-    """Write bytes via temp file + fsync + rename; return their sha256."""
+    """Write bytes via temp file + fsync + rename (+ fsync of the directory); return their sha256."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -32,14 +32,14 @@ def atomic_write(path: Path, data: bytes) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power loss
+        finally:
+            os.close(dir_fd)
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise StoreError(path, f"cannot write ({err.strerror or err}); finished stores are kept") from None
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
     return hashlib.sha256(data).hexdigest()
 
 

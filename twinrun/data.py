@@ -1,0 +1,50 @@
+"""The default data set: scikit-learn's 8x8 digits (ships inside the package, no download)."""
+
+from __future__ import annotations
+
+import torch
+
+# The digits set stores pixel intensities as integers 0..16; dividing by half of that maps them to [0, 2].
+DIGITS_PIXEL_HALF_RANGE = 8.0
+# The last images form the held-out split the probe draws from; the model never trains on them.
+N_HELDOUT = 297
+
+
+def load_digits_images() -> torch.Tensor:
+    """All 1797 digits as float32 [N, 1, 8, 8], scaled to [-1, 1]."""
+    from sklearn.datasets import load_digits  # imported lazily: sklearn is slow to import
+
+    images_u8 = torch.as_tensor(load_digits().images, dtype=torch.float32)
+    return (images_u8 / DIGITS_PIXEL_HALF_RANGE - 1.0).unsqueeze(1).contiguous()
+
+
+def _check_total(n_total: int) -> None:
+    if n_total <= N_HELDOUT:
+        raise ValueError(f"n_total={n_total} leaves no training images; it must exceed {N_HELDOUT}")
+
+
+def train_indices(n_total: int) -> torch.Tensor:
+    """Indices of the training split: every image but the last N_HELDOUT, in order."""
+    _check_total(n_total)
+    return torch.arange(n_total - N_HELDOUT)
+
+
+def heldout_indices(n_total: int) -> torch.Tensor:
+    """Indices of the held-out split: the last N_HELDOUT images, in order."""
+    _check_total(n_total)
+    return torch.arange(n_total - N_HELDOUT, n_total)
+
+
+def sigma_data_of(images: torch.Tensor) -> float:
+    """Std of the pixel values, the EDM sigma_data; pass the training split."""
+    return float(images.double().std())
+
+
+def load_heldout_images() -> tuple[torch.Tensor, list[int]]:
+    """The probe's data builder: held-out images [M, 1, 8, 8] and their indices in the data set.
+
+    The probe takes the first probe.n_images of them; an image's index keys its noise draws.
+    """
+    images = load_digits_images()
+    ids = heldout_indices(images.shape[0])
+    return images[ids], [int(i) for i in ids]

@@ -37,3 +37,57 @@ def run_twinrun(args, cwd, module="twinrun", timeout=600, env=None):
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
+
+
+# ----------------------------------------------------------------------------- launching (SLURM, submitit)
+
+SLURM_UP = REPO / "launch" / "slurm-up.sh"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A usable SLURM partition: starts the local cluster (idempotent) when we are root."""
+    import shutil
+
+    if os.geteuid() != 0:
+        if shutil.which("sbatch") is None:
+            pytest.skip("no SLURM here and not root, so launch/slurm-up.sh cannot install one")
+        return {"partition": "debug"}  # somebody else's cluster: we cannot (and need not) start it
+    # first run installs ~28 Debian packages (16 s here, debs cached); later runs take 0.1-2 s
+    subprocess.run(["bash", str(SLURM_UP)], check=True, timeout=600)
+    return {"partition": "debug"}
+
+
+@pytest.fixture(scope="session")
+def model_args(tmp_path_factory) -> list[str]:
+    """Overrides choosing the denoiser: the committed weights, or a random-init stand-in until they exist."""
+    import torch
+
+    from twinrun.model import DEFAULT_ARCH, DEFAULT_WEIGHTS_PATH, DiTDenoiser, save_pretrained
+
+    if DEFAULT_WEIGHTS_PATH.is_file():
+        return []
+    path = tmp_path_factory.mktemp("weights") / "random_dit.safetensors"
+    model = DiTDenoiser(**DEFAULT_ARCH, sigma_data=0.75)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    save_pretrained(model, path, {"note": "random init: a stand-in for tests"})
+    return [f"model.path={path}"]
+
+
+def measured(run_dir):
+    """Every store of a run as {relative path: (sums bytes, metadata without provenance)}.
+
+    Provenance (pid, host, boot, job ids) legitimately differs between two processes; the
+    measured tensor and everything else in the store must not.
+    """
+    from twinrun.store import read_store
+
+    out = {}
+    for path in sorted(Path(run_dir).glob("arms/*/*.safetensors")):
+        store = read_store(path)
+        meta = {k: v for k, v in store.meta.items() if k != "env"}
+        out[path.relative_to(run_dir).as_posix()] = (store.sums.numpy().tobytes(), meta)
+    return out

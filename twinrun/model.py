@@ -152,6 +152,9 @@ class FinalLayer(nn.Module):
 class DiTDenoiser(nn.Module):
     """EDM-preconditioned DiT denoiser D(x; sigma, sigma_cond) for small square images."""
 
+    # The probe reads this to lay out the `cond` estimand (subclasses inherit it).
+    COND_PARAM_PATTERNS = COND_PARAM_PATTERNS
+
     def __init__(
         self,
         img_resolution: int = 8,

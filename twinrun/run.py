@@ -233,7 +233,7 @@ def _measure(run_dir: Path) -> dict:
                 entry["sha256"] = write_store(run_dir / "arms" / arm.name / entry["file"], sums, meta)
                 entry["status"] = "done"
                 write_json(run_dir / "run.json", run)
-            except TwinrunError:
+            except Exception:  # any failure, ours or the model's: record where, keep earlier bins, re-raise
                 _mark_failed(run_dir, run, b, arm.name)
                 raise
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")

@@ -1,0 +1,125 @@
+"""Provenance rules failing for the right reason: fingerprints, kernel paths, references."""
+
+import json
+import textwrap
+
+import pytest
+
+from conftest import TINY, run_twinrun
+from twinrun.store import read_store, write_store
+
+pytestmark = pytest.mark.slow
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a genuinely different kernel path on this CPU (see notes)
+
+# SIMULATION of a kernel-path shift: the same weights, whose every output is moved by a fixed
+# seeded direction, as a changed kernel moves every result by a shared bias. Large enough to
+# matter; nothing in any store is edited.
+SHIFTED = textwrap.dedent("""
+    import torch
+    from twinrun.model import DiTDenoiser, read_weights
+    import json
+
+    class ShiftedDiT(DiTDenoiser):
+        def __init__(self, **arch):
+            super().__init__(**arch)
+            gen = torch.Generator().manual_seed(99)
+            shape = (self.img_channels, self.img_resolution, self.img_resolution)
+            self.register_buffer("direction", torch.randn(shape, generator=gen), persistent=False)
+
+        def forward(self, x, sigma, sigma_cond=None):
+            return super().forward(x, sigma, sigma_cond) + 0.3 * self.direction
+
+    def load_shifted(path=None):
+        tensors, meta = read_weights(path)
+        model = ShiftedDiT(**json.loads(meta["arch"]))
+        model.load_state_dict(tensors)
+        return model.eval()
+""")
+
+
+def run(tmp_path, name, *extra, env=None):
+    run_dir = tmp_path / name
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path, env=env)
+    return proc, run_dir
+
+
+def test_replicate_reports_bit_identity(tmp_path):
+    proc, run_dir = run(tmp_path, "r", "arms.replicate=true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replicate"]["n_differ"] == 0 and summary["replicate"]["n_tensors"] == 3
+    assert "0 / 3 tensors differ" in proc.stdout
+    assert sorted(p.name for p in (run_dir / "arms").iterdir()) == ["native", "native_replicate", "pin_sigma"]
+
+
+def test_compare_refuses_a_store_whose_fingerprint_was_altered(tmp_path):
+    proc, run_dir = run(tmp_path, "r")
+    assert proc.returncode == 0
+    original = next((run_dir / "arms" / "native").glob("bin00*.safetensors"))
+    store = read_store(original)
+    meta = dict(store.meta)
+    meta["kernel_path"] = json.loads(json.dumps(meta["kernel_path"]))
+    meta["kernel_path"]["threads"]["intra_op"] = 64
+    altered = tmp_path / "altered.safetensors"
+    write_store(altered, store.sums, meta)
+    refused = run_twinrun([str(original), str(altered)], cwd=tmp_path, module="twinrun.compare")
+    assert refused.returncode == 3 and "threads.intra_op" in refused.stderr
+    assert "debiased cos" not in refused.stdout
+    forced = run_twinrun([str(original), str(altered), "--force"], cwd=tmp_path, module="twinrun.compare")
+    assert forced.returncode == 3 and "INVALID" in forced.stdout and "1.000000" in forced.stdout
+
+
+def test_compare_refuses_a_reference_from_another_kernel_path(tmp_path):
+    (_, a), (_, b) = run(tmp_path, "a"), run(tmp_path, "b", env=ONE_THREAD)
+    refused = run_twinrun([str(a), str(b)], cwd=tmp_path, module="twinrun.compare")
+    assert refused.returncode == 3 and "threads" in refused.stderr
+    same_path = run_twinrun([str(a), str(run(tmp_path, "c")[1])], cwd=tmp_path, module="twinrun.compare")
+    assert same_path.returncode == 0 and "valid: one kernel path" in same_path.stdout
+
+
+def test_reference_alive_across_a_real_but_tiny_path_change_then_vouched_for_compare(tmp_path):
+    _, ref = run(tmp_path, "ref", env=ONE_THREAD)
+    proc, today = run(tmp_path, "today", f"reference={ref}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((today / "summary.json").read_text())
+    assert summary["reference"]["alive"] is True
+    assert any(f.startswith("threads") for f in summary["reference"]["kernel_path_differs_in"])
+    assert "reference ALIVE" in proc.stdout
+    # the same-environment control now vouches for the reference
+    vouched = run_twinrun([str(today), str(ref)], cwd=tmp_path, module="twinrun.compare")
+    assert vouched.returncode == 0 and "vouched" in vouched.stdout
+
+
+def test_reference_dead_when_the_path_shifts_while_the_twin_gate_still_passes(tmp_path):
+    _, ref = run(tmp_path, "ref")
+    (tmp_path / "shifted_model.py").write_text(SHIFTED)
+    proc, today = run(tmp_path, "today", f"reference={ref}", "model._target_=shifted_model.load_shifted",
+                      env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the twin-based gate passes
+    summary = json.loads((today / "summary.json").read_text())
+    assert all(g["passed"] for g in summary["gates"]) and summary["effects"]
+    assert summary["reference"]["alive"] is False
+    assert "reference DEAD in this environment" in proc.stdout and "not the intervention's" in proc.stdout
+    assert "intervention_vs_reference" not in summary["reference"]
+
+
+def test_reference_with_another_protocol_is_bad_input(tmp_path):
+    _, ref = run(tmp_path, "ref", "probe.n_draws=3")
+    proc, _ = run(tmp_path, "today", f"reference={ref}")
+    assert proc.returncode == 2 and "protocol" in proc.stderr and "Traceback" not in proc.stderr
+    missing, _ = run(tmp_path, "x", f"reference={tmp_path / 'nowhere'}")
+    assert missing.returncode == 2 and "reference=" in missing.stderr
+
+
+def test_resume_on_another_kernel_path_is_refused(tmp_path):
+    proc, run_dir = run(tmp_path, "r")
+    assert proc.returncode == 0
+    run_json = json.loads((run_dir / "run.json").read_text())
+    last = run_json["bins"][-1]
+    for arm, entry in last["stores"].items():  # as if the job died before its last bin
+        (run_dir / "arms" / arm / entry["file"]).unlink()
+    refused = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume", env=ONE_THREAD)
+    assert refused.returncode == 3 and "must not straddle" in refused.stderr and "threads" in refused.stderr
+    resumed = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -41,6 +41,14 @@ class PinSigmaConfig:
     sigma_pin: float = 0.5
 
 
+@dataclass
+class ScaleCondConfig:
+    _target_: str = "twinrun.interventions.ScaleCond"
+    # ln σ_cond = ln anchor_sigma + gamma·(ln σ − ln anchor_sigma); anchor_sigma must be a bin (its gate).
+    anchor_sigma: float = 0.5
+    gamma: float = 0.5  # 1 = native, 0 = pin at anchor_sigma
+
+
 # ----------------------------------------------------------------------------- plain settings
 
 
@@ -150,6 +158,7 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="digits", node=DigitsDataConfig)
     cs.store(group="schema/intervention", name="native", node=NativeConfig)
     cs.store(group="schema/intervention", name="pin_sigma", node=PinSigmaConfig)
+    cs.store(group="schema/intervention", name="scale_cond", node=ScaleCondConfig)
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)

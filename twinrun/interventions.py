@@ -54,3 +54,34 @@ class PinSigma:
                 f"must be a bin of sigma_grid.sigmas={grid} (that bin is its no-op gate); "
                 "pick one of them or add it to the grid",
             )
+
+
+class ScaleCond:
+    """Scale the conditioning signal c_noise = ln(σ)/4 about an anchor σ_a:
+    ln σ_cond = ln σ_a + gamma·(ln σ − ln σ_a). gamma = 1 is native, gamma = 0 is pin_sigma at σ_a;
+    in between it flattens how strongly the network is told the noise level. A no-op in the bin
+    σ = σ_a: that bin is its gate."""
+
+    name = "scale_cond"
+
+    def __init__(self, anchor_sigma: float, gamma: float):
+        self.anchor_sigma, self.gamma = float(anchor_sigma), float(gamma)
+
+    def sigma_cond(self, sigma: torch.Tensor) -> torch.Tensor:
+        log_a = math.log(self.anchor_sigma)
+        scaled = torch.exp(log_a + self.gamma * (torch.log(sigma) - log_a))
+        # exp(log(σ_a)) need not round back to σ_a: feed σ itself at the anchor, so the gate bin
+        # is bit-identical to the twin.
+        return torch.where(sigma == self.anchor_sigma, sigma, scaled)
+
+    def gate_sigmas(self, grid: list[float]) -> list[float]:
+        return [s for s in grid if s == self.anchor_sigma]
+
+    def check(self, grid: list[float]) -> None:
+        if not (math.isfinite(self.anchor_sigma) and self.anchor_sigma > 0):
+            raise ConfigError("intervention.anchor_sigma", self.anchor_sigma, "must be a positive σ")
+        if not math.isfinite(self.gamma):
+            raise ConfigError("intervention.gamma", self.gamma, "must be a finite number (1 = native)")
+        if self.anchor_sigma not in grid:
+            raise ConfigError("intervention.anchor_sigma", self.anchor_sigma,
+                              f"must be a bin of sigma_grid.sigmas={grid} (that bin is its no-op gate)")

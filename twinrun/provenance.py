@@ -37,28 +37,23 @@ def setup_determinism(cfg: dict) -> dict:
                              d.get("float32_matmul_precision", "highest"))
 
 
-def model_sentinel_fn(model: torch.nn.Module, device: torch.device):
+def model_sentinel_fn(model: torch.nn.Module, device: torch.device, image_shape: tuple):
     """The probed model's own forward and backward on a fixed input (batch of 8: batch sizes of
     1–5 take another kernel path than ≥ 6 on CPU), for the sentinel battery."""
-    gen = torch.Generator(device="cpu").manual_seed(1234)
-    shape = (8, model.img_channels, model.img_resolution, model.img_resolution) \
-        if hasattr(model, "img_resolution") else None
 
     def run():
-        if shape is None:  # a model without image attributes: the battery runs without it
-            return torch.zeros(1)
-        x = torch.randn(shape, generator=gen).to(device)
-        sigma = torch.full((shape[0],), 0.5, device=device)
+        x = torch.randn((8, *image_shape), generator=torch.Generator().manual_seed(1234)).to(device)
+        sigma = torch.full((8,), 0.5, device=device)
         params = [p for p in model.parameters() if p.requires_grad]
         out = model(x, sigma, sigma)
-        grads = torch.autograd.grad(out.square().mean(), params)
-        return (out.detach(), *grads)
+        grads = torch.autograd.grad(out.square().mean(), params, allow_unused=True)
+        return (out.detach(), *(g for g in grads if g is not None))
 
     return run
 
 
-def read_sentinel(model: torch.nn.Module, device: torch.device) -> dict:
-    return sentinel(model_sentinel_fn(model, device), device=device)
+def read_sentinel(model: torch.nn.Module, device: torch.device, image_shape: tuple) -> dict:
+    return sentinel(model_sentinel_fn(model, device, tuple(image_shape)), device=device)
 
 
 def bin_record(fp: dict, sentinel_digest: str) -> dict:

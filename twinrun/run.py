@@ -201,7 +201,7 @@ def _measure(run_dir: Path) -> dict:
     fold_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
     interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
     hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
-    job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(model, device))
+    job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(model, device, images.shape[1:]))
     record = provenance.bin_record(fp, job["sentinel_start"])
 
     run["status"] = "running"
@@ -239,7 +239,7 @@ def _measure(run_dir: Path) -> dict:
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
         print(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
               f"({time.perf_counter() - t0:.2f}s)", flush=True)
-    job["sentinel_end"] = provenance.read_sentinel(model, device)["digest"]
+    job["sentinel_end"] = provenance.read_sentinel(model, device, images.shape[1:])["digest"]
     run["status"] = "measured"
     write_json(run_dir / "run.json", run)
     return run

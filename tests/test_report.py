@@ -1,0 +1,85 @@
+"""What a researcher sees: report order and withholding, real plots, bring-your-own end to end."""
+
+import json
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY, run_twinrun
+from test_cli import BROKEN
+
+pytestmark = pytest.mark.slow
+
+
+def assert_real_png(path, min_px=200):
+    img = matplotlib.image.imread(path)
+    assert img.shape[0] >= min_px and img.shape[1] >= min_px
+    # a plot, not a blank canvas: many distinct colours, and ink on more than a sliver of it
+    pixels = img[..., :3].reshape(-1, 3)
+    assert len(np.unique(pixels.round(2), axis=0)) > 20
+    assert (pixels.mean(1) < 0.9).mean() > 0.02
+
+
+def sections(report: str) -> list[str]:
+    return [line[3:] for line in report.splitlines() if line.startswith("## ")]
+
+
+def test_report_order_and_plot(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = (run_dir / "report.md").read_text()
+    assert sections(report)[:4] == ["Verdict", "Validity checks", "No-op gates", "Effects"]
+    assert "**VALID**" in report and "![effect vs σ](effect.png)" in report
+    assert f"hydra.run.dir={run_dir}" in report  # the command that reproduces it
+    assert_real_png(run_dir / "effect.png")
+
+
+def test_report_withholds_effects_when_a_gate_fails(tmp_path):
+    (tmp_path / "broken_intervention.py").write_text(BROKEN)
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}",
+                        "intervention._target_=broken_intervention.NotANoOpAtItsGate"],
+                       cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1
+    report = (run_dir / "report.md").read_text()
+    assert "Effects" not in sections(report) and "INSTRUMENT BROKEN" in report
+    assert not (run_dir / "effect.png").exists()
+
+
+def test_sweep_summary_report_and_heatmap(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_twinrun(["-m", "+experiment=pin_sigma", *TINY, "intervention.sigma_pin=0.2,0.5,1.2",
+                        f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert summary["n_points"] == 3 and summary["all_valid"]
+    pins = {e["sigma_pin"] for e in summary["effects"]}
+    assert pins == {0.2, 0.5, 1.2}
+    diagonal = [e for e in summary["effects"] if e["sigma"] == e["sigma_pin"]]
+    # the no-op diagonal: no effect (or a cosine undefined because the signal is below noise there)
+    assert len(diagonal) == 3 * 3
+    assert all(e["effect"] is None or e["effect"] == pytest.approx(0, abs=1e-12) for e in diagonal)
+    assert any(e["effect"] is not None and e["effect"] > 0.01 for e in summary["effects"])
+    report = (sweep / "sweep_report.md").read_text()
+    assert report.count("report.md)") == 3 and "![sweep heatmap]" in report
+    assert_real_png(sweep / "sweep_effect.png", min_px=150)
+
+
+def test_bring_your_own_model_data_and_intervention(tmp_path):
+    example = REPO / "examples" / "byo"
+    run_dir = tmp_path / "byo"
+    proc = run_twinrun(["--config-dir", str(example / "conf"), "+experiment=byo_bars", f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path, env={"PYTHONPATH": str(example)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["arms"] == ["scale_cond", "native"]
+    assert [g["sigma"] for g in summary["gates"]] == [0.4] * 3 and all(g["bit_identical"] for g in summary["gates"])
+    run = json.loads((run_dir / "run.json").read_text())
+    store = next((run_dir / "arms" / "native").glob("*.safetensors"))
+    from twinrun.store import read_store
+
+    layout = read_store(store).meta["layout"]
+    assert {e["name"] for e in layout if e["cond"]} == {"film.0.weight", "film.0.bias", "film.2.weight", "film.2.bias"}
+    assert run["bins"][0]["stores"]["scale_cond"]["status"] == "done"

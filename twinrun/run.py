@@ -9,6 +9,7 @@ on the same draws, and skips the bins whose stores already exist and verify (res
 import hashlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import hydra
 import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 from twinrun import draws, probe, provenance
 from twinrun.arms import Arm, derive_arms
@@ -207,11 +209,14 @@ def _measure(run_dir: Path) -> dict:
     run["status"] = "running"
     run.pop("failure", None)
     write_json(run_dir / "run.json", run)
-    for b in run["bins"]:
-        # The bin is the unit of twin validity: if any arm of it is missing, measure all of its
-        # arms again, back to back in this process, rather than pair stores from two processes.
-        if all(bin_done(run_dir, b, a.name) for a in arms):
-            continue
+    # The bin is the unit of twin validity: if any arm of it is missing, measure all of its arms
+    # again, back to back in this process, rather than pair stores from two processes.
+    todo = [b for b in run["bins"] if not all(bin_done(run_dir, b, a.name) for a in arms)]
+    if len(todo) < len(run["bins"]):
+        print(f"twinrun: resuming: {len(run['bins']) - len(todo)} of {len(run['bins'])} bins already measured",
+              flush=True)
+    progress = Progress(len(todo) * len(arms))
+    for b in todo:
         sigma = b["sigma"]
         t0 = time.perf_counter()
         eps = draws.noise(cfg["seed"], sigma, image_ids, p["n_draws"], tuple(images.shape[1:]))
@@ -237,12 +242,40 @@ def _measure(run_dir: Path) -> dict:
                 _mark_failed(run_dir, run, b, arm.name)
                 raise
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
-        print(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
-              f"({time.perf_counter() - t0:.2f}s)", flush=True)
+            progress.step(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g} {arm.name}")
+        progress.log(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
+                     f"({time.perf_counter() - t0:.2f}s)")
+    progress.close()
     job["sentinel_end"] = provenance.read_sentinel(model, device, images.shape[1:])["digest"]
     run["status"] = "measured"
     write_json(run_dir / "run.json", run)
     return run
+
+
+class Progress:
+    """A tqdm bar with ETA on a terminal; plain log lines with ETA elsewhere (CI, SLURM logs)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self.bar = tqdm(total=total, unit="arm·bin", dynamic_ncols=True) if sys.stderr.isatty() and total else None
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=False)
+            self.bar.update(1)
+
+    def log(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+            return
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+        print(f"{line} [{self.done}/{self.total} arm·bins, ETA {eta:.0f}s]", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def start_job(run_dir: Path, run: dict, fp: dict, determinism: dict, sentinel: dict) -> dict:

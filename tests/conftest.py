@@ -35,7 +35,7 @@ def compose_cfg():
 def run_twinrun(args, cwd, module="twinrun", timeout=600, env=None):
     """`python -m twinrun ...` in a subprocess; returns CompletedProcess (text)."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, check=False,
                           timeout=timeout, env=full_env)
 
 

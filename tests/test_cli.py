@@ -4,9 +4,8 @@ import json
 import textwrap
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import TINY, measured, run_twinrun
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 

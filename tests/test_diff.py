@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import run_twinrun
 from safetensors.torch import save_file
 
-from conftest import run_twinrun
 from twinrun.diff import diff_tensors, load_tensors
 
 

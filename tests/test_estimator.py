@@ -1,5 +1,7 @@
 """The estimator against synthetic data with a known true cosine."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -23,7 +25,7 @@ def fold_sums(rng, mu, sizes, noise_std=1.0, shared_noise=None):
     noise = shared_noise if shared_noise is not None else rng.standard_normal((sum(sizes), mu.size)) * noise_std
     samples = mu + noise
     edges = np.cumsum([0, *sizes])
-    return np.stack([samples[a:b].sum(0) for a, b in zip(edges[:-1], edges[1:])]), noise
+    return np.stack([samples[a:b].sum(0) for a, b in itertools.pairwise(edges)]), noise
 
 
 def grams(sa, sb):
@@ -44,16 +46,17 @@ def test_debiased_inner_product_is_unbiased_where_the_naive_one_is_not():
     mu_a, mu_b = two_arms_with_cosine(rng, 0.6)
     sizes = np.array([10] * 8)
     truth = mu_a @ mu_b
-    deb, naive = [], []
+    deb, cross, naive = [], [], []
     for _ in range(400):
         sa, _ = fold_sums(rng, mu_a, sizes)
         sb, _ = fold_sums(rng, mu_b, sizes)
         deb.append(debiased_inner(sa @ sa.T, sizes, sizes))
+        cross.append(debiased_inner(sa @ sb.T, sizes, sizes))
         naive.append((sa.sum(0) / sizes.sum()) @ (sa.sum(0) / sizes.sum()))
     # ⟨μ_a, μ_a⟩ = 4; noise adds P·σ²/N = 200/80 = 2.5 to the naive squared norm.
     assert np.mean(deb) == pytest.approx(mu_a @ mu_a, rel=0.05)
     assert np.mean(naive) == pytest.approx(mu_a @ mu_a + 200 / 80, rel=0.05)
-    assert truth == pytest.approx(0.6 * 4)
+    assert np.mean(cross) == pytest.approx(truth, rel=0.05) and truth == pytest.approx(0.6 * 4)
 
 
 @pytest.mark.parametrize("cos_true", [0.3, 0.8, 0.97])

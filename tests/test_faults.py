@@ -11,9 +11,9 @@ import textwrap
 import time
 
 import pytest
-
 from conftest import measured, run_twinrun
-from twinrun.errors import StoreError, TwinrunError
+
+from twinrun.errors import StoreError
 from twinrun.run import plan_run, run_job
 from twinrun.store import read_store
 

@@ -4,8 +4,8 @@ import json
 import textwrap
 
 import pytest
-
 from conftest import TINY, run_twinrun
+
 from twinrun.store import read_store, write_store
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,6 @@ import json
 import matplotlib.image
 import numpy as np
 import pytest
-
 from conftest import REPO, TINY, run_twinrun
 from test_cli import BROKEN
 

@@ -104,10 +104,8 @@ def test_json_is_atomic_and_checked(tmp_path):
 
 
 def test_second_writer_is_refused_and_a_stale_lock_recovered(tmp_path, capsys):
-    with run_lock(tmp_path):
-        with pytest.raises(StoreError, match="being written by pid"):
-            with run_lock(tmp_path):
-                pass
+    with run_lock(tmp_path), pytest.raises(StoreError, match="being written by pid"), run_lock(tmp_path):
+        pass
     assert not (tmp_path / ".lock").exists()
     # a lock left by a process that has exited (a real pid, reaped)
     child = os.fork()
@@ -124,6 +122,5 @@ def test_second_writer_is_refused_and_a_stale_lock_recovered(tmp_path, capsys):
 
 def test_lock_from_another_host_is_not_stolen(tmp_path):
     (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "some-other-node"}))
-    with pytest.raises(StoreError, match="some-other-node"):
-        with run_lock(tmp_path):
-            pass
+    with pytest.raises(StoreError, match="some-other-node"), run_lock(tmp_path):
+        pass

@@ -28,7 +28,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _state = {"task_started": False, "codes": [], "deferred": [], "launcher": None, "sweep_dir": None}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unique() -> str:
     # Hydra's ${now:} has one-second resolution: two runs started in the same second would share
     # a directory (Hydra #2925). A per-process random suffix keeps them apart.

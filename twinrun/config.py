@@ -5,11 +5,10 @@ entry points, never at import). The YAML files in conf/ select and fill these sc
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-
 
 # ----------------------------------------------------------------------------- components built
 # through one level of `_target_` (model, data, intervention): a user's own config may point
@@ -20,7 +19,7 @@ from omegaconf import MISSING
 class DiTModelConfig:
     _target_: str = "twinrun.model.load_pretrained"
     # None = the committed weights in twinrun/weights/ (made by `python -m twinrun.train`).
-    path: Optional[str] = None
+    path: str | None = None
 
 
 @dataclass
@@ -92,15 +91,15 @@ class LauncherConfig:
     name: str = "local"
     wait: bool = True  # false: return after submission; `python -m twinrun.status RUN_DIR` later
     # SLURM knobs (submitit's names; units in the names). None = the cluster's default.
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
     timeout_min: int = 240
     nodes: int = 1  # the twin pair runs in one process: more nodes would only idle
     gpus_per_node: int = 1  # 0 allowed (CPU-only partitions)
     cpus_per_task: int = 4
-    mem_gb: Optional[float] = None
+    mem_gb: float | None = None
     # USR2 this long before the time limit: the job checkpoints and requeues itself.
     signal_delay_s: int = 120
     # Requeues allowed on time limits (preemptions do not count): a long probe finishes across
@@ -123,7 +122,7 @@ class DeterminismConfig:
     float32_matmul_precision: str = "highest"  # highest | high | medium (TF32 / bf16 matmuls)
     # Durable home for torch.compile caches (Inductor/Triton default to /tmp and vanish on
     # reboot, taking autotune winners with them). null = ~/.cache/twinrun/compile.
-    compile_cache_dir: Optional[str] = None
+    compile_cache_dir: str | None = None
 
 
 @dataclass
@@ -146,7 +145,7 @@ class TwinrunConfig:
     arms: ArmsConfig = field(default_factory=ArmsConfig)
     # An earlier run's directory whose native twin is this run's reference (same protocol). The
     # reducer checks whether it is alive in this environment before showing anything against it.
-    reference: Optional[str] = None
+    reference: str | None = None
     # One seed for every random stream (draws are keyed by (seed, bin σ, image, draw)).
     seed: int = 0
 

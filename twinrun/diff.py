@@ -41,7 +41,7 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                     out[prefix + name] = handle.get_tensor(name)
-        except Exception as err:  # any damage in a foreign file ends as a named error
+        except Exception as err:  # noqa: BLE001 — any damage in a foreign file ends as a named error
             raise StoreError(f, f"not a readable safetensors file ({type(err).__name__})") from None
     return out
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from twinrun.determinism import apply_determinism
-from twinrun.env import fingerprint, kernel_path_diff
+from twinrun.env import kernel_path_diff
 from twinrun.errors import EXIT_REFUSED, TwinrunError
 from twinrun.sentinel import sentinel
 

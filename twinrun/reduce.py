@@ -8,7 +8,6 @@ effects withheld); 2 bad input (missing, damaged or foreign stores).
 
 import argparse
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -308,8 +307,8 @@ def render(summary: dict) -> str:
         lines += ["", summary["reference"]["detail"]]
     ok = summary["valid"] and all(x["passed"] for x in summary["gates"])
     if not ok:
-        lines += ["", "INSTRUMENT BROKEN: a validity check or no-op gate failed. Effects are withheld; "
-                  "nothing else from this run should be read."]
+        lines += ["", ("INSTRUMENT BROKEN: a validity check or no-op gate failed. Effects are withheld; "
+                       "nothing else from this run should be read.")]
         return "\n".join(lines)
     lines += ["", "effects (debiased cos to the twin, ± jackknife SE; 1 − cos is the effect):",
               f"  {'σ':>6}  {'estimand':<9} {'cos':>12} {'± se':>9} {'naive cos':>10}"]

@@ -9,8 +9,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # headless: SLURM nodes and CI have no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 EFFECT_PNG = "effect.png"
 HEATMAP_PNG = "sweep_effect.png"

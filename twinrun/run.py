@@ -7,6 +7,7 @@ on the same draws, and skips the bins whose stores already exist and verify (res
 """
 
 import hashlib
+import itertools
 import json
 import math
 import sys
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from twinrun import draws, probe, provenance
 from twinrun.arms import Arm, derive_arms
 from twinrun.env import fingerprint
-from twinrun.errors import ConfigError, StoreError, TwinrunError
+from twinrun.errors import ConfigError, StoreError
 from twinrun.lock import run_lock
 from twinrun.store import atomic_write, read_json, read_store, store_name, write_json, write_store
 
@@ -35,7 +36,7 @@ def build(node: dict, key: str):
     """One level of Hydra instantiate, with a one-line error naming the key."""
     try:
         return hydra.utils.instantiate(node)
-    except Exception as err:  # instantiate wraps every builder failure in its own exception
+    except Exception as err:  # noqa: BLE001 — instantiate wraps every builder failure in its own exception
         cause = err.__cause__ or err
         msg = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
         raise ConfigError(f"{key}._target_", node.get("_target_"), f"could not be built: {msg}") from None
@@ -51,7 +52,7 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
         raise ConfigError("sigma_grid.sigmas", grid, "is empty; give at least one σ, e.g. [0.1,0.5,1.0]")
     if not all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in grid):
         raise ConfigError("sigma_grid.sigmas", grid, "every σ must be a positive finite number")
-    if any(b <= a for a, b in zip(grid, grid[1:])):
+    if any(b <= a for a, b in itertools.pairwise(grid)):
         raise ConfigError("sigma_grid.sigmas", grid,
                           f"must be strictly increasing without duplicates, e.g. {sorted(set(grid))}")
     p = cfg.probe

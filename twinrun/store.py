@@ -119,7 +119,7 @@ def read_store(path: Path, sha256: str | None = None) -> Store:
         sums, meta = _parse(path, data)
     except StoreError:
         raise
-    except Exception as err:  # a hostile or damaged file must end as a named error, never a traceback
+    except Exception as err:  # noqa: BLE001 — a hostile or damaged file must end as a named error, never a traceback
         raise StoreError(path, f"malformed store ({type(err).__name__})") from None
     return Store(path, sums, meta, digest)
 
@@ -135,7 +135,7 @@ def _parse(path: Path, data: bytes) -> tuple[torch.Tensor, dict]:
         raise StoreError(path, f"tensor 'sums' must be float32 [n_folds, n_params], found {info}")
     try:
         sums = safetensors.torch.load(data)["sums"]
-    except Exception as err:  # safetensors raises its own error types for damaged payloads
+    except Exception as err:  # noqa: BLE001 — safetensors raises its own error types for damaged payloads
         raise StoreError(path, f"damaged safetensors payload ({type(err).__name__})") from None
     meta = {k: _decode(v) for k, v in raw_meta.items() if isinstance(v, str)}
     _check_meta(path, sums, meta)

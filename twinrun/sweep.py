@@ -40,8 +40,9 @@ def _point(run_dir: Path) -> dict:
 
 def write_sweep_report(sweep_dir: Path, summary: dict) -> Path:
     """sweep_report.md: each point's verdict linked to its run, then the heatmap."""
-    lines = ["# twinrun sweep report", "", f"{summary['n_points']} points; "
-             f"{'every point valid with its gates passed' if summary['all_valid'] else 'NOT every point passed its checks and gates'}.",
+    verdict = ("every point valid with its gates passed" if summary["all_valid"]
+               else "NOT every point passed its checks and gates")
+    lines = ["# twinrun sweep report", "", f"{summary['n_points']} points; {verdict}.",
              "", "| point | overrides | status | valid | gates passed | report |", "|---|---|---|---|---|---|"]
     for p in summary["points"]:
         rel = Path(p["run_dir"]).relative_to(sweep_dir)

@@ -51,17 +51,23 @@ def reduce_and_report(run_dir: Path) -> int:
 
 def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
     """Plan one run, then measure and reduce it (local), submit it, or defer it to the array."""
+    from twinrun import launch
     from twinrun.run import plan_run, run_job
 
+    launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
+    if launcher["name"] != "local":
+        launch.check(launcher)  # bad cluster settings fail before a run directory is written
+    if sweeping and _state["launcher"] not in (None, launcher):
+        raise TwinrunError("launcher.*: a sweep is submitted as one job array, so every point must share "
+                           "one launcher config; sweep the experiment, not the launcher")
+    _state["launcher"] = launcher
     plan_run(cfg, run_dir, command=reproduce_command(run_dir))
     print(f"twinrun: run directory {run_dir}", flush=True)
-    launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
     if launcher["name"] == "local":
         run_job(run_dir)
         return reduce_and_report(run_dir)
     if sweeping:
         _state["deferred"].append(run_dir)
-        _state["launcher"] = launcher
         return None
     return submit_and_collect([run_dir], launcher, run_dir)
 
@@ -72,9 +78,9 @@ def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path) 
 
     jobs = launch.submit(run_dirs, launcher, folder_root)
     if not launcher["wait"]:
-        for run_dir, job in zip(run_dirs, jobs):
-            print(f"twinrun: submitted job {job.job_id} for {run_dir}; follow it with "
-                  f"`python -m twinrun.status {run_dir}`, then `python -m twinrun.reduce {run_dir}`")
+        where = run_dirs[0] if len(run_dirs) == 1 else folder_root
+        print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`, "
+              "then reduce each run with `python -m twinrun.reduce RUN_DIR`")
         return EXIT_OK
     failed = launch.wait(run_dirs, jobs, launcher)
     codes = [reduce_and_report(r) if r not in failed else failed[r] for r in run_dirs]

@@ -91,6 +91,9 @@ def fingerprint(compile_mode: str | None = None) -> dict:
         "switches": _switches(),
         "compile": compile_path,
         "env": _numerics_env(),
+        # The code that computes the numbers: an edit to the probe moves results as surely as a
+        # library upgrade, and the git commit (info) misses uncommitted edits.
+        "twinrun_sources_sha256": _twinrun_sources_sha256(),
     }
     info = {
         "hostname": socket.gethostname(),
@@ -108,6 +111,15 @@ def fingerprint(compile_mode: str | None = None) -> dict:
         "compile_caches": caches,
     }
     return {"kernel_path": kernel_path, "info": info}
+
+
+def _twinrun_sources_sha256() -> str:
+    """sha256 over twinrun's own .py files (relative path + content), in path order."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def kernel_path_diff(a: dict, b: dict) -> list[str]:

@@ -1,0 +1,213 @@
+"""twinrun on a real SLURM (the local single-node cluster of launch/slurm-up.sh), through the real CLI.
+
+A pair job, a sweep as one job array, a preemption that resumes, a failing arm, a cancelled job and bad
+input. Tests wait on run-directory files, squeue and sacct, never on submitit's cached job state.
+"""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import submitit
+from conftest import TINY, run_twinrun
+from test_launch import launcher, store_sums, write_failing_module
+
+from twinrun import launch, status
+from twinrun.errors import ConfigError, StoreError
+from twinrun.store import read_json, read_store
+
+pytestmark = pytest.mark.slurm
+
+# Long enough to interrupt: the default 8-bin grid, 16 images x 8 draws (0.3-4 s a bin on 2 busy cores).
+LONGER = ["probe.n_images=16", "probe.n_draws=8", "probe.n_folds=4"]
+
+
+@pytest.fixture(scope="module")
+def slurm_args(slurm_cluster) -> list[str]:
+    return ["launcher=slurm", f"launcher.partition={slurm_cluster['partition']}", "launcher.gpus_per_node=0",
+            "launcher.cpus_per_task=1", "launcher.timeout_min=5", "launcher.poll_s=0.5"]
+
+
+@pytest.fixture(scope="module")
+def local_reference(tmp_path_factory, model_args) -> Path:
+    """The TINY pair measured in-process: every SLURM job of the same config must reproduce it."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, f"hydra.run.dir={tmp / 'run'}"], cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return tmp / "run"
+
+
+def final_state(job_id: str, timeout_s: float = 30) -> str:
+    """sacct's state once the job has ended (sacct lags squeue by a moment)."""
+    deadline = time.time() + timeout_s
+    while True:
+        state = status.sacct_state(job_id) or "UNKNOWN"
+        if state.split()[0] in status.SLURM_ENDED or time.time() > deadline:
+            return state
+        time.sleep(0.5)
+
+
+def bin_records(run_dir: Path) -> list[dict]:
+    """Per bin, {arm: the allocation its store records}."""
+    run = read_json(run_dir / "run.json")
+    return [{arm: read_store(run_dir / "arms" / arm / e["file"], e["sha256"]).meta["env"]
+             for arm, e in b["stores"].items()} for b in run["bins"]]
+
+
+def assert_bins_paired_in_one_process(run_dir: Path, job_id: str) -> None:
+    for records in bin_records(run_dir):
+        assert {r["slurm_job_id"] for r in records.values()} == {job_id}, records
+        where = {(r["hostname"], r["boot_id"], r["pid"], r["slurm_restart_count"]) for r in records.values()}
+        assert len(where) == 1, records
+
+
+def test_pair_job_measures_both_arms_in_one_allocation(tmp_path, slurm_args, model_args, local_reference):
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, *slurm_args, f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launched = read_json(run_dir / "launch.json")
+    job_id = launched["job_id"]
+    assert launched["cluster"] == "slurm" and launched["array_job_id"] is None
+    assert f"submitted SLURM job {job_id} for {run_dir}" in proc.stdout
+    assert "bins done: pin_sigma 3/3, native 3/3" in proc.stdout and "effects (debiased cos" in proc.stdout
+    assert final_state(job_id) == "COMPLETED 0:0"
+    # one job (SLURM id, node, boot, process) wrote both arms of every bin
+    assert_bins_paired_in_one_process(run_dir, job_id)
+    # same kernel path as the in-process run, so the same bits
+    ref_store = read_store(next((local_reference / "arms" / "native").glob("*.safetensors")))
+    job_store = read_store(run_dir / "arms" / "native" / ref_store.path.name)
+    assert job_store.meta["kernel_path"] == ref_store.meta["kernel_path"]
+    assert store_sums(run_dir) == store_sums(local_reference)
+
+
+def test_sweep_is_one_job_array_with_both_arms_in_each_element(tmp_path, slurm_args, model_args,
+                                                                local_reference):
+    sweep = tmp_path / "sweep"
+    proc = run_twinrun(["-m", "+experiment=pin_sigma", "intervention.sigma_pin=0.5,1.2", *TINY, *model_args,
+                        *slurm_args, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launched = [read_json(sweep / point / "launch.json") for point in ("0", "1")]
+    array = launched[0]["array_job_id"]
+    assert [(x["job_id"], x["array_job_id"], x["array_task_id"]) for x in launched] == \
+        [(f"{array}_0", array, 0), (f"{array}_1", array, 1)]
+    assert f"submitted SLURM job array {array} (2 runs" in proc.stdout
+    assert [final_state(x["job_id"]) for x in launched] == ["COMPLETED 0:0"] * 2
+    for point in (0, 1):
+        records = [r for b in bin_records(sweep / str(point)) for r in b.values()]
+        assert {(r["slurm_array_job_id"], r["slurm_array_task_id"]) for r in records} == {(array, str(point))}
+        # SLURM_JOB_ID of an array element is its own number; both arms of each bin share it
+        assert_bins_paired_in_one_process(sweep / str(point), records[0]["slurm_job_id"])
+    assert store_sums(sweep / "0") == store_sums(local_reference)  # point 0 is the reference's config
+    assert (sweep / "sweep_summary.json").is_file()
+
+
+def whole_bins(run_dir: Path) -> list[dict]:
+    try:
+        run = read_json(run_dir / "run.json")
+    except StoreError:  # not planned yet
+        return []
+    return [b for b in run["bins"] if all(e["status"] == "done" for e in b["stores"].values())]
+
+
+def test_preempted_job_requeues_and_resumes_without_recomputing(tmp_path, slurm_args, model_args):
+    common = ["+experiment=pin_sigma", *LONGER, *model_args]
+    ref_dir, job_dir = tmp_path / "reference", tmp_path / "job"
+    popen = {"cwd": tmp_path, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    twinrun = [sys.executable, "-m", "twinrun", *common]
+    job = subprocess.Popen([*twinrun, *slurm_args, f"hydra.run.dir={job_dir}"], **popen)
+    deadline = time.time() + 60
+    while len(whole_bins(job_dir)) < 2:
+        assert time.time() < deadline and job.poll() is None, "the job did not finish two bins in time"
+        time.sleep(0.05)
+    launched = read_json(job_dir / "launch.json")
+    subprocess.run(["scancel", "--signal=USR2", launched["job_id"]], check=True)  # what a preemption sends
+    finished_before = {job_dir / "arms" / arm / e["file"]
+                       for b in whole_bins(job_dir) for arm, e in b["stores"].items()}
+    before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in finished_before}
+    assert len(whole_bins(job_dir)) < 8, "the job finished before it was signalled: make LONGER longer"
+    # the uninterrupted run of the same config, in-process, measured while the job waits to restart
+    reference = subprocess.Popen([*twinrun, f"hydra.run.dir={ref_dir}"], **popen)
+
+    _, err = job.communicate(timeout=150)
+    assert job.returncode == 0, err[-3000:]
+    assert reference.wait(timeout=60) == 0
+    assert final_state(launched["job_id"]) == "COMPLETED 0:0"
+    # no finished bin was recomputed: same files, untouched
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in finished_before} == before
+    log = Path(launched["stdout"]).read_text()
+    assert "requeueing, the next start resumes from them" in log and "Requeued job" in log
+    resumed = [line for line in log.splitlines() if "start 2 on" in line]
+    assert len(resumed) == 1 and "skipped on resume: 0, 1" in resumed[0], log
+    # both starts belong to the one SLURM job; each bin's pair is whole within one of them
+    assert_bins_paired_in_one_process(job_dir, launched["job_id"])
+    restarts = [b["native"]["slurm_restart_count"] for b in bin_records(job_dir)]
+    assert restarts[0] in (None, "0") and restarts[-1] == "1"
+    # and the result is bit-identical to the uninterrupted run
+    assert store_sums(job_dir) == store_sums(ref_dir)
+
+
+def test_failing_arm_ends_the_job_failed_and_names_arm_and_bin(tmp_path, slurm_args, model_args):
+    modules = write_failing_module(tmp_path / "user_code")  # reaches the job through sbatch's exported env
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, *slurm_args,
+                        "intervention._target_=tw_failing.NaNAbove", f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path, timeout=120, env={"PYTHONPATH": str(modules)})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    job_id = read_json(run_dir / "launch.json")["job_id"]
+    assert f"job {job_id} FAILED 1:0: arm pin_sigma failed at bin 2 (σ=1.2)" in proc.stderr
+    assert "NonFiniteGradient: arm pin_sigma, bin 2 (σ=1.2)" in proc.stderr  # the error's tail
+    assert final_state(job_id) == "FAILED 1:0"
+    run = read_json(run_dir / "run.json")
+    assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "bin_index": 2, "sigma": 1.2}
+    assert len(store_sums(run_dir)) == 2 * 2  # bins 0 and 1 of both arms stay valid
+
+
+def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_args, model_args, capsys):
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *LONGER, *model_args, *slurm_args, "launcher.wait=false",
+                        f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launched = read_json(run_dir / "launch.json")
+    assert f"python -m twinrun.status {run_dir}" in proc.stdout
+    shown = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.status")
+    assert shown.returncode == 0 and f"job {launched['job_id']} " in shown.stdout
+    assert re.search(rf"job {launched['job_id']} (PENDING|RUNNING)\b", shown.stdout), shown.stdout
+    subprocess.run(["scancel", launched["job_id"]], check=True)
+    # a job gone without a result pickle: waiting must end, not hang
+    job = submitit.SlurmJob(folder=launched["folder"], job_id=launched["job_id"])
+    t0 = time.time()
+    assert launch.wait([run_dir], [job], launched["launcher"]) == {run_dir: 2}
+    assert time.time() - t0 < 30
+    err = capsys.readouterr().err
+    assert f"job {launched['job_id']} CANCELLED" in err and "without a result" in err
+
+
+def test_bad_settings_are_refused_against_the_real_cluster(slurm_cluster, tmp_path):
+    base = launcher(name="slurm", partition=slurm_cluster["partition"], gpus_per_node=0, timeout_min=5)
+    launch.check(base)
+    for knobs, key, says in (({"partition": "nope"}, "launcher.partition", "choose one of debug"),
+                             ({"gpus_per_node": 1}, "launcher.gpus_per_node", "has no GPUs"),
+                             ({"timeout_min": 2}, "launcher.timeout_min", "timeout_min ≥ 3")):
+        with pytest.raises(ConfigError) as err:
+            launch.check({**base, **knobs})
+        assert err.value.key == key and says in str(err.value)
+    # what only sbatch can tell, at submission
+    with pytest.raises(ConfigError) as err:
+        launch.submit([tmp_path], {**base, "additional_parameters": {"nodelist": "nosuchnode"}}, tmp_path)
+    assert err.value.key == "launcher.additional_parameters" and "Invalid node name" in str(err.value)
+
+
+@pytest.mark.parametrize("override, error", [
+    ("launcher.partition=nope", "launcher.partition='nope': no such partition on this cluster"),
+    ("launcher.gpus_per_node=1", "launcher.gpus_per_node=1: partition debug has no GPUs"),
+])
+def test_bad_slurm_input_is_one_line_exit_2_from_the_cli(tmp_path, slurm_args, model_args, override, error):
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, *slurm_args, override,
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith(f"twinrun: error: {error}")

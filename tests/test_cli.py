@@ -121,3 +121,22 @@ def test_reduce_command_reproduces_the_summary(tmp_path):
     assert again.returncode == 0 and (run_dir / "summary.json").read_text() == first
     missing = run_twinrun([str(tmp_path / "nope")], cwd=tmp_path, module="twinrun.reduce")
     assert missing.returncode == 2 and "nope" in missing.stderr and "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize("module", ["twinrun.reduce", "twinrun.resume", "twinrun.status"])
+@pytest.mark.parametrize("what", ["missing", "not_a_run"])
+def test_every_run_dir_command_refuses_bad_paths_in_one_line(tmp_path, module, what):
+    target = tmp_path / "nowhere"
+    if what == "not_a_run":
+        target.mkdir()
+        (target / "run.json").write_text("[1, 2")  # damaged index
+    proc = run_twinrun([str(target)], cwd=tmp_path, module=module)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nowhere" in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("module", ["twinrun.compare", "twinrun.diff"])
+def test_pair_commands_refuse_missing_paths_in_one_line(tmp_path, module):
+    proc = run_twinrun([str(tmp_path / "a"), str(tmp_path / "b")], cwd=tmp_path, module=module)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -70,6 +70,9 @@ def test_broken_intervention_fails_its_gate_and_withholds_effects(tmp_path):
     assert not all(g["passed"] for g in summary["gates"])
     assert not any(g["bit_identical"] for g in summary["gates"])
     assert "INSTRUMENT BROKEN" in proc.stdout and "effects (debiased" not in proc.stdout
+    report = (run_dir / "report.md").read_text()  # the report withholds them too
+    assert "## Effects" not in report and "INSTRUMENT BROKEN" in report
+    assert not (run_dir / "effect.png").exists()
 
 
 @pytest.mark.parametrize(

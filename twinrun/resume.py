@@ -9,7 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinrun.errors import StoreError, TwinrunError, fail
+from twinrun.errors import TwinrunError, fail
+from twinrun.store import require_run_dir
 
 
 def main(argv=None) -> int:
@@ -20,9 +21,7 @@ def main(argv=None) -> int:
     from twinrun.run import run_job
 
     try:
-        if not (args.run_dir / "run.json").is_file():
-            raise StoreError(args.run_dir, "not a twinrun run directory (no run.json)")
-        run_job(args.run_dir)
+        run_job(require_run_dir(args.run_dir))
         return reduce_and_report(args.run_dir)
     except TwinrunError as err:
         fail(err)

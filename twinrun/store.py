@@ -60,6 +60,14 @@ def read_json(path: Path) -> dict:
     return obj
 
 
+def require_run_dir(path: Path) -> Path:
+    """A run directory given on a command line: it must hold run.json."""
+    path = Path(path)
+    if not (path / "run.json").is_file():
+        raise StoreError(path, "not a twinrun run directory (no run.json)")
+    return path
+
+
 def store_name(bin_index: int, sigma: float) -> str:
     return f"bin{bin_index:02d}_sigma{sigma:g}.safetensors"
 

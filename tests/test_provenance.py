@@ -123,3 +123,39 @@ def test_resume_on_another_kernel_path_is_refused(tmp_path):
     assert refused.returncode == 3 and "must not straddle" in refused.stderr and "threads" in refused.stderr
     resumed = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+def test_a_bin_pieced_from_two_processes_fails_the_same_allocation_check(tmp_path):
+    (_, a), (_, b) = run(tmp_path, "a"), run(tmp_path, "b")
+    # Splice b's native store of bin 1 (same config, measured by another process) into a, and
+    # make a's index vouch for its bytes: only the per-bin allocation record can tell.
+    run_a = json.loads((a / "run.json").read_text())
+    entry = run_a["bins"][1]["stores"]["native"]
+    donor = b / "arms" / "native" / entry["file"]
+    (a / "arms" / "native" / entry["file"]).write_bytes(donor.read_bytes())
+    entry["sha256"] = json.loads((b / "run.json").read_text())["bins"][1]["stores"]["native"]["sha256"]
+    (a / "run.json").write_text(json.dumps(run_a))
+    proc = run_twinrun([str(a)], cwd=tmp_path, module="twinrun.reduce")
+    assert proc.returncode == 1, proc.stderr
+    summary = json.loads((a / "summary.json").read_text())
+    failed = {c["name"]: c["detail"] for c in summary["checks"] if not c["passed"]}
+    assert list(failed) == ["same_allocation_per_bin"] and "bin 1: pid" in failed["same_allocation_per_bin"]
+    assert summary["effects"] == [] and "INSTRUMENT BROKEN" in proc.stdout
+
+
+def test_sentinel_check_fails_when_a_job_saw_the_path_move():
+    from twinrun.reduce import provenance_checks
+
+    class FakeStore:
+        def __init__(self, sentinel):
+            self.meta = {"env": {"kernel_path_sha256": "k", "pid": 1, "sentinel": sentinel}}
+
+    run = {"bins": [{"index": 0}], "jobs": [{"sentinel_start": "s1", "sentinel_end": "s2"}]}
+    stores = {("x", 0): FakeStore("s1"), ("native", 0): FakeStore("s1")}
+    checks = {c["name"]: c for c in provenance_checks(run, stores, ["x", "native"])}
+    assert checks["same_allocation_per_bin"]["passed"] and checks["one_kernel_path"]["passed"]
+    assert not checks["sentinel_unchanged"]["passed"] and "changed" in checks["sentinel_unchanged"]["detail"]
+    run["jobs"][0]["sentinel_end"] = "s1"
+    assert all(c["passed"] for c in provenance_checks(run, stores, ["x", "native"]))
+    run["jobs"][0]["sentinel_end"] = None  # killed before its closing reading
+    assert not {c["name"]: c for c in provenance_checks(run, stores, ["x", "native"])}["sentinel_unchanged"]["passed"]

@@ -1,18 +1,23 @@
 """The probe: per-fold sums of per-sample gradients of the EDM loss, one bin and arm at a time.
 
-Per-image gradients come from torch.func (grad of the image's loss summed over its draws,
-vmapped over a chunk of images), so one call costs about one batched backward, not one backward
-per sample; they are added into their image's fold at once, so memory is bounded by the chunk,
-not by n_images x n_draws.
+A fold's sum of per-sample gradients is the gradient of the fold's summed loss: torch.func's
+grad, vmapped over groups of one fold's images, gives it in one batched forward and backward
+(about the cost of a plain backward over the same samples, not one backward per sample), chunk by
+chunk, streamed into the fold sums, so memory is bounded by the chunk, not by n_images x n_draws.
 """
 
 import fnmatch
 import sys
 
 import torch
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, vmap
 
 from twinrun.errors import EXIT_GATE, ConfigError, TwinrunError
+
+# Default chunk (measured by benchmarks/bench_probe.py; ProbeConfig carries the same defaults):
+# one vmapped call takes CHUNK_IMAGES images x CHUNK_DRAWS draws. -1 = no limit.
+CHUNK_IMAGES = 40
+CHUNK_DRAWS = 6
 
 
 class NonFiniteGradient(TwinrunError):
@@ -56,6 +61,22 @@ def edm_weight(sigma: torch.Tensor, sigma_data: float) -> torch.Tensor:
     return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
 
 
+def fold_groups(fold_of_image: list[int], n_folds: int, chunk_images: int) -> tuple[int, list]:
+    """Pack images into equal-size groups of one fold each: (images per group k, [(fold, image indices)]).
+
+    A group shorter than k is padded later with zero-weight copies of its first image. k is the
+    largest group size ≤ chunk_images (and ≤ the largest fold) whose padding stays within a quarter
+    of the real images: equal folds give one group per fold and no padding at all.
+    """
+    members = [[i for i, f in enumerate(fold_of_image) if f == fold] for fold in range(n_folds)]
+    sizes = [len(m) for m in members if m]
+    n = sum(sizes)
+    limit = min(n if chunk_images < 1 else chunk_images, max(sizes))
+    k = next(k for k in range(limit, 0, -1) if sum(-(-s // k) * k for s in sizes) <= 1.25 * n)
+    groups = [(fold, m[start : start + k]) for fold, m in enumerate(members) for start in range(0, len(m), k)]
+    return k, groups
+
+
 def fold_sums(
     model: torch.nn.Module,
     names: list[str],
@@ -65,31 +86,60 @@ def fold_sums(
     sigma_cond: torch.Tensor,  # 0-d tensor, the σ fed to the conditioning pathway
     fold_of_image: torch.Tensor,  # [N] int64 on the device
     n_folds: int,
-    chunk_images: int = -1,
+    chunk_images: int = CHUNK_IMAGES,
+    chunk_draws: int = CHUNK_DRAWS,
 ) -> torch.Tensor:
-    """[n_folds, P] float32: Σ over the fold's images and draws of ∇ loss(image, draw)."""
+    """[n_folds, P] float32: Σ over the fold's images and draws of ∇ loss(image, draw).
+
+    A fold's sum is the gradient of the fold's summed loss, so no per-sample gradient is ever
+    formed. Images are packed into groups of one fold each (`fold_groups`); each group gets its own
+    copy of the probed parameters (a stride-0 expand, no memory), the forward is vmapped over the
+    groups and one plain backward gives every copy its group's gradient: the weight gradients are
+    batched matmuls with the FLOPs of a plain backward's. Chunks of ≤ chunk_images images x
+    ≤ chunk_draws draws stream into float64 fold sums, so memory is bounded by the chunk, not by
+    N x D (-1 = no limit).
+    """
     params = dict(model.named_parameters())
     probed = {n: params[n].detach() for n in names}
     frozen = {n: p.detach() for n, p in params.items() if n not in probed}
     frozen.update(dict(model.named_buffers()))
-    n_draws = eps.shape[1]
-    sig = torch.full((n_draws,), float(sigma), dtype=images.dtype, device=images.device)
-    sig_cond = sigma_cond.to(images.dtype).expand(n_draws)
-    weight = edm_weight(sig, float(model.sigma_data))
+    n_images, n_draws = eps.shape[0], eps.shape[1]
+    k, groups = fold_groups(fold_of_image.tolist(), n_folds, chunk_images)
+    per_call = max(1, (n_images if chunk_images < 1 else chunk_images) // k)
+    d_chunk = n_draws if chunk_draws < 1 else min(chunk_draws, n_draws)
+    weight = float(edm_weight(torch.tensor(float(sigma), dtype=torch.float64), float(model.sigma_data)))
 
-    def image_loss(p, x, e):  # x [C,H,W], e [D,C,H,W]: the image's loss summed over its draws
-        denoised = functional_call(model, (p, frozen), (x + sig.view(-1, 1, 1, 1) * e, sig, sig_cond))
-        per_sample = (denoised - x).square().flatten(1).mean(1)
-        return (weight * per_sample).sum()
+    def group_loss(p, x, e, mask):  # x [k,C,H,W], e [k,d,C,H,W], mask [k]: the group's summed loss
+        clean = x.unsqueeze(1).expand_as(e).reshape(-1, *x.shape[1:])
+        sig = torch.full((clean.shape[0],), float(sigma), dtype=x.dtype, device=x.device)
+        noisy = clean + sig.view(-1, 1, 1, 1) * e.flatten(0, 1)
+        denoised = functional_call(model, (p, frozen), (noisy, sig, sigma_cond.to(x.dtype).expand_as(sig)))
+        per_sample = (denoised - clean).square().flatten(1).mean(1).view(e.shape[:2])
+        return weight * (per_sample * mask.unsqueeze(1)).sum()
 
-    per_image_grad = vmap(grad(image_loss), in_dims=(None, 0, 0))
-    n_params = sum(p.numel() for p in probed.values())
-    sums = torch.zeros(n_folds, n_params, dtype=torch.float64, device=images.device)
-    chunk = images.shape[0] if chunk_images < 1 else chunk_images
-    for start in range(0, images.shape[0], chunk):
-        g = per_image_grad(probed, images[start : start + chunk], eps[start : start + chunk])
-        flat = torch.cat([g[n].flatten(1) for n in names], dim=1)
-        sums.index_add_(0, fold_of_image[start : start + chunk], flat.double())
+    ends = torch.tensor([probed[n].numel() for n in names]).cumsum(0).tolist()
+    columns = list(zip([0, *ends[:-1]], ends))  # each probed parameter's columns in the sums
+    sums = torch.zeros(n_folds, ends[-1], dtype=torch.float64, device=images.device)
+    for start in range(0, len(groups), per_call):
+        chunk = groups[start : start + per_call]
+        # Pad every group to k images with copies of its first image, weighted 0.
+        index = torch.tensor([m + m[:1] * (k - len(m)) for _, m in chunk], device=images.device)
+        mask = torch.tensor([[1.0] * len(m) + [0.0] * (k - len(m)) for _, m in chunk],
+                            dtype=images.dtype, device=images.device)
+        folds = [f for f, _ in chunk]
+        # One group per fold, folds in a row (equal folds): add in place, float32 into float64.
+        rows = slice(folds[0], folds[-1] + 1) if folds == list(range(folds[0], folds[-1] + 1)) else None
+        fold_index = torch.tensor(folds, device=images.device)
+        for d0 in range(0, n_draws, d_chunk):
+            copies = {n: p.expand(len(chunk), *p.shape).requires_grad_() for n, p in probed.items()}
+            loss = vmap(group_loss)(copies, images[index], eps[index, d0 : d0 + d_chunk], mask).sum()
+            grads = torch.autograd.grad(loss, [copies[n] for n in names])
+            for (lo, hi), g in zip(columns, grads):  # per parameter: no [G, P] temporaries
+                if rows is not None:
+                    target = sums[rows, lo:hi].view(g.shape)  # g may be strided: add it as it is
+                    target += g
+                else:
+                    sums[:, lo:hi].index_add_(0, fold_index, g.reshape(len(chunk), -1).double())
     return sums.float()
 
 

@@ -19,7 +19,7 @@ from twinrun.env import kernel_path_diff
 from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
 from twinrun.estimator import estimate
 from twinrun.report import write_report
-from twinrun.store import read_json, read_store, write_json
+from twinrun.store import read_json, read_store, require_run_dir, write_json
 
 ESTIMANDS = ("all", "cond", "residual")
 # Store metadata that must agree across every store of a run (the protocol).
@@ -106,40 +106,68 @@ def provenance_checks(run: dict, stores: dict, names: list[str]) -> list[dict]:
 
 
 def grams(run: dict, stores: dict, chunk_params: int) -> tuple[dict, list[str], int]:
-    """Gram matrices over all (arm, bin, fold) rows for each parameter view, read in column chunks."""
+    """Gram matrices over the (arm, bin, fold) rows for each parameter view: the same-bin blocks.
+
+    Every estimate (gates, effects, the replicate) pairs two arms of one bin, so only the blocks
+    within a bin are computed (cross-bin blocks are NaN): n_bins x (n_arms·F)² products instead of
+    (n_bins·n_arms·F)². One pass over the columns, in chunks of ≤ chunk_params capped so that the
+    float64 working copy stays under 128 MiB (no copy of the whole run). `residual` is the Gram of
+    R^{arm}_{b,f} = S^{arm}_{b,f} − M_f, M_f = mean_b' S^{twin}_{b',f} (the twin's shared direction
+    removed from both arms alike): ⟨R,R'⟩ = ⟨S,S'⟩ − ⟨S,M⟩ − ⟨M,S'⟩ + ⟨M,M⟩, so besides the
+    within-bin products it needs only every row against the F rows of M.
+    """
     names = [a["name"] for a in run["arms"]]
-    n_bins = len(run["bins"])
-    rows = torch.cat([stores[n, b]. sums for n in names for b in range(n_bins)])
-    layout = next(iter(stores.values())).meta["layout"]
-    n_rows = rows.shape[0]
-    g = {"all": np.zeros((n_rows, n_rows)), "cond": np.zeros((n_rows, n_rows))}
+    n_arms, n_bins = len(names), len(run["bins"])
+    first = next(iter(stores.values()))
+    layout, n_folds = first.meta["layout"], first.sums.shape[0]
+    twin = names.index("native")
+    width = n_arms * n_folds  # rows of one bin's block
+    # Contiguous column ranges of one kind (conditioning or not), in layout order.
+    ranges = []
     for entry in layout:
-        for start in range(entry["offset"], entry["offset"] + entry["numel"], chunk_params):
-            stop = min(start + chunk_params, entry["offset"] + entry["numel"])
-            x = rows[:, start:stop].double()
-            block = (x @ x.T).numpy()
-            g["all"] += block
-            if entry["cond"]:
-                g["cond"] += block
-    has_cond = any(e["cond"] for e in layout)
-    n_folds = rows.shape[0] // (len(names) * n_bins)
-    g["residual"] = residual_gram(g["all"], len(names), n_bins, n_folds, names.index("native"))
-    if not has_cond:
+        lo, hi = entry["offset"], entry["offset"] + entry["numel"]
+        if ranges and ranges[-1][2] == entry["cond"] and ranges[-1][1] == lo:
+            ranges[-1][1] = hi
+        else:
+            ranges.append([lo, hi, entry["cond"]])
+    chunk = max(1, min(chunk_params, (128 * 2**20) // (n_bins * width * 8)))
+    buffer = torch.empty(n_bins * width * chunk, dtype=torch.float64)  # reused: no page faults per chunk
+    g_all, g_cond = (torch.zeros(n_bins, width, width, dtype=torch.float64) for _ in range(2))
+    s_m = torch.zeros(n_bins, n_arms, n_folds, n_folds, dtype=torch.float64)  # ⟨S_{b,arm,f}, M_g⟩
+    m_m = torch.zeros(n_folds, n_folds, dtype=torch.float64)  # ⟨M_f, M_g⟩
+    for lo, hi, cond in ranges:
+        for start in range(lo, hi, chunk):
+            stop = min(start + chunk, hi)
+            x = buffer[: n_bins * width * (stop - start)].view(n_bins, n_arms, n_folds, stop - start)
+            for a, name in enumerate(names):
+                for b in range(n_bins):
+                    x[b, a] = stores[name, b].sums[:, start:stop]
+            rows = x.view(n_bins, width, stop - start)
+            block = torch.bmm(rows, rows.transpose(1, 2))
+            g_all += block
+            if cond:
+                g_cond += block
+            mean = x[:, twin].mean(0)
+            s_m += (x.view(-1, stop - start) @ mean.T).view_as(s_m)
+            m_m += mean @ mean.T
+    # ⟨R_{a,f}, R_{a',g}⟩ = ⟨S_{a,f}, S_{a',g}⟩ − ⟨S_{a,f}, M_g⟩ − ⟨M_f, S_{a',g}⟩ + ⟨M_f, M_g⟩, per bin.
+    s_m_rows = s_m.view(n_bins, width, n_folds).repeat(1, 1, n_arms)  # [b, (a,f), (a',g)] = ⟨S_{a,f}, M_g⟩
+    g_res = g_all - s_m_rows - s_m_rows.transpose(1, 2) + m_m.repeat(n_arms, n_arms)
+    # Scatter each bin's block into the full row layout (row = (arm·n_bins + bin)·F + fold).
+    n_rows = n_arms * n_bins * n_folds
+    g = {}
+    for e, blocks in (("all", g_all), ("cond", g_cond), ("residual", g_res)):
+        full = np.full((n_rows, n_rows), np.nan)
+        blocks = blocks.view(n_bins, n_arms, n_folds, n_arms, n_folds).numpy()
+        for b in range(n_bins):
+            for a1 in range(n_arms):
+                for a2 in range(n_arms):
+                    r1, r2 = (a1 * n_bins + b) * n_folds, (a2 * n_bins + b) * n_folds
+                    full[r1 : r1 + n_folds, r2 : r2 + n_folds] = blocks[b, a1, :, a2, :]
+        g[e] = full
+    if not any(e["cond"] for e in layout):
         del g["cond"]
     return g, names, n_folds
-
-
-def residual_gram(g_all: np.ndarray, n_arms: int, n_bins: int, n_folds: int, twin: int) -> np.ndarray:
-    """Gram of R^{arm}_{b,f} = S^{arm}_{b,f} − mean_b' S^{twin}_{b',f}: the twin's shared direction
-    removed from both arms alike, so the residual is still a no-op where the arms agree."""
-    n = n_arms * n_bins * n_folds
-    t = np.eye(n)
-    for arm in range(n_arms):
-        for b in range(n_bins):
-            for f in range(n_folds):
-                for b2 in range(n_bins):
-                    t[(arm * n_bins + b) * n_folds + f, (twin * n_bins + b2) * n_folds + f] -= 1.0 / n_bins
-    return t @ g_all @ t.T
 
 
 def pair_estimate(g: np.ndarray, a: int, b: int, bin_index: int, n_bins: int, n_folds: int, sizes):
@@ -313,7 +341,7 @@ def render(summary: dict) -> str:
     lines += ["", "effects (debiased cos to the twin, ± jackknife SE; 1 − cos is the effect):",
               f"  {'σ':>6}  {'estimand':<9} {'cos':>12} {'± se':>9} {'naive cos':>10}"]
     for x in summary["effects"]:
-        se = "" if x["se"] is None else f"{x['se']:.4f}"
+        se = ("–" if x["cos"] is not None else "") if x["se"] is None else f"{x['se']:.4f}"
         lines.append(f"  {x['sigma']:>6g}  {x['estimand']:<9} {_num(x['cos']):>12} {se:>9} {x['cos_naive']:>10.4f}")
     return "\n".join(lines)
 
@@ -323,9 +351,7 @@ def main(argv=None) -> int:
     p.add_argument("run_dir", type=Path, help="a twinrun run directory (holds run.json)")
     args = p.parse_args(argv)
     try:
-        if not (args.run_dir / "run.json").is_file():
-            raise StoreError(args.run_dir, "not a twinrun run directory (no run.json)")
-        summary, code = reduce_run(args.run_dir)
+        summary, code = reduce_run(require_run_dir(args.run_dir))
     except TwinrunError as err:
         fail(err)
     print(render(summary))

@@ -68,8 +68,9 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
                           f"must be between 2 and probe.n_images={p.n_images} (a fold holds ≥ 1 image)")
     if not p.params:
         raise ConfigError("probe.params", list(p.params), "give at least one pattern, e.g. ['*']")
-    if p.chunk_images == 0 or p.chunk_images < -1:
-        raise ConfigError("probe.chunk_images", p.chunk_images, "must be ≥ 1, or -1 for all images at once")
+    for key in ("chunk_images", "chunk_draws"):
+        if p[key] == 0 or p[key] < -1:
+            raise ConfigError(f"probe.{key}", p[key], "must be ≥ 1, or -1 for no limit")
     unknown = [e for e in cfg.reduce.estimands if e not in ("all", "cond", "residual")]
     if unknown or not cfg.reduce.estimands:
         raise ConfigError("reduce.estimands", list(cfg.reduce.estimands), "choose from all, cond, residual")
@@ -228,7 +229,7 @@ def _measure(run_dir: Path) -> dict:
             sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
             try:
                 sums = probe.fold_sums(model, names, images, eps_dev, sigma, sigma_cond.to(device),
-                                       fold_of_image, len(sizes), p["chunk_images"])
+                                       fold_of_image, len(sizes), p["chunk_images"], p["chunk_draws"])
                 probe.check_finite(sums, arm.name, b["index"], sigma)
                 meta = {"arm": arm.name, "bin_index": b["index"], "sigma": sigma,
                         "sigma_cond": float(sigma_cond), "n_images": p["n_images"], "n_draws": p["n_draws"],

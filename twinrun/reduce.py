@@ -7,7 +7,9 @@ effects withheld); 2 bad input (missing, damaged or foreign stores).
 """
 
 import argparse
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +37,7 @@ def load_run(run_dir: Path) -> tuple[dict, dict]:
     run = read_json(run_dir / "run.json")
     if run.get("format") != "twinrun-run/1":
         raise StoreError(run_dir / "run.json", f"not a twinrun run index (format {run.get('format')!r})")
-    stores = {}
+    wanted = {}
     for b in run["bins"]:
         for arm in run["arms"]:
             entry = b["stores"].get(arm["name"], {})
@@ -43,13 +45,17 @@ def load_run(run_dir: Path) -> tuple[dict, dict]:
             if entry.get("status") != "done":
                 raise StoreError(path, f"bin {b['index']} (σ={b['sigma']:g}) of arm {arm['name']} is "
                                  f"{entry.get('status', 'missing')}: resume the run, then reduce")
-            store = read_store(path, entry.get("sha256"))
-            if store.meta["config_hash"] != arm["config_hash"]:
-                raise StoreError(path, "config hash differs from run.json's: a store from another run")
-            if store.meta["arm"] != arm["name"] or store.meta["bin_index"] != b["index"]:
-                raise StoreError(path, "store belongs to another arm or bin than run.json says")
-            stores[arm["name"], b["index"]] = store
-    return run, stores
+            wanted[arm["name"], b["index"]] = (path, entry.get("sha256"), arm["config_hash"])
+    # Reading and hashing release the GIL: a few threads overlap disk and sha256 (each store is
+    # still read exactly once).
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        loaded = dict(zip(wanted, pool.map(lambda w: read_store(w[0], w[1]), wanted.values())))
+    for (name, index), store in loaded.items():
+        if store.meta["config_hash"] != wanted[name, index][2]:
+            raise StoreError(store.path, "config hash differs from run.json's: a store from another run")
+        if store.meta["arm"] != name or store.meta["bin_index"] != index:
+            raise StoreError(store.path, "store belongs to another arm or bin than run.json says")
+    return run, loaded
 
 
 def validity_checks(run_dir: Path, run: dict, stores: dict) -> list[dict]:

@@ -4,6 +4,7 @@ Order is part of the contract: verdict, validity checks, gates (with bit-identit
 then effects, never effects when a check or gate failed.
 """
 
+import json
 from pathlib import Path
 
 import matplotlib
@@ -47,7 +48,28 @@ def _fmt(x, spec=".4f") -> str:
     return "below noise" if x is None else format(x, spec)
 
 
-def write_report(run_dir: Path, summary: dict, run: dict, env_lines: list[str] | None = None) -> Path:
+def env_summary(run_dir: Path, run: dict) -> list[str]:
+    """A few lines on where the run was measured, from the jobs' recorded fingerprints."""
+    lines = []
+    for job in run.get("jobs", []):
+        path = Path(run_dir) / "env" / f"job{job['index']:03d}.json"
+        if not path.is_file():
+            continue
+        rec = json.loads(path.read_text())
+        fp, det = rec["fingerprint"], rec.get("determinism", {})
+        kp, info = fp["kernel_path"], fp["info"]
+        device = ", ".join(g.get("name", "?") for g in kp.get("gpus") or []) or f"CPU {kp['cpu'].get('model')}"
+        slurm = info.get("slurm") or {}
+        where = f"SLURM job {slurm.get('SLURM_JOB_ID')}" if slurm.get("SLURM_JOB_ID") else "local process"
+        lines.append(f"job {job['index']}: {where} on {info.get('hostname')} (boot {str(info.get('boot_id'))[:8]}), "
+                     f"{device}, torch {kp['torch'].get('version')}, {kp['threads'].get('intra_op')} threads, "
+                     f"determinism {'on' if det.get('enabled') else 'off'}, kernel path "
+                     f"{job['kernel_path_sha256'][:12]}, twinrun git {str((info.get('git') or {}).get('commit'))[:10]}"
+                     f"{' (dirty)' if (info.get('git') or {}).get('dirty') else ''}")
+    return lines
+
+
+def write_report(run_dir: Path, summary: dict, run: dict) -> Path:
     run_dir = Path(run_dir)
     ok = summary["valid"] and bool(summary["gates"]) and all(g["passed"] for g in summary["gates"])
     verdict = ("**VALID** — every validity check and no-op gate passed; effects below." if ok else
@@ -74,8 +96,9 @@ def write_report(run_dir: Path, summary: dict, run: dict, env_lines: list[str] |
     ref = summary.get("reference")
     if ref:
         lines += ["", "## Reference", "", ref["detail"]]
+    env_lines = env_summary(run_dir, run)
     if env_lines:
-        lines += ["", "## Environment", ""] + [f"- {x}" for x in env_lines]
+        lines += ["", "## Environment", "", "Full fingerprints: `env/job*.json`.", ""] + [f"- {x}" for x in env_lines]
     if run.get("command"):
         lines += ["", "## Reproduce", "", "```bash", run["command"], "```"]
     path = run_dir / "report.md"

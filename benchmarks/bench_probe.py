@@ -39,6 +39,7 @@ from twinrun.run import fold_sizes
 N_IMAGES, N_DRAWS, N_FOLDS = 40, 12, 10  # the default probe (conf/probe/default.yaml)
 SIGMA, SIGMA_PIN, SEED = 0.5, 1.2, 0  # a bin of the default grid; σ_pin off the gate, so the arms differ
 RSS_DRAWS = (12, 48, 192)
+_SYNC = {"fn": lambda: None}  # torch.cuda.synchronize when timing on a GPU (--device cuda)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -76,8 +77,9 @@ def per_sample_loop(model, names, images, eps, fold_of_image) -> torch.Tensor:
     """The loop researchers write first: one forward and backward per (image, draw)."""
     params = dict(model.named_parameters())
     lam = float(probe.edm_weight(torch.tensor(SIGMA), model.sigma_data))
-    sums = torch.zeros(int(fold_of_image.max()) + 1, sum(params[n].numel() for n in names), dtype=torch.float64)
-    sig = torch.tensor([SIGMA])
+    sums = torch.zeros(int(fold_of_image.max()) + 1, sum(params[n].numel() for n in names), dtype=torch.float64,
+                       device=images.device)
+    sig = torch.tensor([SIGMA], device=images.device)
     for i in range(images.shape[0]):
         for d in range(eps.shape[1]):
             model.zero_grad(set_to_none=True)
@@ -89,7 +91,7 @@ def per_sample_loop(model, names, images, eps, fold_of_image) -> torch.Tensor:
 
 
 def twinrun_probe(model, names, images, eps, fold_of_image, sigma_cond=SIGMA, **chunks) -> torch.Tensor:
-    return probe.fold_sums(model, names, images, eps, SIGMA, torch.tensor(sigma_cond), fold_of_image,
+    return probe.fold_sums(model, names, images, eps, SIGMA, torch.tensor(sigma_cond, device=images.device), fold_of_image,
                            int(fold_of_image.max()) + 1, **chunks)
 
 
@@ -97,7 +99,7 @@ def batched_backward(model, names, images, eps, fold_of_image) -> None:
     """The floor: one plain forward and backward over all N·D samples (overall mean gradient only)."""
     n, d = eps.shape[:2]
     clean = images.repeat_interleave(d, 0)
-    sig = torch.full((n * d,), SIGMA)
+    sig = torch.full((n * d,), SIGMA, device=images.device)
     loss = (probe.edm_weight(sig, model.sigma_data) * (model(clean + SIGMA * eps.flatten(0, 1), sig, sig) - clean)
             .square().flatten(1).mean(1)).sum()
     model.zero_grad(set_to_none=True)
@@ -111,8 +113,10 @@ def interleaved(fns: dict, reps: int) -> dict:
     out = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():
+            _SYNC["fn"]()
             t = time.perf_counter()
             f()
+            _SYNC["fn"]()
             out[k].append(time.perf_counter() - t)
     return out
 
@@ -244,8 +248,10 @@ def matmul_throughput(n: int = 2048, reps: int = 5) -> float:
 
 
 def _timed(f) -> float:
+    _SYNC["fn"]()
     t = time.perf_counter()
     f()
+    _SYNC["fn"]()
     return time.perf_counter() - t
 
 
@@ -301,6 +307,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=DEFAULT_ARCH["depth"])
     ap.add_argument("--folds", type=int, default=N_FOLDS)
     ap.add_argument("--speed-only", action="store_true", help="only the speed section (e.g. for a larger model)")
+    ap.add_argument("--device", default="cpu", help="device for the speed section (cuda: implies --speed-only)")
     ap.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--chunk-images", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--chunk-draws", type=int, help=argparse.SUPPRESS)
@@ -316,11 +323,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, model_desc = load_model({"width": args.width, "depth": args.depth})
     inputs = setup(n_folds=args.folds, model=model)
+    device = torch.device(args.device)
+    if device.type != "cpu":  # the other sections measure CPU RSS and the CPU end-to-end run
+        args.speed_only = True
+        if device.type == "cuda":
+            _SYNC["fn"] = torch.cuda.synchronize
+        inputs = tuple(x.to(device) if isinstance(x, (torch.Tensor, torch.nn.Module)) else x for x in inputs)
     model, names, images, _, eps, fold_of_image = inputs
     n_params = sum(p.numel() for n, p in model.named_parameters() if n in names)
     print(f"twinrun probe benchmark  {time.strftime('%Y-%m-%d %H:%M')}  torch {torch.__version__}  "
           f"{platform.machine()} {os.cpu_count()} CPUs  threads={args.threads}  load avg {os.getloadavg()[0]:.1f}")
-    print(f"model: DiT {model.arch}, {n_params} probed parameters, {model_desc}")
+    print(f"model: DiT {model.arch}, {n_params} probed parameters, {model_desc}, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     print(f"inputs: {N_IMAGES} images x {N_DRAWS} draws = {N_IMAGES * N_DRAWS} samples per bin, {args.folds} folds, "
           f"σ={SIGMA}; medians of interleaved repetitions (probe vs floor: {4 * args.reps})\n")
 

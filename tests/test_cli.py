@@ -89,6 +89,8 @@ def test_broken_intervention_fails_its_gate_and_withholds_effects(tmp_path):
         ("reduce.estimands=[all,curvature]", "reduce.estimands"),
         ("intervention._target_=twinrun.interventions.NoSuchThing", "intervention._target_"),
         ("probe.params=[nothing.matches]", "probe.params"),
+        ("probe.device=cuda", "probe.device"),
+        ("determinism.float32_matmul_precision=fast", "determinism.float32_matmul_precision"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_before_any_compute(tmp_path, override, key):

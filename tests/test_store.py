@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,10 +105,25 @@ def test_json_is_atomic_and_checked(tmp_path):
         read_json(tmp_path / "bad.json")
 
 
+HOLD_LOCK = """import sys, time
+from twinrun.lock import run_lock
+with run_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
 def test_second_writer_is_refused_and_a_stale_lock_recovered(tmp_path, capsys):
-    with run_lock(tmp_path), pytest.raises(StoreError, match="being written by pid"), run_lock(tmp_path):
-        pass
-    assert not (tmp_path / ".lock").exists()
+    # another live process holds the lock
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StoreError, match=f"being written by pid {holder.pid} on this host"):
+            with run_lock(tmp_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
     # a lock left by a process that has exited (a real pid, reaped)
     child = os.fork()
     if child == 0:
@@ -118,6 +135,18 @@ def test_second_writer_is_refused_and_a_stale_lock_recovered(tmp_path, capsys):
     with run_lock(tmp_path):
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
     assert "recovering the stale lock" in capsys.readouterr().out
+
+
+def test_a_requeued_slurm_job_recovers_its_own_lock_from_another_node(tmp_path, monkeypatch, capsys):
+    (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "node-a", "slurm_job_id": "42"}))
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    with run_lock(tmp_path):
+        pass
+    assert "recovering the stale lock" in capsys.readouterr().out
+    monkeypatch.setenv("SLURM_JOB_ID", "43")  # another job's lock is not ours
+    (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "node-a", "slurm_job_id": "42"}))
+    with pytest.raises(StoreError, match="node-a"), run_lock(tmp_path):
+        pass
 
 
 def test_lock_from_another_host_is_not_stolen(tmp_path):

@@ -77,6 +77,11 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
             "intervention=native: no intervention declared; declare one, e.g. "
             "`python -m twinrun +experiment=pin_sigma` (twinrun derives the native twin itself)"
         )
+    if intervention_name in ("native", "native_replicate"):
+        raise TwinrunError(
+            f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} is "
+            "the twin's own; give the intervention class another `name` (its arm directory)"
+        )
     mine = for_compute(_resolved(cfg, "intervention arm's"))
     twin = for_compute(_resolved(twin_of(cfg), "derived twin's"))
     diff = config_diff(mine, twin)

@@ -81,10 +81,9 @@ class ReduceConfig:
     # pathway), residual (each bin minus the twin's mean over bins: shared structure removed).
     estimands: list = field(default_factory=lambda: ["all", "cond", "residual"])
     # No-op gate: at a bin where the intervention does nothing, the arms must be bit-identical or
-    # reach |debiased cos| ≥ this for every estimand, or the instrument is broken: no effect shown.
+    # reach debiased cos ≥ this for every estimand (signed: an anti-aligned gradient does not match
+    # its twin), or the instrument is broken: no effect shown.
     gate_threshold: float = 0.95
-    # Columns read per pass over the stores (bounds the reducer's memory).
-    chunk_params: int = 1_000_000
 
 
 @dataclass

@@ -30,6 +30,8 @@ def _try_create(path: Path, owner: dict) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    except OSError as err:
+        raise StoreError(path.parent, f"cannot write here ({err.strerror}); finished stores are kept") from None
     with os.fdopen(fd, "w") as f:
         json.dump(owner, f)
     return True
@@ -39,17 +41,21 @@ def _try_create(path: Path, owner: dict) -> bool:
 def run_lock(run_dir: Path):
     """Hold RUN_DIR/.lock for the duration of the block."""
     path = Path(run_dir) / LOCK_NAME
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
     if not _try_create(path, me):
         try:
             holder = json.loads(path.read_text())
             pid, host = int(holder["pid"]), str(holder["host"])
         except (OSError, ValueError, KeyError, TypeError):
             holder, pid, host = None, -1, ""
-        if holder is not None and host != me["host"]:
+        # SLURM requeues a job only after its previous incarnation is gone, possibly to another
+        # node: a lock left by the same job id is that dead incarnation's.
+        requeued = holder is not None and me["slurm_job_id"] is not None \
+            and holder.get("slurm_job_id") == me["slurm_job_id"]
+        if holder is not None and host != me["host"] and not requeued:
             raise StoreError(run_dir, f"is being written by pid {pid} on {host}; if that job is gone, "
                              f"remove {path} and run again")
-        if holder is not None and _alive(pid):
+        if holder is not None and not requeued and _alive(pid):
             raise StoreError(run_dir, f"is being written by pid {pid} on this host; wait for it or stop it")
         print(f"twinrun: recovering the stale lock {path} (pid {pid} on {host or '?'} is gone)", flush=True)
         path.unlink(missing_ok=True)

@@ -75,14 +75,17 @@ def bin_record(fp: dict, sentinel_digest: str) -> dict:
 
 
 def refuse_straddling(run_dir: Path, run: dict, fp: dict) -> None:
-    """A resume in another kernel path than the finished bins is refused: twins must not straddle."""
-    recorded = run.get("kernel_path_sha256")
-    if recorded is None or recorded == kernel_path_sha256(fp):
+    """A resume on another kernel path than the finished bins is refused: twins must not straddle.
+
+    Judged on the bins actually finished (each run.json store entry records its kernel path), not on
+    whichever job came first: a job that finished nothing commits the run to nothing.
+    """
+    mine = kernel_path_sha256(fp)
+    others = {e.get("kernel_path_sha256") for b in run["bins"] for e in b["stores"].values()
+              if e.get("status") == "done"} - {mine, None}
+    if not others:
         return
-    done = any(e.get("status") == "done" for b in run["bins"] for e in b["stores"].values())
-    if not done:
-        return
-    path = run_dir / "env" / "kernel_path.json"
+    path = run_dir / "env" / f"kernel_path-{min(others)[:12]}.json"
     fields = kernel_path_diff(json.loads(path.read_text()), fp) if path.is_file() else ["(unrecorded)"]
     raise KernelPathRefused(
         f"{run_dir}: its finished bins were measured on another kernel path (differs in "

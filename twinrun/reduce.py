@@ -37,6 +37,11 @@ def load_run(run_dir: Path) -> tuple[dict, dict]:
     run = read_json(run_dir / "run.json")
     if run.get("format") != "twinrun-run/1":
         raise StoreError(run_dir / "run.json", f"not a twinrun run index (format {run.get('format')!r})")
+    well_formed = isinstance(run.get("arms"), list) and isinstance(run.get("bins"), list) and all(
+        isinstance(b, dict) and isinstance(b.get("stores"), dict) and "index" in b and "sigma" in b
+        for b in run["bins"]) and all(isinstance(a, dict) and "name" in a for a in run["arms"])
+    if not well_formed:
+        raise StoreError(run_dir / "run.json", "malformed run index (arms, bins or stores missing)")
     wanted = {}
     for b in run["bins"]:
         for arm in run["arms"]:
@@ -58,9 +63,20 @@ def load_run(run_dir: Path) -> tuple[dict, dict]:
     return run, loaded
 
 
+def _arm_config(run_dir: Path, arm: str) -> dict:
+    path = run_dir / "arms" / arm / "config.yaml"
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise StoreError(path, f"unreadable arm config ({getattr(err, 'strerror', None) or err})") from None
+    if not isinstance(config, dict):
+        raise StoreError(path, "not a resolved twinrun config")
+    return config
+
+
 def validity_checks(run_dir: Path, run: dict, stores: dict) -> list[dict]:
     names = [a["name"] for a in run["arms"]]
-    configs = {n: yaml.safe_load((run_dir / "arms" / n / "config.yaml").read_text()) for n in names}
+    configs = {n: _arm_config(run_dir, n) for n in names}
     out = []
     diffs = {n: arms_mod.outside_intervention(arms_mod.config_diff(configs[names[0]], configs[n])) for n in names}
     bad = {n: d for n, d in diffs.items() if d}
@@ -204,9 +220,12 @@ def replicate_report(run, stores, g_all, names, n_folds, sizes, threshold) -> di
             "max_effect": None if min_cos is None else 1 - min_cos, "detail": detail}
 
 
-def cross_estimates(a: dict, b: dict, estimands=("all", "cond"), chunk_params: int = 1_000_000) -> list[dict]:
-    """Debiased cos between two arms' stores bin by bin ({sigma: Store} each, same protocol)."""
+def cross_estimates(a: dict, b: dict, chunk_params: int = 1_000_000) -> list[dict]:
+    """Debiased cos between two arms' stores bin by bin ({sigma: Store} each, same protocol), for
+    `all` and, when conditioning parameters were probed, `cond`."""
     rows = []
+    has_cond = any(e["cond"] for e in next(iter(a.values())).meta["layout"])
+    estimands = ("all", "cond") if has_cond else ("all",)
     for sigma in sorted(a):
         x, y, layout = a[sigma].sums, b[sigma].sums, a[sigma].meta["layout"]
         sizes = np.asarray(a[sigma].meta["fold_sizes"], dtype=np.float64)
@@ -229,6 +248,9 @@ def cross_estimates(a: dict, b: dict, estimands=("all", "cond"), chunk_params: i
 def arm_stores(run_dir: Path, arm: str) -> tuple[dict, dict]:
     """{σ: Store} of one arm of a run, each verified against run.json."""
     run, stores = load_run(run_dir)
+    arms = [a["name"] for a in run["arms"]]
+    if arm not in arms:
+        raise StoreError(run_dir, f"has no arm {arm!r} (its arms: {', '.join(arms)})")
     return run, {b["sigma"]: stores[arm, b["index"]] for b in run["bins"]}
 
 
@@ -241,21 +263,33 @@ def protocol_mismatch(a: dict, b: dict) -> list[str]:
 
 
 def reference_report(run, stores, inter_name, ref_dir: Path, threshold, chunk_params, run_ok) -> dict:
-    """Is the reference alive in this environment? Its native arm against today's native twin."""
-    _, ref = arm_stores(ref_dir, "native")
+    """Is the reference alive in this environment? Its native arm against today's native twin.
+
+    A reference that cannot be read or was measured under another protocol is reported as
+    unusable: the run's own verdict, checked against its twin, stands either way.
+    """
     mine = {b["sigma"]: stores["native", b["index"]] for b in run["bins"]}
-    bad = protocol_mismatch(mine, ref)
+    try:
+        _, ref = arm_stores(ref_dir, "native")
+        bad = protocol_mismatch(mine, ref)
+    except TwinrunError as err:
+        bad = [str(err)]
     if bad:
-        raise TwinrunError(f"reference={ref_dir}: measured under another protocol ({', '.join(bad)}); "
-                           "a reference must share the grid, images, draws, folds, seed and parameters")
+        return {"path": str(ref_dir), "alive": False, "status": "unusable",
+                "detail": f"reference UNUSABLE: {'; '.join(bad)}. Read effects against the twin only."}
     vs_twin = cross_estimates(mine, ref, chunk_params=chunk_params)
     for r in vs_twin:
         r["bit_identical"] = torch.equal(mine[r["sigma"]].sums, ref[r["sigma"]].sums)
-    # Alive as a gate passes: bit-identical, or |debiased cos| at the threshold in every bin.
-    alive = all(r["bit_identical"] or (r["cos"] is not None and r["cos"] >= threshold) for r in vs_twin)
+    # Per bin, as a gate: bit-identical or cos ≥ threshold agrees; a cosine below noise decides
+    # nothing (the reference is then undetermined, never dead for lack of signal).
+    agree = [r["bit_identical"] or (r["cos"] is not None and r["cos"] >= threshold) for r in vs_twin]
+    undecided = [not a and r["cos"] is None for a, r in zip(agree, vs_twin)]
+    alive = all(agree)
+    status = "alive" if alive else "undetermined" if all(a or u for a, u in zip(agree, undecided)) else "dead"
     fields = kernel_path_diff(next(iter(mine.values())).meta.get("kernel_path", {}),
                               next(iter(ref.values())).meta.get("kernel_path", {}))
-    out = {"path": str(ref_dir), "alive": alive, "kernel_path_differs_in": fields, "native_vs_reference": vs_twin}
+    out = {"path": str(ref_dir), "alive": alive, "status": status, "kernel_path_differs_in": fields,
+           "native_vs_reference": vs_twin}
     if alive:
         n_identical = sum(r["bit_identical"] for r in vs_twin) // max(1, len({r["estimand"] for r in vs_twin}))
         out["detail"] = (f"reference ALIVE in this environment: today's native twin matches it in every bin "
@@ -264,6 +298,10 @@ def reference_report(run, stores, inter_name, ref_dir: Path, threshold, chunk_pa
         if run_ok:
             inter = {b["sigma"]: stores[inter_name, b["index"]] for b in run["bins"]}
             out["intervention_vs_reference"] = cross_estimates(inter, ref, chunk_params=chunk_params)
+    elif status == "undetermined":
+        out["detail"] = (f"reference UNDETERMINED in this environment: in {sum(undecided)} bin(s) the signal is below "
+                         "noise, so today's twin can neither confirm nor refute it (raise probe.n_images or "
+                         "probe.n_draws). Read effects against the twin only.")
     else:
         worst = min((r["cos"] for r in vs_twin if r["cos"] is not None), default=None)
         out["detail"] = (f"reference DEAD in this environment: today's native twin does not match it (min debiased cos "
@@ -299,7 +337,7 @@ def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=
             if b["gate"]:
                 # Bit-identical arms are the strongest no-op evidence, even where the signal is
                 # below noise and the cosine therefore undefined.
-                passed = identical or (est.cos is not None and abs(est.cos) >= threshold)
+                passed = identical or (est.cos is not None and est.cos >= threshold)
                 gates.append({"sigma": b["sigma"], "estimand": e, "cos": est.cos, "se": est.se,
                               "threshold": threshold, "passed": passed, "bit_identical": identical})
             effects.append(row)

@@ -13,6 +13,8 @@ matplotlib.use("Agg")  # headless: SLURM nodes and CI have no display
 import matplotlib.pyplot as plt
 import numpy as np
 
+from twinrun.store import atomic_write
+
 EFFECT_PNG = "effect.png"
 HEATMAP_PNG = "sweep_effect.png"
 
@@ -102,7 +104,7 @@ def write_report(run_dir: Path, summary: dict, run: dict) -> Path:
     if run.get("command"):
         lines += ["", "## Reproduce", "", "```bash", run["command"], "```"]
     path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, ("\n".join(lines) + "\n").encode())
     return path
 
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from twinrun import draws, probe, provenance
 from twinrun.arms import Arm, derive_arms
+from twinrun.determinism import MATMUL_PRECISIONS
 from twinrun.env import fingerprint
 from twinrun.errors import ConfigError, StoreError
 from twinrun.lock import run_lock
@@ -76,8 +77,15 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
         raise ConfigError("reduce.estimands", list(cfg.reduce.estimands), "choose from all, cond, residual")
     if not 0 < cfg.reduce.gate_threshold <= 1:
         raise ConfigError("reduce.gate_threshold", cfg.reduce.gate_threshold, "must be in (0, 1]")
-    if cfg.reduce.chunk_params < 1:
-        raise ConfigError("reduce.chunk_params", cfg.reduce.chunk_params, "must be ≥ 1")
+    if cfg.determinism.float32_matmul_precision not in MATMUL_PRECISIONS:
+        raise ConfigError("determinism.float32_matmul_precision", cfg.determinism.float32_matmul_precision,
+                          f"choose one of {', '.join(MATMUL_PRECISIONS)}")
+    try:
+        device = torch.device(p.device)
+    except RuntimeError:
+        raise ConfigError("probe.device", p.device, "not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("probe.device", p.device, "CUDA is not available here; use probe.device=cpu")
 
 
 def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
@@ -91,8 +99,14 @@ def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
                           "or probe them")
 
 
-def check_reference(reference: str | None) -> str | None:
-    """A reference must be an earlier run directory with a native twin; checked before compute."""
+# The protocol a reference must share with the run (chunking and device do not change what is measured).
+PROTOCOL_CONFIG = ("model", "data", "sigma_grid", "seed")
+PROTOCOL_PROBE = ("n_images", "n_draws", "n_folds", "params")
+
+
+def check_reference(reference: str | None, mine: dict) -> str | None:
+    """A reference must be an earlier run directory with a native twin measured under the same
+    protocol as this run (`mine`: the twin's resolved config); checked before any compute."""
     if reference is None:
         return None
     path = Path(reference).expanduser().resolve()
@@ -101,6 +115,15 @@ def check_reference(reference: str | None) -> str | None:
     if not (path / "run.json").is_file() or not (path / "arms" / "native").is_dir():
         raise ConfigError("reference", reference, "must be an earlier twinrun run directory (with run.json "
                           "and arms/native/)")
+    try:
+        theirs = yaml.safe_load((path / "arms" / "native" / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError("reference", reference, f"its arms/native/config.yaml is unreadable ({err})") from None
+    differ = [k for k in PROTOCOL_CONFIG if theirs.get(k) != mine.get(k)]
+    differ += [f"probe.{k}" for k in PROTOCOL_PROBE if (theirs.get("probe") or {}).get(k) != mine["probe"].get(k)]
+    if differ:
+        raise ConfigError("reference", reference, f"was measured under another protocol ({', '.join(differ)} "
+                          "differ); a reference must share model, data, grid, seed, images, draws, folds, parameters")
     return str(path)
 
 
@@ -127,7 +150,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict
         "format": "twinrun-run/1",
         "status": "planned",
         "command": command,
-        "reference": check_reference(cfg.reference),
+        "reference": check_reference(cfg.reference, arms[1].config),
         "arms": [{"name": a.name, "role": a.role, "config_hash": config_hash(a.config)} for a in arms],
         "estimands": list(cfg.reduce.estimands),
         "gate_threshold": float(cfg.reduce.gate_threshold),
@@ -239,6 +262,7 @@ def _measure(run_dir: Path) -> dict:
                 entry = b["stores"][arm.name]
                 entry["sha256"] = write_store(run_dir / "arms" / arm.name / entry["file"], sums, meta)
                 entry["status"] = "done"
+                entry["kernel_path_sha256"] = record["kernel_path_sha256"]
                 write_json(run_dir / "run.json", run)
             except Exception:  # any failure, ours or the model's: record where, keep earlier bins, re-raise
                 _mark_failed(run_dir, run, b, arm.name)
@@ -283,9 +307,9 @@ class Progress:
 def start_job(run_dir: Path, run: dict, fp: dict, determinism: dict, sentinel: dict) -> dict:
     """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/."""
     (run_dir / "env").mkdir(exist_ok=True)
-    if run.get("kernel_path_sha256") is None:
-        run["kernel_path_sha256"] = provenance.kernel_path_sha256(fp)
-        write_json(run_dir / "env" / "kernel_path.json", fp)
+    sha = provenance.kernel_path_sha256(fp)
+    if not (run_dir / "env" / f"kernel_path-{sha[:12]}.json").is_file():
+        write_json(run_dir / "env" / f"kernel_path-{sha[:12]}.json", fp)
     jobs = run.setdefault("jobs", [])
     job = {"index": len(jobs), "kernel_path_sha256": provenance.kernel_path_sha256(fp),
            "hostname": fp["info"].get("hostname"), "boot_id": fp["info"].get("boot_id"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from twinrun.report import HEATMAP_PNG, plot_sweep
-from twinrun.store import read_json, write_json
+from twinrun.store import atomic_write, read_json, write_json
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:
@@ -53,7 +53,7 @@ def write_sweep_report(sweep_dir: Path, summary: dict) -> Path:
         lines += ["", "Effect over (pinned σ, noising σ), estimand `all`; points whose gates failed are blank.",
                   "", f"![sweep heatmap]({png.name})"]
     path = sweep_dir / "sweep_report.md"
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, ("\n".join(lines) + "\n").encode())
     return path
 
 

@@ -145,3 +145,16 @@ def test_every_run_dir_command_refuses_bad_paths_in_one_line(tmp_path, module, w
 def test_pair_commands_refuse_missing_paths_in_one_line(tmp_path, module):
     proc = run_twinrun([str(tmp_path / "a"), str(tmp_path / "b")], cwd=tmp_path, module=module)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_estimands_and_threshold_are_chosen_at_reduce_time(tmp_path):
+    proc, run_dir = tiny_run(tmp_path)
+    assert proc.returncode == 0
+    again = run_twinrun([str(run_dir), "--estimands", "all", "--gate-threshold", "0.99"], cwd=tmp_path,
+                        module="twinrun.reduce")
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {e["estimand"] for e in summary["effects"]} == {"all"}
+    assert {g["threshold"] for g in summary["gates"]} == {0.99}
+    bad = run_twinrun([str(run_dir), "--estimands", "all,curvature"], cwd=tmp_path, module="twinrun.reduce")
+    assert bad.returncode == 2 and "curvature" in bad.stderr and "Traceback" not in bad.stderr

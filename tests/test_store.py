@@ -152,3 +152,12 @@ def test_lock_from_another_host_is_not_stolen(tmp_path):
     (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "some-other-node"}))
     with pytest.raises(StoreError, match="some-other-node"), run_lock(tmp_path):
         pass
+
+
+def test_a_flipped_byte_in_a_store_without_its_run_json_is_still_caught(tmp_path):
+    path, _, _ = real_store(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # inside the float payload
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="sums_sha256"):
+        read_store(path)  # no sha256 from run.json: the store's own payload digest catches it

@@ -15,7 +15,7 @@ from twinrun.errors import StoreError
 LOCK_NAME = ".lock"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -55,7 +55,7 @@ def run_lock(run_dir: Path):
         if holder is not None and host != me["host"] and not requeued:
             raise StoreError(run_dir, f"is being written by pid {pid} on {host}; if that job is gone, "
                              f"remove {path} and run again")
-        if holder is not None and not requeued and _alive(pid):
+        if holder is not None and not requeued and pid_alive(pid):
             raise StoreError(run_dir, f"is being written by pid {pid} on this host; wait for it or stop it")
         print(f"twinrun: recovering the stale lock {path} (pid {pid} on {host or '?'} is gone)", flush=True)
         path.unlink(missing_ok=True)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -239,26 +237,16 @@ class DiTDenoiser(nn.Module):
         return c_skip * x + c_out * self.raw_net(c_in * x, c_noise)
 
 
-def _write_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp_name, metadata=metadata)
-        os.chmod(tmp_name, 0o644)  # mkstemp makes 0600; the weights are meant to be shared and committed
-        os.replace(tmp_name, path)
-    finally:
-        if os.path.exists(tmp_name):
-            os.remove(tmp_name)
-
-
 def save_pretrained(model: DiTDenoiser, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
     """Atomically write the model's parameters; metadata gets `arch` (JSON kwargs incl. sigma_data)."""
     path = Path(path)
     tensors = {name: p.detach().to("cpu", torch.float32).contiguous() for name, p in model.named_parameters()}
-    _write_safetensors_atomic(tensors, path, {**(metadata or {}), "arch": json.dumps(model.arch)})
+    from safetensors.torch import save
+
+    from twinrun.store import atomic_write
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, save(tensors, metadata={**(metadata or {}), "arch": json.dumps(model.arch)}))
     return path
 
 

@@ -393,9 +393,16 @@ def render(summary: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m twinrun.reduce", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path, help="a twinrun run directory (holds run.json)")
+    p.add_argument("--estimands", help=f"comma-separated views, from {', '.join(ESTIMANDS)} (default: the run's)")
+    p.add_argument("--gate-threshold", type=float, help="no-op gate threshold in (0, 1] (default: the run's)")
     args = p.parse_args(argv)
     try:
-        summary, code = reduce_run(require_run_dir(args.run_dir))
+        estimands = None if args.estimands is None else [e.strip() for e in args.estimands.split(",")]
+        if estimands is not None and (not estimands or any(e not in ESTIMANDS for e in estimands)):
+            raise TwinrunError(f"--estimands={args.estimands!r}: choose from {', '.join(ESTIMANDS)}")
+        if args.gate_threshold is not None and not 0 < args.gate_threshold <= 1:
+            raise TwinrunError(f"--gate-threshold={args.gate_threshold}: must be in (0, 1]")
+        summary, code = reduce_run(require_run_dir(args.run_dir), estimands, args.gate_threshold)
     except TwinrunError as err:
         fail(err)
     print(render(summary))

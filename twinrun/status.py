@@ -6,12 +6,12 @@ even on a cluster without accounting; the scheduler's state of the job named in 
 """
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from twinrun.errors import EXIT_OK, StoreError, fail
+from twinrun.lock import pid_alive
 from twinrun.store import read_json
 
 LAUNCH_JSON = "launch.json"
@@ -113,22 +113,12 @@ def job_state(launch: dict | None) -> str | None:
     if launch["cluster"] == "local":  # submitit's local executor: the job id is its controller's pid
         if finished:
             return "ENDED"
-        return "RUNNING" if _pid_alive(int(job_id)) else "ENDED WITHOUT RESULT"
+        return "RUNNING" if pid_alive(int(job_id)) else "ENDED WITHOUT RESULT"
     states = slurm_states([job_id])
     state = None if states is None else states[job_id]
     if state is not None and state != GONE and state not in SLURM_ENDED:
         return state
     return sacct_state(job_id) or state or ("ENDED" if finished else "UNKNOWN")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def main(argv=None) -> int:

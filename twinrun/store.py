@@ -76,9 +76,12 @@ def store_name(bin_index: int, sigma: float) -> str:
 def write_store(path: Path, sums: torch.Tensor, meta: dict) -> str:
     """Write `sums` [n_folds, n_params] float32 with string metadata; return the file's sha256."""
     assert sums.dtype == torch.float32 and sums.dim() == 2, (sums.dtype, sums.shape)
-    strings = {"format": STORE_FORMAT}
+    sums = sums.contiguous().cpu()
+    # The payload's own digest travels inside the store, so a store handed around without its
+    # run.json still proves its numbers intact (a flipped byte is caught by compare too).
+    strings = {"format": STORE_FORMAT, "sums_sha256": hashlib.sha256(sums.numpy().tobytes()).hexdigest()}
     strings.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
-    data = safetensors.torch.save({"sums": sums.contiguous().cpu()}, metadata=strings)
+    data = safetensors.torch.save({"sums": sums}, metadata=strings)
     return atomic_write(path, data)
 
 
@@ -161,6 +164,9 @@ def _parse(path: Path, data: bytearray) -> tuple[torch.Tensor, dict]:
     assert sys.byteorder == "little", "twinrun reads stores on little-endian machines only"
     sums = torch.frombuffer(data, dtype=torch.float32, offset=start, count=n_folds * n_params)
     sums = sums.view(n_folds, n_params)
+    payload = memoryview(data)[start : start + end]
+    if raw_meta.get("sums_sha256") != hashlib.sha256(payload).hexdigest():
+        raise StoreError(path, "the numbers do not match the store's own sums_sha256: damaged or altered")
     meta = {k: _decode(v) for k, v in raw_meta.items() if isinstance(v, str)}
     _check_meta(path, sums, meta)
     return sums, meta

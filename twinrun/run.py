@@ -99,8 +99,10 @@ def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
                           "or probe them")
 
 
-# The protocol a reference must share with the run (chunking and device do not change what is measured).
-PROTOCOL_CONFIG = ("model", "data", "sigma_grid", "seed")
+# The protocol a reference must share with the run (chunking and device do not change what is
+# measured). The model config is not part of it: weights move between paths and machines, and the
+# parameter layout, which is, is checked store by store when the reference is read.
+PROTOCOL_CONFIG = ("data", "sigma_grid", "seed")
 PROTOCOL_PROBE = ("n_images", "n_draws", "n_folds", "params")
 
 
@@ -123,7 +125,7 @@ def check_reference(reference: str | None, mine: dict) -> str | None:
     differ += [f"probe.{k}" for k in PROTOCOL_PROBE if (theirs.get("probe") or {}).get(k) != mine["probe"].get(k)]
     if differ:
         raise ConfigError("reference", reference, f"was measured under another protocol ({', '.join(differ)} "
-                          "differ); a reference must share model, data, grid, seed, images, draws, folds, parameters")
+                          "differ); a reference must share data, grid, seed, images, draws, folds and probed parameters")
     return str(path)
 
 

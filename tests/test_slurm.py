@@ -168,8 +168,10 @@ def test_failing_arm_ends_the_job_failed_and_names_arm_and_bin(tmp_path, slurm_a
 
 def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_args, model_args, capsys):
     run_dir = tmp_path / "run"
+    # held PENDING (sbatch --begin) so that it cannot finish before it is cancelled, however fast
     proc = run_twinrun(["+experiment=pin_sigma", *LONGER, *model_args, *slurm_args, "launcher.wait=false",
-                        f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60)
+                        "+launcher.additional_parameters.begin=now+300", f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launched = read_json(run_dir / "launch.json")
     assert f"python -m twinrun.status {run_dir}" in proc.stdout

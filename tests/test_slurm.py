@@ -114,7 +114,8 @@ def whole_bins(run_dir: Path) -> list[dict]:
 
 
 def test_preempted_job_requeues_and_resumes_without_recomputing(tmp_path, slurm_args, model_args):
-    common = ["+experiment=pin_sigma", *LONGER, *model_args]
+    # bins long enough (~0.2 s per arm on a quiet 2-core machine) that USR2 lands mid-run
+    common = ["+experiment=pin_sigma", "probe.n_images=40", "probe.n_draws=48", "probe.n_folds=8", *model_args]
     ref_dir, job_dir = tmp_path / "reference", tmp_path / "job"
     popen = {"cwd": tmp_path, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     twinrun = [sys.executable, "-m", "twinrun", *common]

@@ -79,8 +79,9 @@ def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path):
         outputs.append(proc.stdout.read())
     final = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume")
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
-    # the first resume found the killed writer's lock and recovered it
-    assert "recovering the stale lock" in outputs[0], outputs[0][-2000:]
+    # some resume found a killed writer's lock and recovered it (which one depends on where the
+    # random kills land: a resume killed while importing never reaches the lock)
+    assert any("recovering the stale lock" in out for out in [*outputs, final.stdout])
     assert not (run_dir / ".lock").exists()
 
     assert measured(run_dir) == measured(ref)

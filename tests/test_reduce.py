@@ -46,6 +46,7 @@ def test_within_bin_blocks_match_a_brute_force_gram(arms, chunk_params):
             for j in range(len(arms)):
                 ri = slice((i * N_BINS + b) * N_FOLDS, (i * N_BINS + b + 1) * N_FOLDS)
                 rj = slice((j * N_BINS + b) * N_FOLDS, (j * N_BINS + b + 1) * N_FOLDS)
-                np.testing.assert_allclose(g["all"][ri, rj], full_all[ri, rj], rtol=1e-12, atol=1e-12)
-                np.testing.assert_allclose(g["cond"][ri, rj], full_cond[ri, rj], rtol=1e-12, atol=1e-12)
-                np.testing.assert_allclose(g["residual"][ri, rj], full_res[ri, rj], rtol=1e-10, atol=1e-10)
+                # grams returns the same-bin blocks as [bin, arm, fold, arm, fold]
+                np.testing.assert_allclose(g["all"][b, i, :, j], full_all[ri, rj], rtol=1e-12, atol=1e-12)
+                np.testing.assert_allclose(g["cond"][b, i, :, j], full_cond[ri, rj], rtol=1e-12, atol=1e-12)
+                np.testing.assert_allclose(g["residual"][b, i, :, j], full_res[ri, rj], rtol=1e-10, atol=1e-10)

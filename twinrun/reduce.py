@@ -128,10 +128,10 @@ def provenance_checks(run: dict, stores: dict, names: list[str]) -> list[dict]:
 
 
 def grams(run: dict, stores: dict, chunk_params: int) -> tuple[dict, list[str], int]:
-    """Gram matrices over the (arm, bin, fold) rows for each parameter view: the same-bin blocks.
+    """Same-bin Gram blocks for each parameter view, as arrays [bin, arm, fold, arm, fold].
 
     Every estimate (gates, effects, the replicate) pairs two arms of one bin, so only the blocks
-    within a bin are computed (cross-bin blocks are NaN): n_bins x (n_arms·F)² products instead of
+    within a bin are computed: n_bins x (n_arms·F)² products instead of
     (n_bins·n_arms·F)². One pass over the columns, in chunks of ≤ chunk_params capped so that the
     float64 working copy stays under 128 MiB (no copy of the whole run). `residual` is the Gram of
     R^{arm}_{b,f} = S^{arm}_{b,f} − M_f, M_f = mean_b' S^{twin}_{b',f} (the twin's shared direction
@@ -175,33 +175,20 @@ def grams(run: dict, stores: dict, chunk_params: int) -> tuple[dict, list[str], 
     # ⟨R_{a,f}, R_{a',g}⟩ = ⟨S_{a,f}, S_{a',g}⟩ − ⟨S_{a,f}, M_g⟩ − ⟨M_f, S_{a',g}⟩ + ⟨M_f, M_g⟩, per bin.
     s_m_rows = s_m.view(n_bins, width, n_folds).repeat(1, 1, n_arms)  # [b, (a,f), (a',g)] = ⟨S_{a,f}, M_g⟩
     g_res = g_all - s_m_rows - s_m_rows.transpose(1, 2) + m_m.repeat(n_arms, n_arms)
-    # Scatter each bin's block into the full row layout (row = (arm·n_bins + bin)·F + fold).
-    n_rows = n_arms * n_bins * n_folds
-    g = {}
-    for e, blocks in (("all", g_all), ("cond", g_cond), ("residual", g_res)):
-        full = np.full((n_rows, n_rows), np.nan)
-        blocks = blocks.view(n_bins, n_arms, n_folds, n_arms, n_folds).numpy()
-        for b in range(n_bins):
-            for a1 in range(n_arms):
-                for a2 in range(n_arms):
-                    r1, r2 = (a1 * n_bins + b) * n_folds, (a2 * n_bins + b) * n_folds
-                    full[r1 : r1 + n_folds, r2 : r2 + n_folds] = blocks[b, a1, :, a2, :]
-        g[e] = full
+    shape = (n_bins, n_arms, n_folds, n_arms, n_folds)
+    g = {"all": g_all.view(shape).numpy(), "cond": g_cond.view(shape).numpy(), "residual": g_res.view(shape).numpy()}
     if not any(e["cond"] for e in layout):
         del g["cond"]
     return g, names, n_folds
 
 
-def pair_estimate(g: np.ndarray, a: int, b: int, bin_index: int, n_bins: int, n_folds: int, sizes):
-    def block(i, j):
-        ri = slice((i * n_bins + bin_index) * n_folds, (i * n_bins + bin_index + 1) * n_folds)
-        rj = slice((j * n_bins + bin_index) * n_folds, (j * n_bins + bin_index + 1) * n_folds)
-        return g[ri, rj]
-
-    return estimate(block(a, b), block(a, a), block(b, b), sizes, sizes)
+def pair_estimate(g: np.ndarray, a: int, b: int, bin_index: int, sizes):
+    """Estimate between arms a and b in one bin; g is [bin, arm, fold, arm, fold]."""
+    blocks = g[bin_index]
+    return estimate(blocks[a, :, b], blocks[a, :, a], blocks[b, :, b], sizes, sizes)
 
 
-def replicate_report(run, stores, g_all, names, n_folds, sizes, threshold) -> dict:
+def replicate_report(run, stores, g_all, names, sizes, threshold) -> dict:
     """The native twin measured twice in one job: bit-identical, or how far apart."""
     n_bins = len(run["bins"])
     twin, rep = names.index("native"), names.index("native_replicate")
@@ -211,7 +198,7 @@ def replicate_report(run, stores, g_all, names, n_folds, sizes, threshold) -> di
         if not torch.equal(x, y):
             differ += 1
             max_abs = max(max_abs, float((x.double() - y.double()).abs().max()))
-        cosines.append(pair_estimate(g_all, twin, rep, b["index"], n_bins, n_folds, sizes).cos)
+        cosines.append(pair_estimate(g_all, twin, rep, b["index"], sizes).cos)
     min_cos = None if any(c is None for c in cosines) else min(cosines)
     detail = f"{differ} / {n_bins} tensors differ between the native twin and its replicate"
     if differ:
@@ -317,7 +304,7 @@ def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=
     estimands = list(estimands or run.get("estimands") or ESTIMANDS)
     threshold = float(gate_threshold if gate_threshold is not None else run.get("gate_threshold", 0.95))
     checks = validity_checks(run_dir, run, stores)
-    g, names, n_folds = grams(run, stores, chunk_params)
+    g, names, _ = grams(run, stores, chunk_params)
     unknown = [e for e in estimands if e not in g]
     if unknown:
         raise TwinrunError(f"reduce.estimands={estimands}: {unknown} not available here "
@@ -325,13 +312,12 @@ def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=
     inter = next(i for i, a in enumerate(run["arms"]) if a["role"] == "intervention")
     twin = names.index("native")
     sizes = np.asarray(next(iter(stores.values())).meta["fold_sizes"], dtype=np.float64)
-    n_bins = len(run["bins"])
 
     gates, effects = [], []
     for b in run["bins"]:
         identical = torch.equal(stores[names[inter], b["index"]].sums, stores["native", b["index"]].sums)
         for e in estimands:
-            est = pair_estimate(g[e], inter, twin, b["index"], n_bins, n_folds, sizes)
+            est = pair_estimate(g[e], inter, twin, b["index"], sizes)
             row = {"sigma": b["sigma"], "estimand": e, "cos": est.cos, "se": est.se, "cos_naive": est.cos_naive,
                    "below_noise": est.below_noise}
             if b["gate"]:
@@ -345,7 +331,7 @@ def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=
         checks.append(check("has_gate", False, "no bin where the intervention is a no-op: nothing vouches for the instrument"))
     replicate = None
     if "native_replicate" in names:
-        replicate = replicate_report(run, stores, g["all"], names, n_folds, sizes, threshold)
+        replicate = replicate_report(run, stores, g["all"], names, sizes, threshold)
         agrees = replicate["n_differ"] == 0 or (replicate["min_cos"] is not None and replicate["min_cos"] >= threshold)
         checks.append(check("replicate_within_gate", agrees, replicate["detail"]))
     valid = all(c["passed"] for c in checks)

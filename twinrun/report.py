@@ -50,6 +50,16 @@ def _fmt(x, spec=".4f") -> str:
     return "below noise" if x is None else format(x, spec)
 
 
+def _se(row: dict, spec: str) -> str:
+    return "–" if row["se"] is None else format(row["se"], spec)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    """Markdown table lines."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
 def env_summary(run_dir: Path, run: dict) -> list[str]:
     """A few lines on where the run was measured, from the jobs' recorded fingerprints."""
     lines = []
@@ -78,23 +88,21 @@ def write_report(run_dir: Path, summary: dict, run: dict) -> Path:
                "**INSTRUMENT BROKEN** — a validity check or no-op gate failed. Effects are withheld; "
                "nothing else from this run should be read.")
     lines = [f"# twinrun report: {run_dir.name}", "", "## Verdict", "", verdict, "", "## Validity checks", "",
-             "| check | passed | detail |", "|---|---|---|"]
-    lines += [f"| {c['name']} | {'yes' if c['passed'] else '**NO**'} | {c['detail']} |" for c in summary["checks"]]
-    lines += ["", "## No-op gates", "", "| σ | estimand | debiased cos | ± se | threshold | passed | bit-identical |",
-              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {g['sigma']:g} | {g['estimand']} | {_fmt(g['cos'], '.6f')} | {_fmt(g['se'], '.1e') if g['se'] is not None else '–'} "
-              f"| {g['threshold']} | {'yes' if g['passed'] else '**NO**'} | {'yes' if g['bit_identical'] else 'no'} |"
-              for g in summary["gates"]]
+             ] + _table(["check", "passed", "detail"],
+                        [[c["name"], "yes" if c["passed"] else "**NO**", c["detail"]] for c in summary["checks"]])
+    lines += ["", "## No-op gates", ""] + _table(
+        ["σ", "estimand", "debiased cos", "± se", "threshold", "passed", "bit-identical"],
+        [[f"{g['sigma']:g}", g["estimand"], _fmt(g["cos"], ".6f"), _se(g, ".1e"), g["threshold"],
+          "yes" if g["passed"] else "**NO**", "yes" if g["bit_identical"] else "no"] for g in summary["gates"]])
     rep = summary.get("replicate")
     if rep:
         lines += ["", "## Replicate (determinism control)", "", rep["detail"]]
     if ok:
         png = plot_effect(summary, run_dir / EFFECT_PNG)
-        lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", "",
-                  "| σ | estimand | debiased cos | ± se | naive cos | effect 1 − cos |", "|---|---|---|---|---|---|"]
-        lines += [f"| {e['sigma']:g} | {e['estimand']} | {_fmt(e['cos'])} | {_fmt(e['se']) if e['se'] is not None else '–'} "
-                  f"| {e['cos_naive']:.4f} | {_fmt(None if e['cos'] is None else 1 - e['cos'])} |"
-                  for e in summary["effects"]]
+        lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", ""] + _table(
+            ["σ", "estimand", "debiased cos", "± se", "naive cos", "effect 1 − cos"],
+            [[f"{e['sigma']:g}", e["estimand"], _fmt(e["cos"]), _se(e, ".4f"), f"{e['cos_naive']:.4f}",
+              _fmt(None if e["cos"] is None else 1 - e["cos"])] for e in summary["effects"]])
     ref = summary.get("reference")
     if ref:
         lines += ["", "## Reference", "", ref["detail"]]

@@ -4,12 +4,21 @@ EXIT_OK = 0  # every validity check and gate passed
 EXIT_GATE = 1  # a validity check or a no-op gate failed: the instrument is broken, effects withheld
 EXIT_USAGE = 2  # bad config, bad input, damaged store: nothing was computed from it
 EXIT_REFUSED = 3  # an absolute comparison across kernel paths, refused
+EXIT_MODEL = 4  # the model (or other user code) raised mid-run: recorded in run.json, earlier bins kept
+EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): recorded in run.json as "interrupted"; resume continues
+EXIT_TERMINATED = 143  # SIGTERM (scancel, kill): recorded as "interrupted"; resume continues
 
 
 class TwinrunError(Exception):
     """A user mistake or unusable input: printed as one line, never as a traceback."""
 
     exit_code = EXIT_USAGE
+
+
+class ModelError(TwinrunError):
+    """The model or other user code raised inside a measurement; the message names arm, bin and cause."""
+
+    exit_code = EXIT_MODEL
 
 
 class ConfigError(TwinrunError):

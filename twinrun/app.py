@@ -20,8 +20,17 @@ from omegaconf import DictConfig, OmegaConf
 from twinrun.config import register_configs
 from twinrun.errors import EXIT_OK, EXIT_USAGE, TwinrunError, fail
 
-# conf/ sits beside the package in a checkout or editable install (`pip install -e .`).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+def _conf_dir() -> Path:
+    """twinrun's Hydra configs: inside the installed package, or conf/ beside it in a checkout."""
+    # A wheel (pip install .) ships conf/ as twinrun/conf (pyproject's package-dir); a checkout or
+    # an editable install keeps it at the top of the repository, next to twinrun/.
+    here = Path(__file__).resolve().parent
+    installed = here / "conf"
+    return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 # What the Hydra task leaves for main(): whether it started (to tell Hydra's config errors from
 # ours), each point's exit code, the points a sweep defers for one array submission.
@@ -33,6 +42,16 @@ def _unique() -> str:
     # Hydra's ${now:} has one-second resolution: two runs started in the same second would share
     # a directory (Hydra #2925). A per-process random suffix keeps them apart.
     return secrets.token_hex(3)
+
+
+def _config_groups() -> str:
+    """`--help`'s list of choices: Hydra's groups minus its own and the typed schema/* ones."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    def chosen_by_users(group: str) -> bool:
+        return not group.startswith(("hydra/", "schema/")) and group not in ("hydra", "schema")
+
+    return GlobalHydra.instance().hydra.format_config_groups(chosen_by_users)
 
 
 def reproduce_command(run_dir: Path) -> str:
@@ -127,6 +146,8 @@ def main() -> None:
     register_configs()
     if not OmegaConf.has_resolver("twinrun.unique"):
         OmegaConf.register_new_resolver("twinrun.unique", _unique)
+    if not OmegaConf.has_resolver("twinrun.config_groups"):
+        OmegaConf.register_new_resolver("twinrun.config_groups", _config_groups)
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
     try:
         app()

@@ -1,6 +1,6 @@
 """Environment fingerprint: which kernel path produced a number, and where it ran.
 
-Run `python -m twinrun.env` to print this process's fingerprint as JSON.
+Run `python -m twinrun.env` to print the fingerprint a run made here records, with its digest.
 
 `fingerprint()` splits what it reads in two:
 
@@ -470,5 +470,31 @@ def _flatten(tree, prefix: str = "") -> dict:
     return flat
 
 
+def main(argv=None) -> int:
+    """`python -m twinrun.env`: this machine's fingerprint as a run records it, its digest first."""
+    import argparse
+
+    from twinrun.provenance import kernel_path_sha256, setup_determinism
+
+    p = argparse.ArgumentParser(
+        prog="python -m twinrun.env",
+        description="Print this machine's environment fingerprint as JSON, as a run here records it: the "
+        "kernel-path digest (a run writes env/kernel_path-<first 12 digits>.json), the determinism record "
+        "and the fingerprint. Exit 0.")
+    p.add_argument("--determinism", choices=("on", "off"), default="on",
+                   help="as a run with determinism.enabled=true (default) or false: the switches are part "
+                   "of the kernel path, so the digest differs")
+    args = p.parse_args(argv)
+    # A run pins determinism before it fingerprints (run._measure); do the same, or the switches
+    # (deterministic algorithms, cuDNN, CUBLAS_WORKSPACE_CONFIG) read here would not be the run's.
+    determinism = setup_determinism({"determinism": {"enabled": args.determinism == "on"}})
+    fp = fingerprint()
+    sha = kernel_path_sha256(fp)
+    out = {"kernel_path_sha256": sha, "kernel_path_file": f"env/kernel_path-{sha[:12]}.json",
+           "determinism": determinism, **fp}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(fingerprint(), indent=2))
+    raise SystemExit(main())

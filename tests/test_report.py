@@ -30,7 +30,7 @@ def test_report_order_and_plot(tmp_path):
     report = (run_dir / "report.md").read_text()
     assert sections(report)[:4] == ["Verdict", "Validity checks", "No-op gates", "Effects"]
     assert "**VALID**" in report and "![effect vs σ](effect.png)" in report
-    assert f"hydra.run.dir={run_dir}" in report  # the command that reproduces it
+    assert f"python -m twinrun.resume {run_dir}" in report  # the command that resumes it in place
     assert sections(report)[-2:] == ["Environment", "Reproduce"] and "job 0: local process on" in report
     assert_real_png(run_dir / "effect.png")
 

@@ -7,6 +7,7 @@ with the reducer's code (0 ok, 1 a gate/check failed, 2 bad input), the worst ov
 """
 
 import functools
+import os
 import secrets
 import shlex
 import sys
@@ -54,10 +55,15 @@ def _config_groups() -> str:
     return GlobalHydra.instance().hydra.format_config_groups(chosen_by_users)
 
 
-def reproduce_command(run_dir: Path) -> str:
-    """The command that reruns (or resumes) exactly this run: its overrides and its directory."""
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
-    return " ".join(["python -m twinrun", *map(shlex.quote, overrides), f"hydra.run.dir={shlex.quote(str(run_dir))}"])
+def reproduce_command() -> str:
+    """The command that measures this run afresh, into a new run directory (resuming is twinrun.resume's)."""
+    hc = HydraConfig.get()
+    # --config-dir (bring your own) is not an override; without it the user's configs would not compose.
+    config_dirs = [os.path.abspath(s.path.removeprefix("file://")) for s in hc.runtime.config_sources
+                   if s.provider == "command-line"]
+    overrides = [o for o in hc.overrides.task if not o.lstrip("+~").startswith("hydra.")]
+    args = [*(arg for d in config_dirs for arg in ("--config-dir", d)), *overrides]
+    return " ".join(["python -m twinrun", *map(shlex.quote, args)])
 
 
 def reduce_and_report(run_dir: Path) -> int:
@@ -80,7 +86,7 @@ def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
         raise TwinrunError("launcher.*: a sweep is submitted as one job array, so every point must share "
                            "one launcher config; sweep the experiment, not the launcher")
     _state["launcher"] = launcher
-    plan_run(cfg, run_dir, command=reproduce_command(run_dir))
+    plan_run(cfg, run_dir, command=reproduce_command())
     print(f"twinrun: run directory {run_dir}", flush=True)
     if launcher["name"] == "local":
         run_job(run_dir)

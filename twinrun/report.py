@@ -5,6 +5,7 @@ then effects, never effects when a check or gate failed.
 """
 
 import json
+import shlex
 from pathlib import Path
 
 import matplotlib
@@ -110,7 +111,9 @@ def write_report(run_dir: Path, summary: dict, run: dict) -> Path:
     if env_lines:
         lines += ["", "## Environment", "", "Full fingerprints: `env/job*.json`.", ""] + [f"- {x}" for x in env_lines]
     if run.get("command"):
-        lines += ["", "## Reproduce", "", "```bash", run["command"], "```"]
+        lines += ["", "## Reproduce", "", "Measure afresh, into a new run directory:", "", "```bash", run["command"],
+                  "```", "", "Resume this run in place (verified bins are kept, the rest measured):", "", "```bash",
+                  f"python -m twinrun.resume {shlex.quote(str(run_dir))}", "```"]
     path = run_dir / "report.md"
     atomic_write(path, ("\n".join(lines) + "\n").encode())
     return path

@@ -119,29 +119,136 @@ def write_report(run_dir: Path, summary: dict, run: dict) -> Path:
     return path
 
 
+# ----------------------------------------------------------------------------- the sweep heatmap
+# One row per sweep point, labelled by the variables the sweep changed (whatever they are: an
+# intervention knob, the grid, the experiment), one column per noising σ. Each cell is in exactly
+# one state, drawn and captioned its own way, so a blank never has to be guessed at.
+CELL_STYLES = {  # state: (legend text, fill colour or None = the effect's colour, hatch, mark)
+    "effect": ("1 − cos, more than 2 SE from 0", None, "", ""),
+    "within_2se": ("hatched: |1 − cos| ≤ 2 SE, no effect resolved", None, "///", ""),
+    "no_se": ("dotted: no SE (a leave-one-fold-out replicate below noise)", None, "..", ""),
+    "below_noise": ("grey 'n': below noise, no cosine defined", "0.82", "", "n"),
+    "failed": ("red ×: the point's checks or gates failed, numbers withheld", "#e7b9b9", "", "×"),
+    "unfinished": ("'?': the point has no verdict (not measured or not reduced)", "0.95", "", "?"),
+    "not_measured": ("white: σ not in this point's grid", "white", "", ""),
+}
+
+
+def _overrides_by_key(overrides: list[str]) -> dict[str, str]:
+    return dict(o.lstrip("+~").partition("=")[::2] for o in overrides)
+
+
+def swept_variables(points: list[dict]) -> list[str]:
+    """The override keys whose values differ between the points: the sweep's axes."""
+    by_point = [_overrides_by_key(p["overrides"]) for p in points]
+    keys = dict.fromkeys(k for o in by_point for k in o)
+    return [k for k in keys if len({o.get(k) for o in by_point}) > 1]
+
+
+def _point_state(point: dict) -> str | None:
+    if point["valid"] is None:
+        return "unfinished"
+    return None if point["valid"] and point["gates_passed"] else "failed"
+
+
+def _cell(effect: dict | None, point_state: str | None) -> tuple[str, float]:
+    """A cell's state and the effect 1 − cos it shows (nan when it shows none)."""
+    if point_state is not None:
+        return point_state, np.nan
+    if effect is None:
+        return "not_measured", np.nan
+    if effect["cos"] is None:
+        return "below_noise", np.nan
+    value = 1 - effect["cos"]
+    if effect["se"] is None:
+        return "no_se", value
+    return ("within_2se" if abs(value) <= 2 * effect["se"] else "effect"), value
+
+
+def sweep_grid(sweep_summary: dict, estimand: str = "all") -> dict:
+    """Rows (points), columns (noising σ), each cell's state and effect, the gate cells, the labels."""
+    points = sweep_summary["points"]
+    swept = swept_variables(points)
+    values = [[_overrides_by_key(p["overrides"]).get(k, "–") for k in swept] for p in points]
+    if len(swept) == 1 and all(_is_number(v[0]) for v in values):  # one numeric knob: in its order
+        order = sorted(range(len(points)), key=lambda i: float(values[i][0]))
+    else:
+        order = list(range(len(points)))
+    effects = [{e["sigma"]: e for e in points[i]["effects"] if e["estimand"] == estimand} for i in order]
+    sigmas = sorted({s for row in effects for s in row})
+    states, grid = [], np.full((len(order), len(sigmas)), np.nan)
+    for r, i in enumerate(order):
+        cells = [_cell(effects[r].get(s), _point_state(points[i])) for s in sigmas]
+        states.append([state for state, _ in cells])
+        grid[r] = [value for _, value in cells]
+    gates = {(r, sigmas.index(s)) for r, i in enumerate(order) for s in points[i].get("gate_sigmas", [])
+             if s in sigmas}
+    labels = [", ".join(values[i]) if len(swept) == 1 else ", ".join(f"{k}={v}" for k, v in zip(swept, values[i]))
+              for i in order]
+    return {"rows": labels, "row_axis": swept[0] if len(swept) == 1 else "sweep point", "sigmas": sigmas,
+            "effect": grid, "states": states, "gates": gates, "estimand": estimand,
+            "intervention": _intervention_names(points)}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _intervention_names(points: list[dict]) -> str:
+    names = dict.fromkeys(str(p["intervention"].get("_target_", "?")).rsplit(".", 1)[-1] for p in points)
+    return " / ".join(names)
+
+
 def plot_sweep(sweep_summary: dict, path: Path, estimand: str = "all") -> Path | None:
-    """Heatmap of the effect over (pinned σ, noising σ), the no-op diagonal marked."""
-    rows = [e for e in sweep_summary["effects"] if e["estimand"] == estimand and e["sigma_pin"] is not None]
-    if not rows:
+    """Heatmap of the effect over (sweep point, noising σ): every cell's state visible, gate bins boxed."""
+    g = sweep_grid(sweep_summary, estimand)
+    if not g["sigmas"]:  # no point has effects to show: the report's table says why
         return None
-    pins = sorted({e["sigma_pin"] for e in rows})
-    sigmas = sorted({e["sigma"] for e in rows})
-    grid = np.full((len(pins), len(sigmas)), np.nan)
-    for e in rows:
-        if e["effect"] is not None:
-            grid[pins.index(e["sigma_pin"]), sigmas.index(e["sigma"])] = e["effect"]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.7 * len(sigmas), 1.4 + 0.5 * len(pins)), dpi=110)
-    im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis")
-    fig.colorbar(im, ax=ax, label=f"effect 1 − cos ({estimand})")
-    ax.set_xticks(range(len(sigmas)), [f"{s:g}" for s in sigmas], rotation=45)
-    ax.set_yticks(range(len(pins)), [f"{p:g}" for p in pins])
-    for i, p in enumerate(pins):
-        if p in sigmas:
-            ax.add_patch(plt.Rectangle((sigmas.index(p) - 0.5, i - 0.5), 1, 1, fill=False, ec="white", lw=2))
-    ax.set_xlabel("noising σ")
-    ax.set_ylabel("pinned σ")
-    ax.set_title("no-op diagonal boxed")
-    fig.tight_layout()
+    n_rows, n_cols = len(g["rows"]), len(g["sigmas"])
+    fig, ax = plt.subplots(figsize=(3.2 + 0.7 * n_cols, 2.6 + 0.45 * n_rows), dpi=110)
+    im = ax.imshow(g["effect"], origin="lower", aspect="auto", cmap="viridis")
+    fig.colorbar(im, ax=ax, label=f"effect 1 − debiased cos ({estimand})")
+    for r, row in enumerate(g["states"]):
+        for c, state in enumerate(row):
+            _draw_cell(ax, r, c, state)
+    for r, c in g["gates"]:
+        ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, ec="tab:orange", lw=2.5))
+    ax.set_xticks(range(len(g["sigmas"])), [f"{s:g}" for s in g["sigmas"]], rotation=45)
+    ax.set_yticks(range(n_rows), g["rows"])
+    ax.set_xlabel("noising σ (bin)")
+    ax.set_ylabel(g["row_axis"])
+    ax.set_title(f"{g['intervention']} vs native twin, estimand `{estimand}`", fontsize=10)
+    present = dict.fromkeys(s for row in g["states"] for s in row)
+    handles = [plt.Rectangle((0, 0), 1, 1, fc=CELL_STYLES[s][1] or "0.6", hatch=CELL_STYLES[s][2], ec="0.3",
+                             label=CELL_STYLES[s][0]) for s in present]
+    if g["gates"]:
+        handles.append(plt.Rectangle((0, 0), 1, 1, fill=False, ec="tab:orange", lw=2.5, label="no-op gate bin"))
+    fig.legend(handles=handles, loc="lower center", fontsize=7, frameon=False, ncol=1)
+    fig.tight_layout(rect=(0, 0.05 + 0.045 * len(handles), 1, 1))
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _draw_cell(ax, row: int, col: int, state: str) -> None:
+    _, fill, hatch, mark = CELL_STYLES[state]
+    if fill is not None or hatch:
+        ax.add_patch(plt.Rectangle((col - 0.5, row - 0.5), 1, 1, fill=fill is not None, fc=fill or "none",
+                                   hatch=hatch, ec="0.3" if hatch else "none", lw=0))
+    if mark:
+        ax.text(col, row, mark, ha="center", va="center", fontsize=11, color="0.25")
+
+
+def sweep_caption(sweep_summary: dict, estimand: str = "all") -> str:
+    """One sentence for the report under the heatmap: what its axes and every cell state present mean."""
+    g = sweep_grid(sweep_summary, estimand)
+    present = dict.fromkeys(s for row in g["states"] for s in row)
+    parts = [CELL_STYLES[s][0] for s in present]
+    if g["gates"]:
+        parts.append("orange box: no-op gate bin")
+    return (f"Effect 1 − debiased cos to the native twin of `{g['intervention']}`, estimand `{estimand}`, over "
+            f"({g['row_axis']}, noising σ). Cells: " + "; ".join(parts) + ".")

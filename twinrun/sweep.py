@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from twinrun.report import HEATMAP_PNG, plot_sweep
+from twinrun.report import HEATMAP_PNG, plot_sweep, sweep_caption, swept_variables
 from twinrun.store import atomic_write, read_json, write_json
 
 
@@ -35,26 +35,33 @@ def _point(run_dir: Path) -> dict:
         point["valid"] = summary["valid"]
         point["gates_passed"] = all(g["passed"] for g in summary["gates"]) and bool(summary["gates"])
         point["effects"] = summary["effects"]
+        point["gate_sigmas"] = sorted({g["sigma"] for g in summary["gates"]})  # boxed on the heatmap
     return point
 
 
 def write_sweep_report(sweep_dir: Path, summary: dict) -> Path:
-    """sweep_report.md: each point's verdict linked to its run, then the heatmap."""
+    """sweep_report.md: each point's verdict linked to its run, then the heatmap and what its cells mean."""
+    n = summary["n_points"]
     verdict = ("every point valid with its gates passed" if summary["all_valid"]
                else "NOT every point passed its checks and gates")
-    lines = ["# twinrun sweep report", "", f"{summary['n_points']} points; {verdict}.",
+    swept = swept_variables(summary["points"])
+    lines = ["# twinrun sweep report", "", f"{n} {'point' if n == 1 else 'points'}; {verdict}.",
+             f"Swept: {', '.join(f'`{k}`' for k in swept) or 'nothing (one point)'}.",
              "", "| point | overrides | status | valid | gates passed | report |", "|---|---|---|---|---|---|"]
     for p in summary["points"]:
         rel = Path(p["run_dir"]).relative_to(sweep_dir)
-        lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} | {p['valid']} | {p['gates_passed']} "
-                     f"| [report]({rel}/report.md) |")
+        lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} | {_yes_no(p['valid'])} "
+                     f"| {_yes_no(p['gates_passed'])} | [report]({rel}/report.md) |")
     png = plot_sweep(summary, sweep_dir / HEATMAP_PNG)
     if png is not None:
-        lines += ["", "Effect over (pinned σ, noising σ), estimand `all`; points whose gates failed are blank.",
-                  "", f"![sweep heatmap]({png.name})"]
+        lines += ["", f"![sweep heatmap]({png.name})", "", sweep_caption(summary)]
     path = sweep_dir / "sweep_report.md"
     atomic_write(path, ("\n".join(lines) + "\n").encode())
     return path
+
+
+def _yes_no(flag: bool | None) -> str:
+    return "–" if flag is None else ("yes" if flag else "**NO**")
 
 
 def write_sweep_summary(sweep_dir: Path) -> dict:

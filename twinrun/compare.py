@@ -48,7 +48,11 @@ def vouched(run_a: Path | None, run_b: Path | None) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m twinrun.compare", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m twinrun.compare", description=__doc__.splitlines()[0],
+        epilog="exit codes: 0 compared on one kernel path (or across paths, vouched for by A's reference check); "
+        "2 bad input (missing or damaged store, different protocols); 3 kernel paths differ: refused, or with "
+        "--force printed with every number marked INVALID (still 3: the numbers are not valid).")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     p.add_argument("--arm", default="native", help="arm of a run directory to compare (default: native)")

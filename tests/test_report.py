@@ -43,6 +43,7 @@ def test_sweep_summary_report_and_heatmap(tmp_path):
     summary = json.loads((sweep / "sweep_summary.json").read_text())
     assert summary["n_points"] == 3 and summary["all_valid"]
     pins = {e["sigma_pin"] for e in summary["effects"]}
+    assert [p["gate_sigmas"] for p in summary["points"]] == [[0.2], [0.5], [1.2]]  # boxed on the heatmap
     assert pins == {0.2, 0.5, 1.2}
     diagonal = [e for e in summary["effects"] if e["sigma"] == e["sigma_pin"]]
     # the no-op diagonal: no effect (or a cosine undefined because the signal is below noise there)

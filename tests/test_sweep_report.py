@@ -66,7 +66,9 @@ def test_two_swept_knobs_label_rows_with_both():
 
 def test_caption_names_below_noise_and_failed_cells_for_what_they_are(pin_sweep):
     caption = sweep_caption(pin_sweep)
-    assert "below noise" in caption and "checks or gates failed" in caption and "|1 − cos| ≤ 2 SE" in caption
+    assert "grey 'n': below noise, no cosine defined" in caption  # never passed off as a failed gate
+    assert "red ×: the point's checks or gates failed" in caption and "hatched: |1 − cos| ≤ 2 SE" in caption
+    assert "blank" not in caption
     assert "PinSigma" in caption and "estimand `all`" in caption and "intervention.sigma_pin" in caption
     clean = sweep_caption(_summary(_point(0, ["a=1"], [_effect(0.2, 0.5, 0.01)])))
     assert "below noise" not in clean and "failed" not in clean  # only states that are present
@@ -82,6 +84,8 @@ def test_heatmap_titles_intervention_and_estimand_and_hatches_uncertain_cells(pi
     assert ax.get_ylabel() == "intervention.sigma_pin"
     hatched = {(p.get_x() + 0.5, p.get_y() + 0.5) for p in ax.patches if p.get_hatch() == "///"}
     assert hatched == {(1, 0), (1, 3)}  # (column, row) of both cells within 2 SE
+    legend = {h.get_label(): h.get_hatch() for h in figures[0].legends[0].legend_handles}
+    assert legend["hatched: |1 − cos| ≤ 2 SE, no effect resolved"] == "///" and "no-op gate bin" in legend
     texts = {(t.get_position(), t.get_text()) for t in ax.texts}
     assert ((0, 2), "n") in texts and ((0, 1), "×") in texts and ((1, 1), "×") in texts
     plt.close(figures[0])

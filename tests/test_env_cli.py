@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import TINY, run_twinrun
 
 
@@ -11,6 +12,7 @@ def _env_cli(cwd, *args) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 def test_env_digest_matches_the_kernel_path_file_a_run_writes(tmp_path, model_args):
     done = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, "hydra.run.dir=run"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -58,7 +58,7 @@ def test_wheel_declares_the_twinrun_command(wheel):
 
 
 @pytest.fixture(scope="module")
-def installed(wheel, tmp_path_factory) -> dict:
+def installed(wheel, tmp_path_factory):
     """A fresh venv (no site packages) with the wheel installed under constraints.txt's pins."""
     root = tmp_path_factory.mktemp("fresh")
     t0 = time.perf_counter()
@@ -70,7 +70,8 @@ def installed(wheel, tmp_path_factory) -> dict:
     print(f"fresh venv + wheel install: {time.perf_counter() - t0:.0f} s")
     elsewhere = root / "elsewhere"  # outside the checkout: nothing there but what the wheel installed
     elsewhere.mkdir()
-    return {"python": python, "bin": python.parent, "cwd": elsewhere}
+    yield {"python": python, "bin": python.parent, "cwd": elsewhere}
+    shutil.rmtree(root / "venv")  # 1.3 GB, most of it torch: pytest keeps its last three base temp dirs
 
 
 def _run(installed: dict, *args: str, env: dict | None = None, exe: str | None = None):

@@ -62,6 +62,8 @@ def test_two_swept_knobs_label_rows_with_both():
     g = sweep_grid(_summary(_point(0, ["a=1", "b=x"], [_effect(0.2, 0.5, 0.01)]),
                             _point(1, ["a=2", "b=y"], [_effect(0.2, 0.5, 0.01)])))
     assert g["row_axis"] == "sweep point" and g["rows"] == ["a=1, b=x", "a=2, b=y"]
+    alone = sweep_grid(_summary(_point(0, ["a=1"], [_effect(0.2, 0.5, 0.01)])))
+    assert alone["row_axis"] == "sweep point" and alone["rows"] == ["0"]  # nothing swept: the job's name
 
 
 def test_caption_names_below_noise_and_failed_cells_for_what_they_are(pin_sweep):

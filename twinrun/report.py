@@ -183,11 +183,16 @@ def sweep_grid(sweep_summary: dict, estimand: str = "all") -> dict:
         grid[r] = [value for _, value in cells]
     gates = {(r, sigmas.index(s)) for r, i in enumerate(order) for s in points[i].get("gate_sigmas", [])
              if s in sigmas}
-    labels = [", ".join(values[i]) if len(swept) == 1 else ", ".join(f"{k}={v}" for k, v in zip(swept, values[i]))
-              for i in order]
+    labels = [_row_label(swept, values[i], points[i]) for i in order]
     return {"rows": labels, "row_axis": swept[0] if len(swept) == 1 else "sweep point", "sigmas": sigmas,
             "effect": grid, "states": states, "gates": gates, "estimand": estimand,
             "intervention": _intervention_names(points)}
+
+
+def _row_label(swept: list[str], values: list[str], point: dict) -> str:
+    if not swept:  # one point, or points that differ in nothing they were told: name the job
+        return Path(point["run_dir"]).name
+    return values[0] if len(swept) == 1 else ", ".join(f"{k}={v}" for k, v in zip(swept, values))
 
 
 def _is_number(text: str) -> bool:

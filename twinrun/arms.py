@@ -26,7 +26,7 @@ class NotATwin(TwinrunError):
 class Arm:
     name: str  # directory under RUN_DIR/arms/
     config: dict  # resolved, plain containers
-    role: str  # "intervention" | "twin" | "replicate"
+    role: str  # "intervention" | "twin" | "replicate" | "machinery"
 
 
 def _resolved(cfg: DictConfig, what: str) -> dict:
@@ -70,8 +70,18 @@ def for_compute(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in EXCLUDED}
 
 
-def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False) -> tuple[list[Arm], list[dict]]:
-    """[intervention, twin(, replicate)] and the diff between them; refuse a pair that is not a twin."""
+def machinery_of(cfg: DictConfig, noop: dict) -> DictConfig:
+    """The same config with the intervention at its no-op setting: its own code, doing nothing."""
+    machinery = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for key, value in noop.items():
+        machinery[INTERVENTION_KEY][key] = value
+    return machinery
+
+
+def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False,
+                noop: dict | None = None) -> tuple[list[Arm], list[dict]]:
+    """[intervention, twin(, replicate)(, machinery)] and the intervention–twin diff; refuse a pair
+    that is not a twin. `noop`: the intervention's no-op setting, which adds its machinery arm."""
     if cfg[INTERVENTION_KEY].get("_target_") == NATIVE["_target_"]:
         raise TwinrunError(
             "intervention=native: no intervention declared; declare one, e.g. "
@@ -94,4 +104,7 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
     arms = [Arm(intervention_name, mine, "intervention"), Arm("native", twin, "twin")]
     if replicate:
         arms.append(Arm("native_replicate", twin, "replicate"))
+    if noop is not None:
+        machinery = for_compute(_resolved(machinery_of(cfg, noop), "machinery arm's"))
+        arms.append(Arm(f"{intervention_name}_noop", machinery, "machinery"))
     return arms, diff

@@ -48,6 +48,21 @@ class ScaleCondConfig:
     gamma: float = 0.5  # 1 = native, 0 = pin at anchor_sigma
 
 
+@dataclass
+class ScaleModuleConfig:
+    _target_: str = "twinrun.interventions.ScaleModule"
+    # A name from model.named_modules() whose output is scaled at every σ (a forward hook).
+    module: str = "blocks.1.attn"
+    factor: float = 0.5  # 0 ablates the module; 1 is its no-op setting (the machinery arm runs it)
+
+
+@dataclass
+class ScaleInputConfig:
+    _target_: str = "twinrun.interventions.ScaleInput"
+    # The denoiser's noisy input x is multiplied by this before the model sees it, at every σ.
+    factor: float = 0.9  # 1 is its no-op setting (the machinery arm runs it)
+
+
 # ----------------------------------------------------------------------------- plain settings
 
 
@@ -160,6 +175,8 @@ def register_configs() -> None:
     cs.store(group="schema/intervention", name="native", node=NativeConfig)
     cs.store(group="schema/intervention", name="pin_sigma", node=PinSigmaConfig)
     cs.store(group="schema/intervention", name="scale_cond", node=ScaleCondConfig)
+    cs.store(group="schema/intervention", name="scale_module", node=ScaleModuleConfig)
+    cs.store(group="schema/intervention", name="scale_input", node=ScaleInputConfig)
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)

@@ -127,6 +127,18 @@ def provenance_checks(run: dict, stores: dict, names: list[str]) -> list[dict]:
     return out
 
 
+def machinery_check(run: dict, stores: dict, arm: str) -> dict:
+    """The intervention's own code at its no-op setting must equal the twin bit for bit in every bin:
+    otherwise the intervention's machinery perturbs more than the intervention."""
+    differ = [b["sigma"] for b in run["bins"] if not torch.equal(stores[arm, b["index"]].sums,
+                                                                 stores["native", b["index"]].sums)]
+    n = len(run["bins"])
+    return check("machinery_is_a_no_op", not differ,
+                 f"{arm} (the intervention's code at its no-op setting) is bit-identical to the twin in all {n} bins"
+                 if not differ else f"{arm} differs from the twin at σ = {', '.join(f'{s:g}' for s in differ)}: "
+                 "the intervention's code perturbs the model even at its no-op setting")
+
+
 def grams(run: dict, stores: dict, chunk_params: int) -> tuple[dict, list[str], int]:
     """Same-bin Gram blocks for each parameter view, as arrays [bin, arm, fold, arm, fold].
 
@@ -327,8 +339,12 @@ def reduce_run(run_dir: Path, estimands=None, gate_threshold=None, chunk_params=
                 gates.append({"sigma": b["sigma"], "estimand": e, "cos": est.cos, "se": est.se,
                               "threshold": threshold, "passed": passed, "bit_identical": identical})
             effects.append(row)
-    if not gates:
-        checks.append(check("has_gate", False, "no bin where the intervention is a no-op: nothing vouches for the instrument"))
+    machinery = [a["name"] for a in run["arms"] if a.get("role") == "machinery"]
+    if machinery:
+        checks.append(machinery_check(run, stores, machinery[0]))
+    elif not gates:
+        checks.append(check("has_gate", False, "no bin where the intervention is a no-op and no machinery arm: "
+                            "nothing vouches for the instrument"))
     replicate = None
     if "native_replicate" in names:
         replicate = replicate_report(run, stores, g["all"], names, sizes, threshold)

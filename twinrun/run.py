@@ -25,6 +25,7 @@ from twinrun.arms import Arm, derive_arms
 from twinrun.determinism import MATMUL_PRECISIONS
 from twinrun.env import fingerprint
 from twinrun.errors import ConfigError, StoreError
+from twinrun.interventions import attached
 from twinrun.lock import run_lock
 from twinrun.store import atomic_write, read_json, read_store, store_name, write_json, write_store
 
@@ -99,6 +100,16 @@ def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
                           "or probe them")
 
 
+def check_checkable(intervention, grid: list[float], model: torch.nn.Module) -> None:
+    """An intervention must be checkable against its twin: a gate bin, or a no-op setting whose
+    machinery arm runs its own code doing nothing; and it must fit the model (module names)."""
+    if not intervention.gate_sigmas(grid) and intervention.noop() is None:
+        raise ConfigError("intervention._target_", type(intervention).__name__,
+                          f"has no bin of sigma_grid.sigmas={grid} where it is a no-op and no no-op setting "
+                          "(`noop()`): nothing could show the instrument works; give it one of them")
+    intervention.check_model(model)
+
+
 # The protocol a reference must share with the run (chunking and device do not change what is
 # measured). The model config is not part of it: weights move between paths and machines, and the
 # parameter layout, which is, is checked store by store when the reference is read.
@@ -146,8 +157,10 @@ def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict
     validate(cfg, n_available_images=images.shape[0])
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     intervention.check(grid)
-    check_params(build(OmegaConf.to_container(cfg.model, resolve=True), "model"), cfg)
-    arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate))
+    model = build(OmegaConf.to_container(cfg.model, resolve=True), "model")
+    check_params(model, cfg)
+    check_checkable(intervention, grid, model)
+    arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
     run = {
         "format": "twinrun-run/1",
         "status": "planned",
@@ -253,8 +266,9 @@ def _measure(run_dir: Path) -> dict:
             eps_dev = eps.to(device)
             sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
             try:
-                sums = probe.fold_sums(model, names, images, eps_dev, sigma, sigma_cond.to(device),
-                                       fold_of_image, len(sizes), p["chunk_images"], p["chunk_draws"])
+                with attached(interventions[arm.name], model):  # its hooks, on this arm only
+                    sums = probe.fold_sums(model, names, images, eps_dev, sigma, sigma_cond.to(device),
+                                           fold_of_image, len(sizes), p["chunk_images"], p["chunk_draws"])
                 probe.check_finite(sums, arm.name, b["index"], sigma)
                 meta = {"arm": arm.name, "bin_index": b["index"], "sigma": sigma,
                         "sigma_cond": float(sigma_cond), "n_images": p["n_images"], "n_draws": p["n_draws"],

@@ -1,0 +1,152 @@
+"""Interventions beyond σ: module hooks and input-side, their no-op settings and the machinery arm."""
+
+import textwrap
+
+import pytest
+import torch
+from conftest import TINY, run_twinrun
+
+from twinrun import probe
+from twinrun.interventions import ScaleInput, ScaleModule, attached
+from twinrun.model import DiTDenoiser
+
+
+@pytest.fixture(scope="module")
+def model():
+    gen = torch.Generator().manual_seed(0)
+    m = DiTDenoiser(width=16, depth=2, heads=2, mlp_ratio=2, sigma_data=0.6)
+    with torch.no_grad():  # away from adaLN-Zero's zero init, so every block matters
+        for p in m.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return m.eval()
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(3, 1, 8, 8, generator=gen), torch.full((3,), 0.5)
+
+
+def test_scale_module_scales_exactly_that_modules_output(model):
+    x, sigma = _inputs()
+    seen = {}
+    handle = model.blocks[1].attn.register_forward_hook(lambda m, a, out: seen.setdefault("plain", out))
+    with torch.no_grad():
+        model(x, sigma)
+    handle.remove()
+    handle = model.blocks[1].attn.register_forward_hook(lambda m, a, out: seen.setdefault("hooked", out))
+    with attached(ScaleModule("blocks.1.attn", 0.5), model), torch.no_grad():
+        model(x, sigma)
+    handle.remove()  # registered first, so it saw the module's own output; rescale to compare
+    assert torch.equal(seen["hooked"], seen["plain"])
+    with attached(ScaleModule("blocks.1.attn", 0.0), model), torch.no_grad():
+        ablated = model(x, sigma)
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in model.blocks[1].attn.parameters()]
+        for p in model.blocks[1].attn.proj.parameters():
+            p.zero_()  # attention's output projection zeroed: the same ablation by hand
+        by_hand = model(x, sigma)
+        for p, s in zip(model.blocks[1].attn.parameters(), saved):
+            p.copy_(s)
+    torch.testing.assert_close(ablated, by_hand)
+
+
+def test_hooks_are_removed_after_the_block_even_on_error(model):
+    x, sigma = _inputs()
+    with torch.no_grad():
+        before = model(x, sigma)
+    with pytest.raises(RuntimeError), attached(ScaleModule("blocks.0.mlp", 0.0), model):
+        raise RuntimeError("model failed mid-arm")
+    with torch.no_grad():
+        assert torch.equal(model(x, sigma), before)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_scale_input_is_the_model_at_a_scaled_input(model):
+    x, sigma = _inputs()
+    with attached(ScaleInput(0.9), model), torch.no_grad():
+        hooked = model(x, sigma)
+    with torch.no_grad():
+        assert torch.equal(hooked, model(x * 0.9, sigma))
+
+
+@pytest.mark.parametrize("intervention", [ScaleModule("blocks.1.attn", 1.0), ScaleModule("blocks.0.adaln", 1.0),
+                                          ScaleInput(1.0)])
+def test_no_op_settings_give_bit_identical_probe_sums(model, intervention):
+    # The machinery arm's premise: the hook at its no-op setting leaves the probe's sums bit for bit.
+    gen = torch.Generator().manual_seed(2)
+    images = torch.rand(4, 1, 8, 8, generator=gen) * 2 - 1
+    eps = torch.randn(4, 2, 1, 8, 8, generator=gen)
+    names = probe.select_params(model, ["*"])
+    args = (model, names, images, eps, 0.5, torch.tensor(0.5), torch.tensor([0, 0, 1, 1]), 2)
+    plain = probe.fold_sums(*args)
+    with attached(intervention, model):
+        hooked = probe.fold_sums(*args)
+    assert torch.equal(plain, hooked)
+    with attached(type(intervention)(*((intervention.module,) if hasattr(intervention, "module") else ()), 0.5),
+                  model):
+        assert not torch.equal(plain, probe.fold_sums(*args))  # and the setting does reach the probe
+
+
+def test_no_op_setting_is_declared():
+    assert ScaleModule("blocks.1.attn", 0.5).noop() == {"factor": 1.0}
+    assert ScaleInput(0.9).noop() == {"factor": 1.0}
+    assert ScaleModule("blocks.1.attn", 0.5).gate_sigmas([0.2, 0.5]) == []
+
+
+# An intervention whose no-op setting is not one (its hook moves the output by a relative 1e-6 even at
+# factor 1), and one with neither a gate bin nor a no-op setting.
+USER_INTERVENTIONS = textwrap.dedent("""
+    from twinrun.interventions import Intervention, ScaleModule
+
+    class LeakyScale(ScaleModule):
+        name = "leaky_scale"
+
+        def attach(self, model):
+            target = dict(model.named_modules())[self.module]
+            return [target.register_forward_hook(lambda m, a, out: out * self.factor * (1 + 1e-6))]
+
+    class Unchecked(Intervention):
+        name = "unchecked"
+
+        def __init__(self, **settings):  # takes scale_module's keys, acts on none of them
+            pass
+""")
+
+
+@pytest.mark.slow
+def test_scale_module_runs_with_its_machinery_arm_bit_identical(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=scale_module", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (run_dir / "arms").iterdir()) == ["native", "scale_module", "scale_module_noop"]
+    assert "[ok] machinery_is_a_no_op" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_leaky_machinery_arm_fails_the_run(tmp_path):
+    (tmp_path / "user_interventions.py").write_text(USER_INTERVENTIONS)
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=scale_module", "intervention._target_=user_interventions.LeakyScale", *TINY,
+                        f"hydra.run.dir={run_dir}"], cwd=tmp_path, env={"PYTHONPATH": _pythonpath(tmp_path)})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "[FAIL] machinery_is_a_no_op" in proc.stdout and "effects" not in proc.stdout.split("INSTRUMENT")[-1]
+
+
+def test_an_unknown_module_and_an_unchecked_intervention_are_refused_before_compute(tmp_path):
+    (tmp_path / "user_interventions.py").write_text(USER_INTERVENTIONS)
+    env = {"PYTHONPATH": _pythonpath(tmp_path)}
+    proc = run_twinrun(["+experiment=scale_module", "intervention.module=blocks.9.attn", *TINY,
+                        f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "intervention.module='blocks.9.attn'" in proc.stderr
+    assert "blocks.1.attn" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_twinrun(["+experiment=scale_module", "intervention._target_=user_interventions.Unchecked",
+                        *TINY, f"hydra.run.dir={tmp_path / 'b'}"],
+                       cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "no no-op setting" in proc.stderr, proc.stderr[-2000:]
+    assert not list((tmp_path / "b").glob("arms/*/*.safetensors"))
+
+
+def _pythonpath(tmp_path) -> str:
+    import os
+
+    return os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])

@@ -98,8 +98,8 @@ def test_mutated_real_stores_are_caught_by_their_checksum(tmp_path, data):
 
 
 def test_json_is_atomic_and_checked(tmp_path):
-    write_json(tmp_path / "run.json", {"a": 1})
-    assert read_json(tmp_path / "run.json") == {"a": 1}
+    write_json(tmp_path / "other.json", {"a": 1})
+    assert read_json(tmp_path / "other.json") == {"a": 1}
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(StoreError, match="bad.json"):
         read_json(tmp_path / "bad.json")

@@ -18,14 +18,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from twinrun.config import register_configs
-from twinrun.errors import EXIT_OK, EXIT_USAGE, TwinrunError, fail
+from twinrun.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, TwinrunError, fail
 
 # conf/ sits beside the package in a checkout or editable install (`pip install -e .`).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # What the Hydra task leaves for main(): whether it started (to tell Hydra's config errors from
 # ours), each point's exit code, the points a sweep defers for one array submission.
-_state = {"task_started": False, "codes": [], "deferred": [], "launcher": None, "sweep_dir": None}
+_state = {"task_started": False, "codes": [], "deferred": [], "launcher": None, "sweep_dir": None,
+          "trusted": set(), "sweep_checked": False}
 
 
 @functools.cache
@@ -52,8 +53,10 @@ def reduce_and_report(run_dir: Path) -> int:
 def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
     """Plan one run, then measure and reduce it (local), submit it, or defer it to the array."""
     from twinrun import launch
-    from twinrun.run import plan_run, run_job
+    from twinrun.run import plan_run, run_job, trusted_targets
 
+    trusted = trusted_targets(cfg)  # the user composed this config: its builders may run
+    _state["trusted"] |= set(trusted)
     launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
     if launcher["name"] != "local":
         launch.check(launcher)  # bad cluster settings fail before a run directory is written
@@ -64,19 +67,19 @@ def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
     plan_run(cfg, run_dir, command=reproduce_command(run_dir))
     print(f"twinrun: run directory {run_dir}", flush=True)
     if launcher["name"] == "local":
-        run_job(run_dir)
+        run_job(run_dir, trusted)
         return reduce_and_report(run_dir)
     if sweeping:
         _state["deferred"].append(run_dir)
         return None
-    return submit_and_collect([run_dir], launcher, run_dir)
+    return submit_and_collect([run_dir], launcher, run_dir, trusted)
 
 
-def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path) -> int:
+def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> int:
     """Submit the runs (one job, or one array), wait unless told not to, reduce each."""
     from twinrun import launch
 
-    jobs = launch.submit(run_dirs, launcher, folder_root)
+    jobs = launch.submit(run_dirs, launcher, folder_root, trusted)
     if not launcher["wait"]:
         where = run_dirs[0] if len(run_dirs) == 1 else folder_root
         print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`, "
@@ -97,6 +100,7 @@ def _task(cfg: DictConfig) -> int | None:
     try:
         code = run_point(cfg, run_dir, sweeping)
     except TwinrunError as err:
+        discard_unplanned(run_dir)
         if not sweeping:
             fail(err)
         print(f"twinrun: error: {run_dir}: {err}", file=sys.stderr)
@@ -108,6 +112,25 @@ def _task(cfg: DictConfig) -> int | None:
     return code
 
 
+def discard_unplanned(run_dir: Path) -> None:
+    """A rejected config leaves nothing on disk: remove the directory Hydra made for it, if it
+    holds nothing twinrun wrote (no run.json) but Hydra's own record and empty logs."""
+    from twinrun.rundir import RunDir
+
+    rd = RunDir(run_dir)
+    if rd.run_json.exists() or not rd.path.is_dir():
+        return
+    hydra_files = [rd.path / ".hydra" / n for n in ("config.yaml", "hydra.yaml", "overrides.yaml")]
+    logs = [p for p in rd.path.glob("*.log") if p.is_file() and p.stat().st_size == 0]
+    for path in hydra_files + logs:
+        path.unlink(missing_ok=True)
+    for folder in (rd.path / ".hydra", rd.path, rd.path.parent):
+        try:
+            folder.rmdir()  # only if empty: anything else stays
+        except OSError:
+            return
+
+
 def _finish_sweep() -> int:
     """After Hydra's sweep: submit deferred points as one array, then write the sweep summary."""
     from twinrun.sweep import write_sweep_summary
@@ -115,7 +138,8 @@ def _finish_sweep() -> int:
     sweep_dir = _state["sweep_dir"]
     if _state["deferred"]:
         try:
-            _state["codes"].append(submit_and_collect(_state["deferred"], _state["launcher"], sweep_dir))
+            _state["codes"].append(submit_and_collect(_state["deferred"], _state["launcher"], sweep_dir,
+                                                      sorted(_state["trusted"])))
         except TwinrunError as err:
             fail(err)
     if _state["launcher"] is None or _state["launcher"]["wait"]:
@@ -128,8 +152,13 @@ def main() -> None:
     if not OmegaConf.has_resolver("twinrun.unique"):
         OmegaConf.register_new_resolver("twinrun.unique", _unique)
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
+    from twinrun.run import raise_on_sigterm
+
+    raise_on_sigterm()
     try:
         app()
+    except KeyboardInterrupt:
+        fail(Interrupted(EXIT_INTERRUPTED))
     except SystemExit as exc:
         # Hydra reports a config it cannot compose (typo'd key, bad type, unknown option) with
         # exit 1, which twinrun reserves for a failed gate: report it as bad input.

@@ -21,6 +21,7 @@ from submitit.core.utils import UncompletedJobError
 from twinrun import status
 from twinrun.errors import EXIT_GATE, EXIT_USAGE, ConfigError, TwinrunError
 from twinrun.run import run_job
+from twinrun.rundir import RunDir, RunIndex
 from twinrun.store import read_json, write_json
 
 CLUSTERS = {"submitit_local": "local", "slurm": "slurm"}  # launcher.name -> submitit's cluster
@@ -55,14 +56,15 @@ class PairJob(submitit.helpers.Checkpointable):
     exist and verify (a half-measured bin is measured again, whole), so no finished bin is recomputed.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, trusted=()):
         self.run_dir = str(Path(run_dir).resolve())
+        self.trusted = list(trusted)  # builders the submitting user composed or named (see run.load_arms)
 
     def __call__(self) -> str:
         run_dir = Path(self.run_dir)
         print(f"twinrun: {_where()}: {run_dir}; {_stores_done(run_dir)}", flush=True)
         try:
-            return run_job(run_dir)["status"]
+            return run_job(run_dir, getattr(self, "trusted", ()))["status"]
         except TwinrunError as err:
             # One readable line before submitit's traceback; re-raised, so the job ends FAILED.
             print(f"twinrun: error: {err}", file=sys.stderr, flush=True)
@@ -86,11 +88,11 @@ def _where() -> str:
 
 def _stores_done(run_dir: Path) -> str:
     """Which bins are already whole (every arm's store done), as run.json says."""
-    run = read_json(run_dir / "run.json")
-    whole = [b["index"] for b in run["bins"] if all(s.get("status") == "done" for s in b["stores"].values())]
+    index = RunIndex.load(run_dir)
+    whole = [b["index"] for b in index.whole_bins(verify=False)]
     if not whole:
-        return f"0/{len(run['bins'])} bins done"
-    return f"{len(whole)}/{len(run['bins'])} bins done (skipped on resume: {', '.join(map(str, whole))})"
+        return f"0/{len(index.bins)} bins done"
+    return f"{len(whole)}/{len(index.bins)} bins done (skipped on resume: {', '.join(map(str, whole))})"
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -216,7 +218,7 @@ def make_executor(launcher: dict, folder_root: Path, job_name: str) -> submitit.
     return executor
 
 
-def submit(run_dirs: list[Path], launcher: dict, folder_root: Path) -> list:
+def submit(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> list:
     """One job per planned run directory, all in one submission (one SLURM job array if several).
 
     Writes RUN_DIR/launch.json (job id, cluster, log paths, time) and prints each job id.
@@ -228,7 +230,7 @@ def submit(run_dirs: list[Path], launcher: dict, folder_root: Path) -> list:
     with submitit.helpers.clean_env():  # submitting from inside an allocation must not inherit it
         try:
             with executor.batch():
-                jobs = [executor.submit(PairJob(run_dir)) for run_dir in run_dirs]
+                jobs = [executor.submit(PairJob(run_dir, trusted)) for run_dir in run_dirs]
         except UncompletedJobError as err:  # sbatch refused the job
             raise _sbatch_refused(err, launcher) from None
     cluster = CLUSTERS[launcher["name"]]
@@ -245,7 +247,7 @@ def submit(run_dirs: list[Path], launcher: dict, folder_root: Path) -> list:
 
 
 def _write_launch(run_dir: Path, job, cluster: str, launcher: dict, submitted: str) -> None:
-    path = run_dir / status.LAUNCH_JSON
+    path = RunDir(run_dir).launch_json
     earlier = []
     if path.is_file():  # a resubmission into the same run directory: keep the history
         old = read_json(path)

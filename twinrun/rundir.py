@@ -309,8 +309,21 @@ def validate_store_meta(path: Path, meta: dict) -> dict:
     return meta
 
 
+def validate_launch(path: Path, launch: dict) -> dict:
+    """launch.json: the job a run was submitted as (its id reaches squeue/sacct as an argument)."""
+    c = _Check(Path(path))
+    c.one_of(launch, "cluster", "cluster", ("local", "slurm"))
+    job_id = c.get(launch, "job_id", "job_id", str)
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
+        c.fail("job_id", f"{_show(job_id)} is not a job id")
+    for key in ("result", "stdout", "stderr", "folder"):
+        c.get(launch, key, key, str)
+    c.get(launch, "launcher", "launcher", dict)
+    return launch
+
+
 # The documents read_json validates, by file name.
-SCHEMAS = {RUN_JSON: validate_run, SUMMARY_JSON: validate_summary}
+SCHEMAS = {RUN_JSON: validate_run, SUMMARY_JSON: validate_summary, LAUNCH_JSON: validate_launch}
 
 
 # ----------------------------------------------------------------------------- the record

@@ -7,6 +7,7 @@ the file and the field (exit 2), never a traceback or a number.
 """
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -105,7 +106,8 @@ class RunDir:
         return Path(path).resolve().is_relative_to(self.path.resolve())
 
     def is_run(self) -> bool:
-        return self.run_json.is_file()
+        """Holds a run.json (of any kind: whether it is a readable one is read_json's to say)."""
+        return os.path.lexists(self.run_json)
 
     def require(self) -> "RunDir":
         """A run directory given on a command line: it must hold run.json."""
@@ -197,17 +199,28 @@ def validate_run(path: Path, run: dict) -> dict:
         c.fail("bins", "empty: a run has at least one bin")
     for i, b in enumerate(bins):
         _validate_bin(c, b, i, names)
-    for i, job in enumerate(c.get(run, "jobs", "jobs", list, optional=True) or []):
-        if not isinstance(job, dict):
-            c.fail(f"jobs[{i}]", f"{_show(job)} is not an object")
-        c.get(job, "sentinel_start", f"jobs[{i}].sentinel_start", str)
-        c.get(job, "sentinel_end", f"jobs[{i}].sentinel_end", str, optional=True)
+    _contained(c, names, bins)
+    for i, job in enumerate(c.get(run, "jobs", "jobs", list) if "jobs" in run else []):
+        _validate_job(c, job, i)
     failure = c.get(run, "failure", "failure", dict, optional=True)
     if failure is not None:
         c.get(failure, "arm", "failure.arm", str)
         c.get(failure, "bin_index", "failure.bin_index", int)
         c.number(failure, "sigma", "failure.sigma", low=0)
     return run
+
+
+def _validate_job(c: _Check, job, i: int) -> None:
+    field = f"jobs[{i}]"
+    if not isinstance(job, dict):
+        c.fail(field, f"{_show(job)} is not an object")
+    if c.get(job, "index", f"{field}.index", int) != i:
+        c.fail(f"{field}.index", f"{job['index']!r} must equal its position {i}")
+    c.hex_digest(job, "kernel_path_sha256", f"{field}.kernel_path_sha256")
+    c.get(job, "sentinel_start", f"{field}.sentinel_start", str)
+    c.get(job, "sentinel_end", f"{field}.sentinel_end", str, optional=True)
+    for key in ("hostname", "boot_id", "slurm_job_id"):
+        c.get(job, key, f"{field}.{key}", str, optional=True)
 
 
 def _validate_arm(c: _Check, arm, i: int) -> str:
@@ -240,6 +253,17 @@ def _validate_bin(c: _Check, b, i: int, names: list[str]) -> None:
         status = c.one_of(entry, "status", f"{where}.status", STORE_STATUSES)
         c.hex_digest(entry, "sha256", f"{where}.sha256", optional=status != "done")
         c.hex_digest(entry, "kernel_path_sha256", f"{where}.kernel_path_sha256", optional=True)
+
+
+def _contained(c: _Check, names: list[str], bins: list[dict]) -> None:
+    """Every arm directory and store file run.json names resolves inside its run directory
+    (a symlinked arm directory or store is refused before anyone reads through it)."""
+    rd = RunDir(c.path.parent)
+    for name in names:
+        rd.arm_dir(name)
+    for b in bins:
+        for arm, entry in b["stores"].items():
+            rd.store(arm, entry["file"])
 
 
 def validate_summary(path: Path, summary: dict) -> dict:

@@ -6,6 +6,7 @@ The same paths on a real SLURM are in test_slurm.py.
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -64,6 +65,7 @@ def store_sums(run_dir: Path) -> dict:
 # ----------------------------------------------------------------------------- knobs
 
 
+@pytest.mark.slurm  # submitit's SlurmExecutor needs `srun` on PATH even to write an sbatch file
 def test_every_knob_reaches_sbatch_and_none_is_not_passed(tmp_path):
     knobs = launcher(name="slurm", partition="gpu", qos="high", timeout_min=90, cpus_per_task=3, mem_gb=2,
                      signal_delay_s=100, max_num_timeout=7, additional_parameters={"comment": "twin"},
@@ -80,6 +82,7 @@ def test_every_knob_reaches_sbatch_and_none_is_not_passed(tmp_path):
     assert str(executor.folder) == str(tmp_path.resolve() / "submitit" / "%j")
 
 
+@pytest.mark.slurm  # as above: needs `srun` on PATH
 def test_zero_gpus_and_no_memory_are_not_requested(tmp_path):
     script = launch.make_executor(launcher(name="slurm", gpus_per_node=0), tmp_path, "t")._executor \
         ._make_submission_file_text("CMD", "uid")
@@ -204,6 +207,18 @@ def test_local_sweep_runs_point_by_point_and_summarises(tmp_path, model_args):
     lines = status.stdout.splitlines()
     assert status.returncode == 0 and len(lines) == 2
     assert all("measured; no job; bins done: pin_sigma 3/3, native 3/3" in line for line in lines)
+    # after Ctrl-C or launcher.wait=false: the sweep directory is reduced as a whole
+    (sweep / "1" / "summary.json").unlink()
+    again = run_twinrun([str(sweep)], cwd=tmp_path, module="twinrun.sweep")
+    assert again.returncode == 0 and (sweep / "1" / "summary.json").is_file(), again.stderr
+    assert json.loads((sweep / "sweep_summary.json").read_text())["all_valid"] is True
+    # a point that never ran is marked missing, and the sweep is not "all valid"
+    shutil.rmtree(sweep / "1")
+    missing = run_twinrun([str(sweep)], cwd=tmp_path, module="twinrun.sweep")
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert missing.returncode == 2 and summary["all_valid"] is False
+    assert [p["status"] for p in summary["points"]] == ["reduced", "missing"]
+    assert "intervention.sigma_pin=1.2" in summary["points"][1]["overrides"]
 
 
 def planned(compose_cfg, run_dir: Path, *overrides) -> dict:
@@ -223,7 +238,7 @@ def test_failing_arm_is_reported_with_its_bin_and_exit_1(tmp_path, model_args, c
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))  # the job's interpreter
     run_dir = tmp_path / "run"
     knobs = planned(compose_cfg, run_dir, *model_args, "intervention._target_=tw_failing.NaNAbove")
-    jobs = launch.submit([run_dir], knobs, run_dir)
+    jobs = launch.submit([run_dir], knobs, run_dir, trusted=["tw_failing"])  # the user vouches for it
     assert launch.wait([run_dir], jobs, knobs) == {run_dir: 1}
     err = capsys.readouterr().err
     assert "arm pin_sigma failed at bin 2 (σ=1.2)" in err and "NonFiniteGradient" in err

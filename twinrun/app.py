@@ -97,6 +97,14 @@ def _task(cfg: DictConfig) -> int | None:
     if sweeping:
         _state["sweep_dir"] = Path(hc.sweep.dir)
     run_dir = Path(hc.runtime.output_dir)
+    if sweeping and not _state["sweep_checked"]:
+        _state["sweep_checked"] = True
+        try:
+            check_sweep(Path(hc.sweep.dir))
+        except TwinrunError as err:
+            discard_unplanned(run_dir)
+            discard_unplanned(Path(hc.sweep.dir), own_files=("multirun.yaml",))
+            fail(err)
     try:
         code = run_point(cfg, run_dir, sweeping)
     except TwinrunError as err:
@@ -112,19 +120,44 @@ def _task(cfg: DictConfig) -> int | None:
     return code
 
 
-def discard_unplanned(run_dir: Path) -> None:
-    """A rejected config leaves nothing on disk: remove the directory Hydra made for it, if it
-    holds nothing twinrun wrote (no run.json) but Hydra's own record and empty logs."""
+def check_sweep(sweep_dir: Path) -> None:
+    """Every point of the sweep validated (planned dry) before the first one runs: a bad point is
+    one line naming its overrides, and nothing has been measured."""
+    from hydra import compose
+
+    from twinrun import launch
+    from twinrun.run import plan_run
+    from twinrun.sweep import sweep_points
+
+    points = sweep_points(sweep_dir) or []
+    for number, overrides in enumerate(points):
+        try:
+            cfg = compose(config_name="config", overrides=list(overrides))
+            launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
+            if launcher["name"] != "local":
+                launch.check(launcher)
+            plan_run(cfg, None, dry_run=True)
+        except TwinrunError as err:
+            raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): {err}; nothing was run") from None
+    if points:
+        print(f"twinrun: all {len(points)} sweep points validated", flush=True)
+
+
+def discard_unplanned(run_dir: Path, own_files=(".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")):
+    """A rejected config leaves nothing on disk: remove the directory Hydra made for it (a run's or a
+    sweep's), if it holds nothing twinrun wrote (no run.json) but Hydra's own record and empty logs."""
     from twinrun.rundir import RunDir
 
     rd = RunDir(run_dir)
     if rd.run_json.exists() or not rd.path.is_dir():
         return
-    hydra_files = [rd.path / ".hydra" / n for n in ("config.yaml", "hydra.yaml", "overrides.yaml")]
+    hydra_files = [rd.path / n for n in own_files]
     logs = [p for p in rd.path.glob("*.log") if p.is_file() and p.stat().st_size == 0]
     for path in hydra_files + logs:
         path.unlink(missing_ok=True)
     for folder in (rd.path / ".hydra", rd.path, rd.path.parent):
+        if not folder.exists():
+            continue
         try:
             folder.rmdir()  # only if empty: anything else stays
         except OSError:

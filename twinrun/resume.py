@@ -27,21 +27,32 @@ def main(argv=None) -> int:
                    help="a module whose builders the run's configs may name (e.g. your model's); repeatable")
     p.add_argument("--local", action="store_true", help="measure in this process even if the run was submitted")
     args = p.parse_args(argv)
-    from twinrun.app import reduce_and_report, submit_and_collect
-    from twinrun.run import raise_on_sigterm, run_job
+    from twinrun.run import raise_on_sigterm
 
     raise_on_sigterm()
+    if not RunDir(args.run_dir).is_run() and (args.run_dir / "multirun.yaml").exists():  # a sweep directory
+        from twinrun import sweep
+
+        return sweep.main([str(args.run_dir), "--resume", *(["--local"] if args.local else []),
+                           *(f"--trust={t}" for t in args.trust)])
     try:
-        rd = RunDir(args.run_dir).require()
-        launcher = None if args.local else submitted_launcher(rd)
-        if launcher is not None:
-            return submit_and_collect([rd.path], launcher, rd.path, args.trust)
-        run_job(rd.path, args.trust)
-        return reduce_and_report(rd.path)
+        return resume_run(RunDir(args.run_dir).require(), args.local, args.trust)
     except KeyboardInterrupt:
         fail(Interrupted(EXIT_INTERRUPTED))
     except TwinrunError as err:
         fail(err)
+
+
+def resume_run(rd: RunDir, local: bool, trusted: list[str]) -> int:
+    """Measure what is missing (here, or by resubmitting a SLURM run), then reduce; the exit code."""
+    from twinrun.app import reduce_and_report, submit_and_collect
+    from twinrun.run import run_job
+
+    launcher = None if local else submitted_launcher(rd)
+    if launcher is not None:
+        return submit_and_collect([rd.path], launcher, rd.path, trusted)
+    run_job(rd.path, trusted)
+    return reduce_and_report(rd.path)
 
 
 def submitted_launcher(rd: RunDir) -> dict | None:

@@ -148,9 +148,11 @@ def fold_sizes(n_images: int, n_folds: int) -> list[int]:
 # ----------------------------------------------------------------------------- plan
 
 
-def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict:
-    """Validate, derive the twin, write configs, diff and run.json. Returns run.json's content."""
-    run_dir = Path(run_dir)
+def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, dry_run: bool = False) -> dict:
+    """Validate, derive the twin, write configs, diff and run.json. Returns run.json's content.
+
+    dry_run: validate only, write nothing (a sweep checks every point before the first runs).
+    """
     intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
     images, _ = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
     validate(cfg, n_available_images=images.shape[0])
@@ -172,6 +174,8 @@ def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict
             for i, s in enumerate(grid)
         ],
     }
+    if dry_run:
+        return run
     rd = RunDir(run_dir)
     if rd.run_json.exists():
         return _resume_plan(rd, run)

@@ -369,3 +369,25 @@ def test_a_rejected_config_leaves_nothing_on_disk(tmp_path):
     proc = run_twinrun(["+experiment=pin_sigma", "probe.n_images=1", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 2 and "probe.n_images" in proc.stderr
     assert not run_dir.exists() and not run_dir.parent.exists()
+
+
+RAISES_AT_HIGH_SIGMA = """
+from twinrun.interventions import PinSigma
+
+class RaisesAboveOne(PinSigma):
+    def sigma_cond(self, sigma):
+        if float(sigma) > 1:
+            raise RuntimeError("user code broke")
+        return super().sigma_cond(sigma)
+"""
+
+
+def test_user_code_raising_mid_run_is_exit_4_in_one_line(tmp_path):
+    (tmp_path / "raising.py").write_text(RAISES_AT_HIGH_SIGMA)
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}",
+                        "intervention._target_=raising.RaisesAboveOne"], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 4, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bin 2 (σ=1.2)" in lines[0] and "user code broke" in lines[0], lines
+    assert json.loads((run_dir / "run.json").read_text())["failure"]["bin_index"] == 2

@@ -6,7 +6,9 @@ it is submitted (a sweep as one job array), waited for, and reduced here. The pr
 with the reducer's code (0 ok, 1 a gate/check failed, 2 bad input), the worst over a sweep.
 """
 
+import contextlib
 import functools
+import io
 import secrets
 import shlex
 import sys
@@ -92,6 +94,8 @@ def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, 
 
 def _task(cfg: DictConfig) -> int | None:
     _state["task_started"] = True
+    if _state.get("held_stderr") is not None:
+        _state.pop("held_stderr").release()
     hc = HydraConfig.get()
     sweeping = hc.mode == RunMode.MULTIRUN
     if sweeping:
@@ -106,7 +110,9 @@ def _task(cfg: DictConfig) -> int | None:
             discard_unplanned(Path(hc.sweep.dir), own_files=("multirun.yaml",))
             fail(err)
     try:
-        code = run_point(cfg, run_dir, sweeping)
+        refuse_unknown_additions(list(hc.overrides.task), set(hc.runtime.choices))
+        with tee_output(run_dir / f"{hc.job.name}.log"):
+            code = run_point(cfg, run_dir, sweeping)
     except TwinrunError as err:
         discard_unplanned(run_dir)
         if not sweeping:
@@ -118,6 +124,74 @@ def _task(cfg: DictConfig) -> int | None:
     if code is not None:
         _state["codes"].append(code)
     return code
+
+
+def refuse_unknown_additions(overrides: list[str], groups: set[str]) -> None:
+    """`+key=value` adds a key even where the schema has none (Hydra lifts the struct flag for `+`),
+    so `+probe.n_draw=100` would be silently ignored: refuse a key the schema does not declare,
+    listing the keys it does. Config groups (`+experiment=...`) and free-form nodes (the model's,
+    data's and intervention's own builder arguments, launcher.additional_parameters) stay open."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import DictConfig
+
+    from twinrun.config import TwinrunConfig
+    from twinrun.errors import ConfigError
+
+    schema = OmegaConf.structured(TwinrunConfig)
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.key_or_group
+        if not o.is_add() or key in groups or o.package is not None:
+            continue
+        node = schema
+        for part in key.split("."):
+            if not isinstance(node, DictConfig) or node._is_missing() or OmegaConf.get_type(node) is dict:
+                break  # a free-form node: its keys are its builder's business
+            if part not in node:
+                where = key.rpartition(".")[0] or "the root config"
+                raise ConfigError(f"+{key}", o.value(), f"{where} has no key {part!r} (a typo?); its keys are "
+                                  f"{', '.join(node.keys())}; override an existing key without '+'")
+            node = node._get_node(part)
+
+
+@contextlib.contextmanager
+def tee_output(log: Path):
+    """What this process prints also goes to the run's log file (Hydra's job log, else empty)."""
+    try:
+        f = open(log, "a", encoding="utf-8")  # noqa: SIM115 (closed below, after the streams are restored)
+    except OSError:
+        yield  # no log beats no run; the run directory's own errors come later, named
+        return
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(streams[0], f), _Tee(streams[1], f)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = streams
+        f.close()
+
+
+class _Tee:
+    """A text stream writing to the terminal and to a log file (the log never breaks the run)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        try:
+            self.log.write(text)
+        except (OSError, ValueError):
+            pass
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        try:
+            self.log.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):  # isatty, fileno, encoding... are the terminal's
+        return getattr(self.stream, name)
 
 
 def check_sweep(sweep_dir: Path) -> None:
@@ -132,6 +206,7 @@ def check_sweep(sweep_dir: Path) -> None:
     points = sweep_points(sweep_dir) or []
     for number, overrides in enumerate(points):
         try:
+            refuse_unknown_additions(list(overrides), set(HydraConfig.get().runtime.choices))
             cfg = compose(config_name="config", overrides=list(overrides))
             launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
             if launcher["name"] != "local":
@@ -180,6 +255,38 @@ def _finish_sweep() -> int:
     return max(_state["codes"] or [EXIT_OK])
 
 
+class _HeldStderr:
+    """Holds what is written to stderr until the task starts: Hydra's own composition errors come
+    as several lines and a hint about HYDRA_FULL_ERROR; twinrun shows them as one line."""
+
+    NOISE = ("Set the environment variable HYDRA_FULL_ERROR", "full_key:", "reference_type=", "object_type=",
+             "To append to your config use")
+
+    def __init__(self):
+        self.buffer, self.real = io.StringIO(), None
+
+    def __enter__(self):
+        self.real, sys.stderr = sys.stderr, self.buffer
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def release(self) -> None:
+        """Restore stderr; what was held is passed on unless it is reported as one line instead."""
+        if self.real is not None:
+            sys.stderr, self.real = self.real, None
+            if _state["task_started"]:
+                sys.stderr.write(self.buffer.getvalue())
+
+    def one_line(self) -> str:
+        text = self.buffer.getvalue().partition("Config search path:")[0]
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        kept = [ln for ln in lines if not ln.startswith(self.NOISE)]
+        hint = "check the key against `python -m twinrun --cfg job`; `--help` lists the config groups"
+        return f"{'; '.join(kept) or 'Hydra could not compose the config'} (hint: {hint})"
+
+
 def main() -> None:
     register_configs()
     if not OmegaConf.has_resolver("twinrun.unique"):
@@ -188,14 +295,18 @@ def main() -> None:
     from twinrun.run import raise_on_sigterm
 
     raise_on_sigterm()
+    held = _HeldStderr()
+    _state["held_stderr"] = held
     try:
-        app()
+        with held:
+            app()
     except KeyboardInterrupt:
         fail(Interrupted(EXIT_INTERRUPTED))
     except SystemExit as exc:
-        # Hydra reports a config it cannot compose (typo'd key, bad type, unknown option) with
-        # exit 1, which twinrun reserves for a failed gate: report it as bad input.
+        # Hydra reports a config it cannot compose (typo'd key, bad type, unknown option) in several
+        # lines with exit 1, which twinrun reserves for a failed gate: one line, bad input.
         if exc.code == 1 and not _state["task_started"]:
+            print(f"twinrun: error: {held.one_line()}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
         raise
     if _state["sweep_dir"] is not None:

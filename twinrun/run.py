@@ -24,7 +24,15 @@ from twinrun import draws, probe, provenance
 from twinrun.arms import Arm, derive_arms
 from twinrun.determinism import MATMUL_PRECISIONS
 from twinrun.env import fingerprint
-from twinrun.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, ConfigError, Interrupted, StoreError
+from twinrun.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    ConfigError,
+    Interrupted,
+    ModelError,
+    StoreError,
+    TwinrunError,
+)
 from twinrun.lock import run_lock
 from twinrun.rundir import RunDir, RunIndex
 from twinrun.store import atomic_write, read_regular, store_name, write_json, write_store
@@ -314,8 +322,8 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
         for arm in arms:
             t_arm = time.perf_counter()
             eps_dev = eps.to(device)
-            sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
             try:
+                sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
                 sums = probe.fold_sums(model, names, images, eps_dev, sigma, sigma_cond.to(device),
                                        fold_of_image, len(sizes), p["chunk_images"], p["chunk_draws"])
                 probe.check_finite(sums, arm.name, b["index"], sigma)
@@ -328,9 +336,13 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
                 index.mark_done(b, arm.name, sha, record["kernel_path_sha256"])
             except Interrupted:
                 raise
-            except Exception:  # any failure, ours or the model's: record where, keep earlier bins, re-raise
+            except Exception as err:  # any failure, ours or the model's: record where, keep earlier bins
                 index.mark_failed(b, arm.name)
-                raise
+                if isinstance(err, TwinrunError):
+                    raise
+                cause = (str(err).strip().splitlines() or [""])[0]
+                raise ModelError(f"arm {arm.name}, bin {b['index']} (σ={sigma:g}) raised {type(err).__name__}: "
+                                 f"{cause}; earlier bins are kept") from err
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
             progress.step(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g} {arm.name}")
         progress.log(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "

@@ -117,21 +117,28 @@ def fake_scheduler(bin_dir: Path, sinfo_out: str, sinfo_rc: int = 0) -> str:
     return str(bin_dir)
 
 
+# Two node kinds: a 2-CPU debug node (about 21 GB, no limit) and 64-CPU GPU nodes limited to 2 days.
+SINFO = "debug*|(null)|2|21694|infinite\\ngpu|gpu:a100:4(S:0-1)|64|515000|2-00:00:00\\n"
+
+
 @pytest.mark.parametrize("knobs, key, says", [
     ({"timeout_min": 2, "signal_delay_s": 120}, "launcher.timeout_min", "timeout_min ≥ 3"),
     ({"partition": "nope"}, "launcher.partition", "choose one of debug, gpu"),
     ({"partition": "debug", "gpus_per_node": 1}, "launcher.gpus_per_node", "partition debug has no GPUs"),
     ({"gpus_per_node": 1}, "launcher.gpus_per_node", "partition debug has no GPUs"),  # the default one
+    ({"gpus_per_node": 0, "cpus_per_task": 4}, "launcher.cpus_per_task", "largest node has 2 CPUs"),
+    ({"gpus_per_node": 0, "cpus_per_task": 2, "mem_gb": 64}, "launcher.mem_gb", "largest node has 21.2 GB"),
+    ({"partition": "gpu", "timeout_min": 3000}, "launcher.timeout_min", "time limit is 2880 min"),
 ])
 def test_slurm_settings_are_checked_against_sinfo(tmp_path, monkeypatch, knobs, key, says):
-    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", "debug*|(null)\\ngpu|gpu:a100:4(S:0-1)\\n"))
+    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
     with pytest.raises(ConfigError) as err:
         launch.check(launcher(name="slurm", **knobs))
     assert err.value.key == key and says in str(err.value)
 
 
 def test_a_gpu_partition_passes(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", "debug*|(null)\\ngpu|gpu:a100:4(S:0-1)\\n"))
+    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
     launch.check(launcher(name="slurm", partition="gpu", gpus_per_node=4))
 
 
@@ -281,3 +288,39 @@ def test_status_module_runs_as_a_script(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "twinrun.status", "--help"], capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 0 and "a run directory, or a sweep directory" in proc.stdout
+
+
+class _PendingJob:
+    job_id = "4242"
+
+    def __init__(self):
+        self.cancelled = False
+
+    def cancel(self, check=True):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("reason, resolves", [("PartitionConfig", False), ("PartitionTimeLimit", False),
+                                              ("Resources", True), ("BeginTime", True)])
+def test_a_job_pending_for_a_reason_waiting_cannot_resolve_is_cancelled(tmp_path, monkeypatch, capsys, reason,
+                                                                         resolves):
+    job, run_dir, polls = _PendingJob(), tmp_path / "run", {"n": 0}
+
+    def poll(pending):
+        polls["n"] += 1
+        if polls["n"] > 5:  # a resolvable wait ends (the test stands in for the scheduler)
+            return {r: (True, "COMPLETED") for r in pending}
+        return {r: (False, f"PENDING ({reason})") for r in pending}
+
+    monkeypatch.setattr(launch, "_poll", poll)
+    monkeypatch.setattr(launch, "UNRESOLVABLE_GRACE_S", 0.05)
+    monkeypatch.setattr(launch, "_outcome", lambda *a: None)
+    monkeypatch.setattr(launch.status, "describe", lambda *a: "line")
+    monkeypatch.setattr(launch.status, "progress", lambda *a, **k: {})
+    failed = launch.wait([run_dir], [job], launcher(name="slurm", poll_s=0.03))
+    if resolves:
+        assert failed == {} and not job.cancelled
+        return
+    assert failed == {run_dir: 2} and job.cancelled
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and reason in err[0] and "launcher.timeout_min" in err[0], err

@@ -91,6 +91,9 @@ def test_broken_intervention_fails_its_gate_and_withholds_effects(tmp_path):
         ("probe.params=[nothing.matches]", "probe.params"),
         ("probe.device=cuda", "probe.device"),
         ("determinism.float32_matmul_precision=fast", "determinism.float32_matmul_precision"),
+        ("probe.device=meta", "probe.device"),
+        ("seed=99999999999999999999", "seed"),
+        ("probe.n_draws=1000000000", "probe.n_draws"),  # sized at plan time: TiBs of noise refused
     ],
 )
 def test_bad_input_is_one_line_exit_2_before_any_compute(tmp_path, override, key):
@@ -99,7 +102,7 @@ def test_bad_input_is_one_line_exit_2_before_any_compute(tmp_path, override, key
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("twinrun: error: ") and key in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not list(run_dir.glob("arms/*/*.safetensors"))
+    assert not run_dir.exists()  # a rejected config leaves nothing on disk
 
 
 def test_unknown_key_is_hydras_error_with_exit_2(tmp_path):

@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from twinrun.errors import (
 )
 from twinrun.lock import run_lock
 from twinrun.rundir import RunDir, RunIndex
-from twinrun.store import atomic_write, read_regular, store_name, write_json, write_store
+from twinrun.store import atomic_write, max_store_bytes, read_regular, store_name, write_json, write_store
 
 # The builders a run directory may name without the user vouching for them: twinrun's own
 # model, data and interventions. Anything else must come from a config the user composed (its
@@ -99,8 +100,31 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
         device = torch.device(p.device)
     except RuntimeError:
         raise ConfigError("probe.device", p.device, "not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("probe.device", p.device, "twinrun measures on cpu or cuda[:N] only")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("probe.device", p.device, "CUDA is not available here; use probe.device=cpu")
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError("seed", cfg.seed, "must be in [0, 2^63): it keys every noise stream")
+
+
+def check_sizes(cfg: DictConfig, image_shape, n_params: int, n_arms: int, run_dir: Path | None) -> None:
+    """Refuse at plan time what could never fit: a bin's noise in memory, the stores on disk."""
+    p = cfg.probe
+    noise_bytes = 4 * p.n_images * p.n_draws * math.prod(image_shape)
+    memory = max_store_bytes()
+    if noise_bytes > memory // 2:
+        raise ConfigError("probe.n_draws", p.n_draws, f"a bin's noise for probe.n_images={p.n_images} would take "
+                          f"{noise_bytes / 2**30:.1f} GiB, over half this machine's {memory / 2**30:.0f} GiB; "
+                          "use fewer draws or images")
+    store_bytes = 4 * p.n_folds * n_params * n_arms * len(cfg.sigma_grid.sigmas)
+    where = Path(run_dir) if run_dir is not None else Path.cwd()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if store_bytes > free:
+        raise ConfigError("probe.params", list(p.params), f"the stores would take {store_bytes / 2**30:.1f} GiB, "
+                          f"more than the {free / 2**30:.1f} GiB free at {where}; probe fewer parameters or folds")
 
 
 def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
@@ -166,7 +190,10 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     validate(cfg, n_available_images=images.shape[0])
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     intervention.check(grid)
-    check_params(build(OmegaConf.to_container(cfg.model, resolve=True), "model"), cfg)
+    model = build(OmegaConf.to_container(cfg.model, resolve=True), "model")
+    check_params(model, cfg)
+    n_params = sum(dict(model.named_parameters())[n].numel() for n in probe.select_params(model, list(cfg.probe.params)))
+    check_sizes(cfg, images.shape[1:], n_params, 3 if cfg.arms.replicate else 2, run_dir)
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate))
     run = {
         "format": "twinrun-run/1",

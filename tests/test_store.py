@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,15 @@ def test_a_flipped_byte_in_a_store_without_its_run_json_is_still_caught(tmp_path
     path.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="sums_sha256"):
         read_store(path)  # no sha256 from run.json: the store's own payload digest catches it
+
+
+def test_a_read_only_file_system_is_one_named_error(tmp_path, monkeypatch):
+    import errno
+
+    def erofs(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr("builtins.open", erofs)
+    monkeypatch.setattr(Path, "unlink", erofs)  # the cleanup of the temporary file fails the same way
+    with pytest.raises(StoreError, match="x.json: cannot write .Read-only file system"):
+        write_json(tmp_path / "x.json", {"a": 1})

@@ -123,6 +123,7 @@ TRAVERSALS = [
     ("empty store file", lambda run: run["bins"][0]["stores"]["native"].update(file="")),
     ("arm name", lambda run: _rename_arm(run, "pin_sigma", "../../../escaped_arm")),
     ("empty arm name", lambda run: _rename_arm(run, "pin_sigma", "")),
+    ("dot-dot arm name", lambda run: _rename_arm(run, "pin_sigma", "..")),
     ("absolute store file", lambda run: run["bins"][1]["stores"]["pin_sigma"].update(file="/etc/passwd")),
 ]
 

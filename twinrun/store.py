@@ -40,7 +40,10 @@ def atomic_write(path: Path, data: bytes) -> str:
         finally:
             os.close(dir_fd)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only file system: there is no temporary file to remove either
         raise StoreError(path, f"cannot write ({err.strerror or err}); finished stores are kept") from None
     return hashlib.sha256(data).hexdigest()
 

@@ -174,3 +174,31 @@ def test_a_read_only_file_system_is_one_named_error(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "unlink", erofs)  # the cleanup of the temporary file fails the same way
     with pytest.raises(StoreError, match="x.json: cannot write .Read-only file system"):
         write_json(tmp_path / "x.json", {"a": 1})
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("sigma", "abc", "field metadata.sigma"),
+    ("fold_sizes", [2, 2], "field metadata.fold_sizes"),
+    ("layout", [{"name": "w", "offset": 0, "numel": 8}], "field metadata.layout[0].cond"),
+    ("bin_index", True, "field metadata.bin_index"),
+])
+def test_crafted_metadata_with_a_valid_payload_digest_is_refused(tmp_path, field, value, says):
+    path = tmp_path / "s.safetensors"
+    write_store(path, torch.ones(3, 8), {**META, field: value})  # its own sums_sha256 is valid
+    with pytest.raises(StoreError, match=says):
+        read_store(path)
+
+
+def test_a_store_of_nan_never_yields_a_number(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write_store(path, torch.full((3, 8), float("nan")), META)  # a forged store: the probe never writes NaN
+    with pytest.raises(StoreError, match="NaN or inf"):
+        read_store(path)
+
+
+def test_a_store_larger_than_its_header_says_is_refused_before_reading(tmp_path):
+    path, _, _ = real_store(tmp_path)
+    with open(path, "ab") as f:
+        f.truncate(path.stat().st_size + (1 << 30))  # 1 GiB of sparse padding
+    with pytest.raises(StoreError, match="header describes"):
+        read_store(path)

@@ -135,7 +135,7 @@ def test_disk_full_is_a_clear_error_and_finished_bins_stay_valid(tmp_path, compo
 
     def fsync_until_full(fd):
         calls["n"] += 1
-        if calls["n"] > 9:  # a few stores and run.json updates succeed, then the disk is full
+        if calls["n"] > 12:  # the lock, a few stores and run.json updates succeed, then the disk is full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 

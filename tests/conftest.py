@@ -35,6 +35,8 @@ def compose_cfg():
 def run_twinrun(args, cwd, module="twinrun", timeout=600, env=None):
     """`python -m twinrun ...` in a subprocess; returns CompletedProcess (text)."""
     full_env = {**os.environ, **(env or {})}
+    if env and "PYTHONPATH" in env and os.environ.get("PYTHONPATH"):  # keep a worktree's twinrun first
+        full_env["PYTHONPATH"] = os.pathsep.join([os.environ["PYTHONPATH"], env["PYTHONPATH"]])
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, check=False,
                           timeout=timeout, env=full_env)
 

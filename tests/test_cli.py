@@ -91,6 +91,9 @@ def test_broken_intervention_fails_its_gate_and_withholds_effects(tmp_path):
         ("probe.params=[nothing.matches]", "probe.params"),
         ("probe.device=cuda", "probe.device"),
         ("determinism.float32_matmul_precision=fast", "determinism.float32_matmul_precision"),
+        ("probe.device=meta", "probe.device"),
+        ("seed=99999999999999999999", "seed"),
+        ("probe.n_draws=1000000000", "probe.n_draws"),  # sized at plan time: TiBs of noise refused
     ],
 )
 def test_bad_input_is_one_line_exit_2_before_any_compute(tmp_path, override, key):
@@ -99,13 +102,30 @@ def test_bad_input_is_one_line_exit_2_before_any_compute(tmp_path, override, key
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("twinrun: error: ") and key in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not list(run_dir.glob("arms/*/*.safetensors"))
+    assert not run_dir.exists()  # a rejected config leaves nothing on disk
 
 
 def test_unknown_key_is_hydras_error_with_exit_2(tmp_path):
-    proc, _ = tiny_run(tmp_path, "probe.n_imgaes=8")
+    proc, run_dir = tiny_run(tmp_path, "probe.n_imgaes=8")
     assert proc.returncode == 2
-    assert "Key 'n_imgaes' not in 'ProbeConfig'" in proc.stderr and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Key 'n_imgaes' not in 'ProbeConfig'" in lines[0] and "hint:" in lines[0]
+    assert not run_dir.exists()
+
+
+def test_an_unknown_key_added_with_plus_is_refused_listing_the_schema(tmp_path):
+    proc, run_dir = tiny_run(tmp_path, "+probe.n_draw=100")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "+probe.n_draw=100" in lines[0] and "n_draws" in lines[0], lines
+    assert not run_dir.exists()  # nothing on disk for a rejected config
+
+
+def test_the_run_log_holds_what_was_printed(tmp_path):
+    proc, run_dir = tiny_run(tmp_path)
+    assert proc.returncode == 0
+    (log,) = run_dir.glob("*.log")
+    assert "effects (debiased cos" in log.read_text() and "twinrun: run directory" in log.read_text()
 
 
 def test_no_intervention_declared_is_refused(tmp_path):

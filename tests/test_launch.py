@@ -6,6 +6,7 @@ The same paths on a real SLURM are in test_slurm.py.
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -64,6 +65,7 @@ def store_sums(run_dir: Path) -> dict:
 # ----------------------------------------------------------------------------- knobs
 
 
+@pytest.mark.slurm  # submitit's SlurmExecutor needs `srun` on PATH even to write an sbatch file
 def test_every_knob_reaches_sbatch_and_none_is_not_passed(tmp_path):
     knobs = launcher(name="slurm", partition="gpu", qos="high", timeout_min=90, cpus_per_task=3, mem_gb=2,
                      signal_delay_s=100, max_num_timeout=7, additional_parameters={"comment": "twin"},
@@ -80,6 +82,7 @@ def test_every_knob_reaches_sbatch_and_none_is_not_passed(tmp_path):
     assert str(executor.folder) == str(tmp_path.resolve() / "submitit" / "%j")
 
 
+@pytest.mark.slurm  # as above: needs `srun` on PATH
 def test_zero_gpus_and_no_memory_are_not_requested(tmp_path):
     script = launch.make_executor(launcher(name="slurm", gpus_per_node=0), tmp_path, "t")._executor \
         ._make_submission_file_text("CMD", "uid")
@@ -114,21 +117,28 @@ def fake_scheduler(bin_dir: Path, sinfo_out: str, sinfo_rc: int = 0) -> str:
     return str(bin_dir)
 
 
+# Two node kinds: a 2-CPU debug node (about 21 GB, no limit) and 64-CPU GPU nodes limited to 2 days.
+SINFO = "debug*|(null)|2|21694|infinite\\ngpu|gpu:a100:4(S:0-1)|64|515000|2-00:00:00\\n"
+
+
 @pytest.mark.parametrize("knobs, key, says", [
     ({"timeout_min": 2, "signal_delay_s": 120}, "launcher.timeout_min", "timeout_min ≥ 3"),
     ({"partition": "nope"}, "launcher.partition", "choose one of debug, gpu"),
     ({"partition": "debug", "gpus_per_node": 1}, "launcher.gpus_per_node", "partition debug has no GPUs"),
     ({"gpus_per_node": 1}, "launcher.gpus_per_node", "partition debug has no GPUs"),  # the default one
+    ({"gpus_per_node": 0, "cpus_per_task": 4}, "launcher.cpus_per_task", "largest node has 2 CPUs"),
+    ({"gpus_per_node": 0, "cpus_per_task": 2, "mem_gb": 64}, "launcher.mem_gb", "largest node has 21.2 GB"),
+    ({"partition": "gpu", "timeout_min": 3000}, "launcher.timeout_min", "time limit is 2880 min"),
 ])
 def test_slurm_settings_are_checked_against_sinfo(tmp_path, monkeypatch, knobs, key, says):
-    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", "debug*|(null)\\ngpu|gpu:a100:4(S:0-1)\\n"))
+    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
     with pytest.raises(ConfigError) as err:
         launch.check(launcher(name="slurm", **knobs))
     assert err.value.key == key and says in str(err.value)
 
 
 def test_a_gpu_partition_passes(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", "debug*|(null)\\ngpu|gpu:a100:4(S:0-1)\\n"))
+    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
     launch.check(launcher(name="slurm", partition="gpu", gpus_per_node=4))
 
 
@@ -204,6 +214,18 @@ def test_local_sweep_runs_point_by_point_and_summarises(tmp_path, model_args):
     lines = status.stdout.splitlines()
     assert status.returncode == 0 and len(lines) == 2
     assert all("measured; no job; bins done: pin_sigma 3/3, native 3/3" in line for line in lines)
+    # after Ctrl-C or launcher.wait=false: the sweep directory is reduced as a whole
+    (sweep / "1" / "summary.json").unlink()
+    again = run_twinrun([str(sweep)], cwd=tmp_path, module="twinrun.sweep")
+    assert again.returncode == 0 and (sweep / "1" / "summary.json").is_file(), again.stderr
+    assert json.loads((sweep / "sweep_summary.json").read_text())["all_valid"] is True
+    # a point that never ran is marked missing, and the sweep is not "all valid"
+    shutil.rmtree(sweep / "1")
+    missing = run_twinrun([str(sweep)], cwd=tmp_path, module="twinrun.sweep")
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert missing.returncode == 2 and summary["all_valid"] is False
+    assert [p["status"] for p in summary["points"]] == ["reduced", "missing"]
+    assert "intervention.sigma_pin=1.2" in summary["points"][1]["overrides"]
 
 
 def planned(compose_cfg, run_dir: Path, *overrides) -> dict:
@@ -223,7 +245,7 @@ def test_failing_arm_is_reported_with_its_bin_and_exit_1(tmp_path, model_args, c
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))  # the job's interpreter
     run_dir = tmp_path / "run"
     knobs = planned(compose_cfg, run_dir, *model_args, "intervention._target_=tw_failing.NaNAbove")
-    jobs = launch.submit([run_dir], knobs, run_dir)
+    jobs = launch.submit([run_dir], knobs, run_dir, trusted=["tw_failing"])  # the user vouches for it
     assert launch.wait([run_dir], jobs, knobs) == {run_dir: 1}
     err = capsys.readouterr().err
     assert "arm pin_sigma failed at bin 2 (σ=1.2)" in err and "NonFiniteGradient" in err
@@ -266,3 +288,39 @@ def test_status_module_runs_as_a_script(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "twinrun.status", "--help"], capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 0 and "a run directory, or a sweep directory" in proc.stdout
+
+
+class _PendingJob:
+    job_id = "4242"
+
+    def __init__(self):
+        self.cancelled = False
+
+    def cancel(self, check=True):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("reason, resolves", [("PartitionConfig", False), ("PartitionTimeLimit", False),
+                                              ("Resources", True), ("BeginTime", True)])
+def test_a_job_pending_for_a_reason_waiting_cannot_resolve_is_cancelled(tmp_path, monkeypatch, capsys, reason,
+                                                                         resolves):
+    job, run_dir, polls = _PendingJob(), tmp_path / "run", {"n": 0}
+
+    def poll(pending):
+        polls["n"] += 1
+        if polls["n"] > 5:  # a resolvable wait ends (the test stands in for the scheduler)
+            return {r: (True, "COMPLETED") for r in pending}
+        return {r: (False, f"PENDING ({reason})") for r in pending}
+
+    monkeypatch.setattr(launch, "_poll", poll)
+    monkeypatch.setattr(launch, "UNRESOLVABLE_GRACE_S", 0.05)
+    monkeypatch.setattr(launch, "_outcome", lambda *a: None)
+    monkeypatch.setattr(launch.status, "describe", lambda *a: "line")
+    monkeypatch.setattr(launch.status, "progress", lambda *a, **k: {})
+    failed = launch.wait([run_dir], [job], launcher(name="slurm", poll_s=0.03))
+    if resolves:
+        assert failed == {} and not job.cancelled
+        return
+    assert failed == {run_dir: 2} and job.cancelled
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and reason in err[0] and "launcher.timeout_min" in err[0], err

@@ -4,6 +4,7 @@ A pair job, a sweep as one job array, a preemption that resumes, a failing arm, 
 input. Tests wait on run-directory files, squeue and sacct, never on submitit's cached job state.
 """
 
+import json
 import re
 import subprocess
 import sys
@@ -82,6 +83,15 @@ def test_pair_job_measures_both_arms_in_one_allocation(tmp_path, slurm_args, mod
     job_store = read_store(run_dir / "arms" / "native" / ref_store.path.name)
     assert job_store.meta["kernel_path"] == ref_store.meta["kernel_path"]
     assert store_sums(run_dir) == store_sums(local_reference)
+    # resuming a SLURM run submits it again (never measures in the calling shell)
+    run = read_json(run_dir / "run.json")
+    run["bins"][0]["stores"]["native"]["status"] = "pending"
+    (run_dir / "run.json").write_text(json.dumps(run))
+    resumed = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = read_json(run_dir / "launch.json")
+    assert "submitting it again" in resumed.stdout and again["job_id"] != job_id
+    assert again["earlier"][0]["job_id"] == job_id and store_sums(run_dir) == store_sums(local_reference)
 
 
 def test_sweep_is_one_job_array_with_both_arms_in_each_element(tmp_path, slurm_args, model_args,
@@ -190,9 +200,12 @@ def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_
 
 
 def test_bad_settings_are_refused_against_the_real_cluster(slurm_cluster, tmp_path):
-    base = launcher(name="slurm", partition=slurm_cluster["partition"], gpus_per_node=0, timeout_min=5)
+    base = launcher(name="slurm", partition=slurm_cluster["partition"], gpus_per_node=0, timeout_min=5,
+                    cpus_per_task=1)
     launch.check(base)
     for knobs, key, says in (({"partition": "nope"}, "launcher.partition", "choose one of debug"),
+                             ({"cpus_per_task": 64}, "launcher.cpus_per_task", "largest node has"),
+                             ({"mem_gb": 4096}, "launcher.mem_gb", "largest node has"),
                              ({"gpus_per_node": 1}, "launcher.gpus_per_node", "has no GPUs"),
                              ({"timeout_min": 2}, "launcher.timeout_min", "timeout_min ≥ 3")):
         with pytest.raises(ConfigError) as err:

@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,8 +100,8 @@ def test_mutated_real_stores_are_caught_by_their_checksum(tmp_path, data):
 
 
 def test_json_is_atomic_and_checked(tmp_path):
-    write_json(tmp_path / "run.json", {"a": 1})
-    assert read_json(tmp_path / "run.json") == {"a": 1}
+    write_json(tmp_path / "other.json", {"a": 1})
+    assert read_json(tmp_path / "other.json") == {"a": 1}
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(StoreError, match="bad.json"):
         read_json(tmp_path / "bad.json")
@@ -161,3 +163,43 @@ def test_a_flipped_byte_in_a_store_without_its_run_json_is_still_caught(tmp_path
     path.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="sums_sha256"):
         read_store(path)  # no sha256 from run.json: the store's own payload digest catches it
+
+
+def test_a_read_only_file_system_is_one_named_error(tmp_path, monkeypatch):
+    import errno
+
+    def erofs(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr("builtins.open", erofs)
+    monkeypatch.setattr(Path, "unlink", erofs)  # the cleanup of the temporary file fails the same way
+    with pytest.raises(StoreError, match="x.json: cannot write .Read-only file system"):
+        write_json(tmp_path / "x.json", {"a": 1})
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("sigma", "abc", "field metadata.sigma"),
+    ("fold_sizes", [2, 2], "field metadata.fold_sizes"),
+    ("layout", [{"name": "w", "offset": 0, "numel": 8}], "field metadata.layout[0].cond"),
+    ("bin_index", True, "field metadata.bin_index"),
+])
+def test_crafted_metadata_with_a_valid_payload_digest_is_refused(tmp_path, field, value, says):
+    path = tmp_path / "s.safetensors"
+    write_store(path, torch.ones(3, 8), {**META, field: value})  # its own sums_sha256 is valid
+    with pytest.raises(StoreError, match=re.escape(says)):
+        read_store(path)
+
+
+def test_a_store_of_nan_never_yields_a_number(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write_store(path, torch.full((3, 8), float("nan")), META)  # a forged store: the probe never writes NaN
+    with pytest.raises(StoreError, match="NaN or inf"):
+        read_store(path)
+
+
+def test_a_store_larger_than_its_header_says_is_refused_before_reading(tmp_path):
+    path, _, _ = real_store(tmp_path)
+    with open(path, "ab") as f:
+        f.truncate(path.stat().st_size + (1 << 30))  # 1 GiB of sparse padding
+    with pytest.raises(StoreError, match="header describes"):
+        read_store(path)

@@ -6,7 +6,9 @@ it is submitted (a sweep as one job array), waited for, and reduced here. The pr
 with the reducer's code (0 ok, 1 a gate/check failed, 2 bad input), the worst over a sweep.
 """
 
+import contextlib
 import functools
+import io
 import os
 import secrets
 import shlex
@@ -19,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from twinrun.config import register_configs
-from twinrun.errors import EXIT_OK, EXIT_USAGE, TwinrunError, fail
+from twinrun.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, TwinrunError, fail
 
 
 def _conf_dir() -> Path:
@@ -35,7 +37,8 @@ CONF_DIR = _conf_dir()
 
 # What the Hydra task leaves for main(): whether it started (to tell Hydra's config errors from
 # ours), each point's exit code, the points a sweep defers for one array submission.
-_state = {"task_started": False, "codes": [], "deferred": [], "launcher": None, "sweep_dir": None}
+_state = {"task_started": False, "codes": [], "deferred": [], "launcher": None, "sweep_dir": None,
+          "trusted": set(), "sweep_checked": False}
 
 
 @functools.cache
@@ -77,8 +80,10 @@ def reduce_and_report(run_dir: Path) -> int:
 def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
     """Plan one run, then measure and reduce it (local), submit it, or defer it to the array."""
     from twinrun import launch
-    from twinrun.run import plan_run, run_job
+    from twinrun.run import plan_run, run_job, trusted_targets
 
+    trusted = trusted_targets(cfg)  # the user composed this config: its builders may run
+    _state["trusted"] |= set(trusted)
     launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
     if launcher["name"] != "local":
         launch.check(launcher)  # bad cluster settings fail before a run directory is written
@@ -89,19 +94,19 @@ def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
     plan_run(cfg, run_dir, command=reproduce_command())
     print(f"twinrun: run directory {run_dir}", flush=True)
     if launcher["name"] == "local":
-        run_job(run_dir)
+        run_job(run_dir, trusted)
         return reduce_and_report(run_dir)
     if sweeping:
         _state["deferred"].append(run_dir)
         return None
-    return submit_and_collect([run_dir], launcher, run_dir)
+    return submit_and_collect([run_dir], launcher, run_dir, trusted)
 
 
-def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path) -> int:
+def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> int:
     """Submit the runs (one job, or one array), wait unless told not to, reduce each."""
     from twinrun import launch
 
-    jobs = launch.submit(run_dirs, launcher, folder_root)
+    jobs = launch.submit(run_dirs, launcher, folder_root, trusted)
     if not launcher["wait"]:
         where = run_dirs[0] if len(run_dirs) == 1 else folder_root
         print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`, "
@@ -114,14 +119,27 @@ def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path) 
 
 def _task(cfg: DictConfig) -> int | None:
     _state["task_started"] = True
+    if _state.get("held_stderr") is not None:
+        _state.pop("held_stderr").release()
     hc = HydraConfig.get()
     sweeping = hc.mode == RunMode.MULTIRUN
     if sweeping:
         _state["sweep_dir"] = Path(hc.sweep.dir)
     run_dir = Path(hc.runtime.output_dir)
+    if sweeping and not _state["sweep_checked"]:
+        _state["sweep_checked"] = True
+        try:
+            check_sweep(Path(hc.sweep.dir))
+        except TwinrunError as err:
+            discard_unplanned(run_dir)
+            discard_unplanned(Path(hc.sweep.dir), own_files=("multirun.yaml",))
+            fail(err)
     try:
-        code = run_point(cfg, run_dir, sweeping)
+        refuse_unknown_additions(list(hc.overrides.task), set(hc.runtime.choices))
+        with tee_output(run_dir / f"{hc.job.name}.log"):
+            code = run_point(cfg, run_dir, sweeping)
     except TwinrunError as err:
+        discard_unplanned(run_dir)
         if not sweeping:
             fail(err)
         print(f"twinrun: error: {run_dir}: {err}", file=sys.stderr)
@@ -133,6 +151,119 @@ def _task(cfg: DictConfig) -> int | None:
     return code
 
 
+def refuse_unknown_additions(overrides: list[str], groups: set[str]) -> None:
+    """`+key=value` adds a key even where the schema has none (Hydra lifts the struct flag for `+`),
+    so `+probe.n_draw=100` would be silently ignored: refuse a key the schema does not declare,
+    listing the keys it does. Config groups (`+experiment=...`) and free-form nodes (the model's,
+    data's and intervention's own builder arguments, launcher.additional_parameters) stay open."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import DictConfig
+
+    from twinrun.config import TwinrunConfig
+    from twinrun.errors import ConfigError
+
+    schema = OmegaConf.structured(TwinrunConfig)
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.key_or_group
+        if not o.is_add() or key in groups or o.package is not None:
+            continue
+        node = schema
+        for part in key.split("."):
+            if not isinstance(node, DictConfig) or node._is_missing() or OmegaConf.get_type(node) is dict:
+                break  # a free-form node: its keys are its builder's business
+            if part not in node:
+                where = key.rpartition(".")[0] or "the root config"
+                raise ConfigError(f"+{key}", o.value(), f"{where} has no key {part!r} (a typo?); its keys are "
+                                  f"{', '.join(node.keys())}; override an existing key without '+'")
+            node = node._get_node(part)
+
+
+@contextlib.contextmanager
+def tee_output(log: Path):
+    """What this process prints also goes to the run's log file (Hydra's job log, else empty)."""
+    try:
+        f = open(log, "a", encoding="utf-8")  # noqa: SIM115 (closed below, after the streams are restored)
+    except OSError:
+        yield  # no log beats no run; the run directory's own errors come later, named
+        return
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(streams[0], f), _Tee(streams[1], f)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = streams
+        f.close()
+
+
+class _Tee:
+    """A text stream writing to the terminal and to a log file (the log never breaks the run)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        try:
+            self.log.write(text)
+        except (OSError, ValueError):
+            pass
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        try:
+            self.log.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):  # isatty, fileno, encoding... are the terminal's
+        return getattr(self.stream, name)
+
+
+def check_sweep(sweep_dir: Path) -> None:
+    """Every point of the sweep validated (planned dry) before the first one runs: a bad point is
+    one line naming its overrides, and nothing has been measured."""
+    from hydra import compose
+
+    from twinrun import launch
+    from twinrun.run import plan_run
+    from twinrun.sweep import sweep_points
+
+    points = sweep_points(sweep_dir) or []
+    for number, overrides in enumerate(points):
+        try:
+            refuse_unknown_additions(list(overrides), set(HydraConfig.get().runtime.choices))
+            cfg = compose(config_name="config", overrides=list(overrides))
+            launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
+            if launcher["name"] != "local":
+                launch.check(launcher)
+            plan_run(cfg, None, dry_run=True)
+        except TwinrunError as err:
+            raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): {err}; nothing was run") from None
+    if points:
+        print(f"twinrun: all {len(points)} sweep points validated", flush=True)
+
+
+def discard_unplanned(run_dir: Path, own_files=(".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")):
+    """A rejected config leaves nothing on disk: remove the directory Hydra made for it (a run's or a
+    sweep's), if it holds nothing twinrun wrote (no run.json) but Hydra's own record and empty logs."""
+    from twinrun.rundir import RunDir
+
+    rd = RunDir(run_dir)
+    if rd.run_json.exists() or not rd.path.is_dir():
+        return
+    hydra_files = [rd.path / n for n in own_files]
+    logs = [p for p in rd.path.glob("*.log") if p.is_file() and p.stat().st_size == 0]
+    for path in hydra_files + logs:
+        path.unlink(missing_ok=True)
+    for folder in (rd.path / ".hydra", rd.path, rd.path.parent):
+        if not folder.exists():
+            continue
+        try:
+            folder.rmdir()  # only if empty: anything else stays
+        except OSError:
+            return
+
+
 def _finish_sweep() -> int:
     """After Hydra's sweep: submit deferred points as one array, then write the sweep summary."""
     from twinrun.sweep import write_sweep_summary
@@ -140,12 +271,45 @@ def _finish_sweep() -> int:
     sweep_dir = _state["sweep_dir"]
     if _state["deferred"]:
         try:
-            _state["codes"].append(submit_and_collect(_state["deferred"], _state["launcher"], sweep_dir))
+            _state["codes"].append(submit_and_collect(_state["deferred"], _state["launcher"], sweep_dir,
+                                                      sorted(_state["trusted"])))
         except TwinrunError as err:
             fail(err)
     if _state["launcher"] is None or _state["launcher"]["wait"]:
         write_sweep_summary(sweep_dir)
     return max(_state["codes"] or [EXIT_OK])
+
+
+class _HeldStderr:
+    """Holds what is written to stderr until the task starts: Hydra's own composition errors come
+    as several lines and a hint about HYDRA_FULL_ERROR; twinrun shows them as one line."""
+
+    NOISE = ("Set the environment variable HYDRA_FULL_ERROR", "full_key:", "reference_type=", "object_type=",
+             "To append to your config use")
+
+    def __init__(self):
+        self.buffer, self.real = io.StringIO(), None
+
+    def __enter__(self):
+        self.real, sys.stderr = sys.stderr, self.buffer
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def release(self) -> None:
+        """Restore stderr; what was held is passed on unless it is reported as one line instead."""
+        if self.real is not None:
+            sys.stderr, self.real = self.real, None
+            if _state["task_started"]:
+                sys.stderr.write(self.buffer.getvalue())
+
+    def one_line(self) -> str:
+        text = self.buffer.getvalue().partition("Config search path:")[0]
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        kept = [ln for ln in lines if not ln.startswith(self.NOISE)]
+        hint = "check the key against `python -m twinrun --cfg job`; `--help` lists the config groups"
+        return f"{'; '.join(kept) or 'Hydra could not compose the config'} (hint: {hint})"
 
 
 def main() -> None:
@@ -155,12 +319,21 @@ def main() -> None:
     if not OmegaConf.has_resolver("twinrun.config_groups"):
         OmegaConf.register_new_resolver("twinrun.config_groups", _config_groups)
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
+    from twinrun.run import raise_on_sigterm
+
+    raise_on_sigterm()
+    held = _HeldStderr()
+    _state["held_stderr"] = held
     try:
-        app()
+        with held:
+            app()
+    except KeyboardInterrupt:
+        fail(Interrupted(EXIT_INTERRUPTED))
     except SystemExit as exc:
-        # Hydra reports a config it cannot compose (typo'd key, bad type, unknown option) with
-        # exit 1, which twinrun reserves for a failed gate: report it as bad input.
+        # Hydra reports a config it cannot compose (typo'd key, bad type, unknown option) in several
+        # lines with exit 1, which twinrun reserves for a failed gate: one line, bad input.
         if exc.code == 1 and not _state["task_started"]:
+            print(f"twinrun: error: {held.one_line()}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
         raise
     if _state["sweep_dir"] is not None:

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.errors import TwinrunError
+from twinrun.rundir import SAFE_NAME
 
 INTERVENTION_KEY = "intervention"
 NATIVE = {"_target_": "twinrun.interventions.Native"}
@@ -86,6 +87,12 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
         raise TwinrunError(
             "intervention=native: no intervention declared; declare one, e.g. "
             "`python -m twinrun +experiment=pin_sigma` (twinrun derives the native twin itself)"
+        )
+    if not isinstance(intervention_name, str) or not SAFE_NAME.fullmatch(intervention_name) \
+            or ".." in intervention_name:
+        raise TwinrunError(
+            f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} "
+            "names its arm directory, so it must be letters, digits, '_', '.', '-' without '..'"
         )
     if intervention_name in ("native", "native_replicate"):
         raise TwinrunError(

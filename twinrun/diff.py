@@ -6,6 +6,7 @@ whole: the check that tells "bit-identical" from merely "close". Exit 0 when bit
 """
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
+from twinrun.store import STORE_FORMAT, max_store_bytes, open_regular, read_store
 
 
 @dataclass
@@ -37,13 +39,22 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in files:
         prefix = f"{f.relative_to(path).as_posix()}:" if path.is_dir() else ""
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    out[prefix + name] = handle.get_tensor(name)
-        except Exception as err:  # noqa: BLE001 — any damage in a foreign file ends as a named error
-            raise StoreError(f, f"not a readable safetensors file ({type(err).__name__})") from None
+        out.update({prefix + name: t for name, t in _file_tensors(f).items()})
     return out
+
+
+def _file_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """One file's tensors: a regular file of plausible size; a twinrun store is verified first."""
+    os.close(open_regular(path, max_store_bytes(), "safetensors file")[0])  # no FIFO, no 1 TiB
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if (handle.metadata() or {}).get("format") == STORE_FORMAT:
+                return {"sums": read_store(path).sums}  # its own payload digest is checked
+            return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    except StoreError:
+        raise
+    except Exception as err:  # noqa: BLE001 — any damage in a foreign file ends as a named error
+        raise StoreError(path, f"not a readable safetensors file ({type(err).__name__})") from None
 
 
 def diff_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> TensorDiff:

@@ -21,6 +21,15 @@ class ModelError(TwinrunError):
     exit_code = EXIT_MODEL
 
 
+class Interrupted(TwinrunError):
+    """SIGINT or SIGTERM arrived: run.json records "interrupted"; resuming continues from the finished bins."""
+
+    def __init__(self, exit_code: int):
+        name = "SIGINT" if exit_code == EXIT_INTERRUPTED else "SIGTERM"
+        super().__init__(f"interrupted by {name}; finished bins are kept: resume with `python -m twinrun.resume RUN_DIR`")
+        self.exit_code = exit_code
+
+
 class ConfigError(TwinrunError):
     """A config value is out of range or inconsistent; the message names the key, value and fix."""
 

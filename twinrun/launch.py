@@ -21,6 +21,7 @@ from submitit.core.utils import UncompletedJobError
 from twinrun import status
 from twinrun.errors import EXIT_GATE, EXIT_USAGE, ConfigError, TwinrunError
 from twinrun.run import run_job
+from twinrun.rundir import RunDir, RunIndex
 from twinrun.store import read_json, write_json
 
 CLUSTERS = {"submitit_local": "local", "slurm": "slurm"}  # launcher.name -> submitit's cluster
@@ -29,6 +30,23 @@ LAUNCH_FORMAT = "twinrun-launch/1"
 CHECKPOINT_MARGIN_S = 30
 TAIL_LINES = 8
 FINAL_STATE_WAIT_S = 15  # how long a failed job may take to leave the queue, for its final state
+# A job pending for one of these reasons waits for a change of the request or the cluster, not for
+# time: after this grace it is cancelled, naming the knob (`squeue` reason -> launcher knob).
+UNRESOLVABLE_GRACE_S = 20
+UNRESOLVABLE = {
+    "PartitionConfig": "cpus_per_task, mem_gb, gpus_per_node or timeout_min",
+    "PartitionTimeLimit": "timeout_min",
+    "PartitionNodeLimit": "nodes",
+    "ReqNodeNotAvail": "partition or constraint",
+    "BadConstraints": "constraint",
+    "InvalidAccount": "account",
+    "InvalidQOS": "qos",
+    "QOSMaxCpuPerJobLimit": "cpus_per_task",
+    "QOSMaxWallDurationPerJobLimit": "timeout_min",
+    "QOSMaxGRESPerJob": "gpus_per_node",
+    "AssocMaxCpuPerJobLimit": "cpus_per_task",
+    "AssocMaxWallDurationPerJobLimit": "timeout_min",
+}
 # sbatch's complaint -> the launcher knob behind it; the first match wins.
 SBATCH_KNOBS = (
     ("partition", "partition"),
@@ -55,14 +73,15 @@ class PairJob(submitit.helpers.Checkpointable):
     exist and verify (a half-measured bin is measured again, whole), so no finished bin is recomputed.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, trusted=()):
         self.run_dir = str(Path(run_dir).resolve())
+        self.trusted = list(trusted)  # builders the submitting user composed or named (see run.load_arms)
 
     def __call__(self) -> str:
         run_dir = Path(self.run_dir)
         print(f"twinrun: {_where()}: {run_dir}; {_stores_done(run_dir)}", flush=True)
         try:
-            return run_job(run_dir)["status"]
+            return run_job(run_dir, getattr(self, "trusted", ()))["status"]
         except TwinrunError as err:
             # One readable line before submitit's traceback; re-raised, so the job ends FAILED.
             print(f"twinrun: error: {err}", file=sys.stderr, flush=True)
@@ -86,11 +105,11 @@ def _where() -> str:
 
 def _stores_done(run_dir: Path) -> str:
     """Which bins are already whole (every arm's store done), as run.json says."""
-    run = read_json(run_dir / "run.json")
-    whole = [b["index"] for b in run["bins"] if all(s.get("status") == "done" for s in b["stores"].values())]
+    index = RunIndex.load(run_dir)
+    whole = [b["index"] for b in index.whole_bins(verify=False)]
     if not whole:
-        return f"0/{len(run['bins'])} bins done"
-    return f"{len(whole)}/{len(run['bins'])} bins done (skipped on resume: {', '.join(map(str, whole))})"
+        return f"0/{len(index.bins)} bins done"
+    return f"{len(whole)}/{len(index.bins)} bins done (skipped on resume: {', '.join(map(str, whole))})"
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -145,17 +164,55 @@ def _check_slurm(launcher: dict) -> None:
     elif partition not in names:
         raise ConfigError("launcher.partition", partition,
                           f"no such partition on this cluster; choose one of {', '.join(names)}")
-    gres = {g for p, gs in partitions.items() if p.rstrip("*") == partition for g in gs}
+    nodes = [n for p, ns in partitions.items() if p.rstrip("*") == partition for n in ns]
+    gres = {n["gres"] for n in nodes}
     if launcher["gpus_per_node"] > 0 and not any("gpu" in g for g in gres):
         raise ConfigError("launcher.gpus_per_node", launcher["gpus_per_node"],
                           f"partition {partition} has no GPUs (sinfo gres: {', '.join(sorted(gres))}); "
                           "use launcher.gpus_per_node=0 to run on CPUs, or a GPU partition")
+    _check_fits(launcher, partition, nodes)
 
 
-def _sinfo() -> dict[str, set[str]]:
-    """{partition (the default marked '*'): its nodes' gres} from sinfo."""
+def _check_fits(launcher: dict, partition: str, nodes: list[dict]) -> None:
+    """CPUs, memory and time asked for must fit some node of the partition, else the job would pend
+    forever (PartitionConfig); checked before submission, naming the knob."""
+    most_cpus = max((n["cpus"] for n in nodes if n["cpus"] is not None), default=None)
+    if most_cpus is not None and launcher["cpus_per_task"] > most_cpus:
+        raise ConfigError("launcher.cpus_per_task", launcher["cpus_per_task"],
+                          f"partition {partition}'s largest node has {most_cpus} CPUs; ask for at most that")
+    most_mb = max((n["mem_mb"] for n in nodes if n["mem_mb"] is not None), default=None)
+    if most_mb is not None and launcher["mem_gb"] is not None and launcher["mem_gb"] * 1024 > most_mb:
+        raise ConfigError("launcher.mem_gb", launcher["mem_gb"],
+                          f"partition {partition}'s largest node has {most_mb / 1024:.1f} GB; ask for at most that "
+                          "(or null for the cluster's default)")
+    limits = [n["limit_min"] for n in nodes]
+    if limits and None not in limits and launcher["timeout_min"] > max(limits):
+        raise ConfigError("launcher.timeout_min", launcher["timeout_min"],
+                          f"partition {partition}'s time limit is {max(limits)} min; ask for at most that "
+                          "(the job checkpoints and requeues itself at the limit)")
+
+
+def _minutes(limit: str) -> int | None:
+    """sinfo's time limit ("infinite", "MM", "HH:MM:SS", "D-HH:MM:SS") in minutes; None = no limit."""
+    if limit in ("infinite", "UNLIMITED", "n/a", ""):
+        return None
+    days, _, clock = limit.rpartition("-")
+    parts = [int(x) for x in clock.split(":")] if all(x.isdigit() for x in clock.split(":")) else []
+    if not parts or (days and not days.isdigit()):
+        return None
+    h, m, sec = ([0] * (3 - len(parts)) + parts) if len(parts) > 1 else (0, parts[0], 0)
+    return int(days or 0) * 1440 + h * 60 + m + (1 if sec else 0)
+
+
+def _number(text: str) -> int | None:
+    text = text.strip().rstrip("+")
+    return int(text) if text.isdigit() else None
+
+
+def _sinfo() -> dict[str, list[dict]]:
+    """{partition (the default marked '*'): its node kinds (gres, cpus, mem_mb, limit_min)} from sinfo."""
     try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%P|%G"], check=False, capture_output=True, text=True,
+        out = subprocess.run(["sinfo", "-h", "-o", "%P|%G|%c|%m|%l"], check=False, capture_output=True, text=True,
                              timeout=status.SCHEDULER_TIMEOUT_S)
         reason = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -163,10 +220,11 @@ def _sinfo() -> dict[str, set[str]]:
     if out is None or out.returncode != 0:
         raise ConfigError("launcher", "slurm", f"SLURM does not answer (sinfo: {reason}); check the cluster "
                           "with `sinfo` (a local test cluster: `bash launch/slurm-up.sh`)")
-    partitions: dict[str, set[str]] = {}
+    partitions: dict[str, list[dict]] = {}
     for line in out.stdout.splitlines():
-        partition, _, gres = line.partition("|")
-        partitions.setdefault(partition.strip(), set()).add(gres.strip())
+        partition, gres, cpus, mem, limit = ([*line.split("|"), "", "", "", ""])[:5]
+        partitions.setdefault(partition.strip(), []).append(
+            {"gres": gres.strip(), "cpus": _number(cpus), "mem_mb": _number(mem), "limit_min": _minutes(limit.strip())})
     return partitions
 
 
@@ -216,7 +274,7 @@ def make_executor(launcher: dict, folder_root: Path, job_name: str) -> submitit.
     return executor
 
 
-def submit(run_dirs: list[Path], launcher: dict, folder_root: Path) -> list:
+def submit(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> list:
     """One job per planned run directory, all in one submission (one SLURM job array if several).
 
     Writes RUN_DIR/launch.json (job id, cluster, log paths, time) and prints each job id.
@@ -228,7 +286,7 @@ def submit(run_dirs: list[Path], launcher: dict, folder_root: Path) -> list:
     with submitit.helpers.clean_env():  # submitting from inside an allocation must not inherit it
         try:
             with executor.batch():
-                jobs = [executor.submit(PairJob(run_dir)) for run_dir in run_dirs]
+                jobs = [executor.submit(PairJob(run_dir, trusted)) for run_dir in run_dirs]
         except UncompletedJobError as err:  # sbatch refused the job
             raise _sbatch_refused(err, launcher) from None
     cluster = CLUSTERS[launcher["name"]]
@@ -245,7 +303,7 @@ def submit(run_dirs: list[Path], launcher: dict, folder_root: Path) -> list:
 
 
 def _write_launch(run_dir: Path, job, cluster: str, launcher: dict, submitted: str) -> None:
-    path = run_dir / status.LAUNCH_JSON
+    path = RunDir(run_dir).launch_json
     earlier = []
     if path.is_file():  # a resubmission into the same run directory: keep the history
         old = read_json(path)
@@ -280,9 +338,13 @@ def wait(run_dirs: list[Path], jobs: list, launcher: dict) -> dict[Path, int]:
     keys = dict(zip(pending, run_dirs))  # report under the caller's own Path objects
     shown: dict[Path, str] = {}
     failed: dict[Path, int] = {}
+    stuck_since: dict[Path, float] = {}
     try:
         while pending:
             for run_dir, (ended, state) in _poll(pending).items():
+                if _stuck(run_dir, state, stuck_since):
+                    failed[keys[run_dir]] = _cancel_stuck(run_dir, pending.pop(run_dir), state)
+                    continue
                 line = status.describe(run_dir, status.progress(run_dir), state)
                 if shown.get(run_dir) != line:
                     print(f"twinrun: {line}", flush=True)
@@ -300,6 +362,24 @@ def wait(run_dirs: list[Path], jobs: list, launcher: dict) -> dict[Path, int]:
               file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     return failed
+
+
+def _stuck(run_dir: Path, state: str, since: dict) -> bool:
+    """Pending, for longer than the grace, for a reason no amount of waiting resolves."""
+    reason = state.partition("(")[2].rstrip(")").split(",")[0].strip() if state.startswith("PENDING") else ""
+    if reason not in UNRESOLVABLE:
+        since.pop(run_dir, None)
+        return False
+    return time.monotonic() - since.setdefault(run_dir, time.monotonic()) > UNRESOLVABLE_GRACE_S
+
+
+def _cancel_stuck(run_dir: Path, job, state: str) -> int:
+    reason = state.partition("(")[2].rstrip(")").split(",")[0].strip()
+    job.cancel(check=False)
+    print(f"twinrun: error: {run_dir}: job {job.job_id} cancelled: it was {state}, which waiting cannot "
+          f"resolve; change launcher.{UNRESOLVABLE[reason].replace(', ', ', launcher.').replace(' or ', ' or launcher.')} "
+          "to fit the partition and resume", file=sys.stderr, flush=True)
+    return EXIT_USAGE
 
 
 def _poll(pending: dict) -> dict[Path, tuple[bool, str]]:

@@ -1,18 +1,34 @@
-"""One writer per run directory: RUN_DIR/.lock holds the writer's pid and host.
+"""One writer per run directory: an exclusive flock on RUN_DIR/.lock, which names its holder.
 
-A lock left by a dead process on this host is recovered with a message; a live one (or one from
-another host, which cannot be checked from here) refuses the second writer.
+The kernel grants the flock to one open descriptor at a time and drops it when the holder dies,
+so acquisition is atomic and a dead writer never blocks the next one; the file is never deleted
+(deleting it would let a second writer lock a new file while the first still holds the old one).
+While held, the file records the holder (pid, host, boot id, SLURM job); it is emptied on release.
+So a non-empty file whose flock we obtain was left by a writer that died: on this host (the
+kernel released its flock) it is recovered with a message. One left on another host is refused,
+because a file system shared between hosts may keep flocks per host; unless it is our own SLURM
+job's previous incarnation (SLURM requeues a job only after it is gone).
 """
 
+import fcntl
 import json
 import os
 import socket
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
 from twinrun.errors import StoreError
+from twinrun.rundir import RunDir
 
-LOCK_NAME = ".lock"
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str | None:
+    try:
+        return BOOT_ID_PATH.read_text().strip()
+    except OSError:
+        return None
 
 
 def pid_alive(pid: int) -> bool:
@@ -25,43 +41,114 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _try_create(path: Path, owner: dict) -> bool:
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
+def me() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+
+
+def holder_alive(holder: dict | None) -> bool | None:
+    """Whether a recorded holder still runs: True/False on this host, None when it cannot be told here."""
+    if not holder:
         return False
+    if holder.get("host") != socket.gethostname():
+        return None
+    if holder.get("boot_id") is not None and holder.get("boot_id") != boot_id():
+        return False  # a pid from before a reboot names nobody (or a stranger)
+    pid = holder.get("pid")
+    return type(pid) is int and pid > 0 and pid_alive(pid)
+
+
+def read_holder(run_dir) -> dict | None:
+    """The holder recorded in RUN_DIR/.lock (None if empty, absent or not a holder record)."""
+    path = RunDir(run_dir).lock
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _parse_holder(os.pread(fd, 4096, 0))
+    finally:
+        os.close(fd)
+
+
+def _parse_holder(data: bytes) -> dict | None:
+    try:
+        holder = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _open(path: Path) -> int:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as err:
-        raise StoreError(path.parent, f"cannot write here ({err.strerror}); finished stores are kept") from None
-    with os.fdopen(fd, "w") as f:
-        json.dump(owner, f)
-    return True
+        raise StoreError(path, f"cannot open the run lock ({err.strerror}); finished stores are kept") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StoreError(path, "the run lock is not a regular file; remove it and run again")
+    return fd
+
+
+def _acquire(path: Path) -> int:
+    """An open descriptor holding the exclusive flock on `path`, or a StoreError naming the holder."""
+    while True:
+        fd = _open(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _parse_holder(os.pread(fd, 4096, 0)) or {}
+            os.close(fd)
+            where = "this host" if holder.get("host") == socket.gethostname() else holder.get("host", "?")
+            raise StoreError(path.parent, f"is being written by pid {holder.get('pid', '?')} on {where}; "
+                             "wait for it or stop it") from None
+        except OSError as err:
+            os.close(fd)
+            raise StoreError(path, f"cannot lock ({err.strerror}): the file system must support flock") from None
+        try:
+            same_file = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            same_file = False
+        if same_file:
+            return fd
+        os.close(fd)  # someone removed or replaced the file between our open and our flock: again
+
+
+def _take_over(path: Path, fd: int, mine: dict) -> None:
+    """We hold the flock: decide about a record left behind, then write ours."""
+    left = os.pread(fd, 4096, 0)
+    holder = _parse_holder(left)
+    requeued = holder is not None and mine["slurm_job_id"] is not None \
+        and holder.get("slurm_job_id") == mine["slurm_job_id"]
+    if holder is not None and holder.get("host") != mine["host"] and not requeued:
+        raise StoreError(path.parent, f"was being written by pid {holder.get('pid')} on {holder.get('host')}, "
+                         f"which did not release it; if that job is gone, remove {path} and run again")
+    if left.strip():
+        who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "an unreadable record"
+        print(f"twinrun: recovering the stale lock {path} ({who}; its holder is gone)", flush=True)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        os.fsync(fd)
+    except OSError as err:
+        raise StoreError(path, f"cannot write the run lock ({err.strerror}); finished stores are kept") from None
 
 
 @contextmanager
 def run_lock(run_dir: Path):
     """Hold RUN_DIR/.lock for the duration of the block."""
-    path = Path(run_dir) / LOCK_NAME
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
-    if not _try_create(path, me):
-        try:
-            holder = json.loads(path.read_text())
-            pid, host = int(holder["pid"]), str(holder["host"])
-        except (OSError, ValueError, KeyError, TypeError):
-            holder, pid, host = None, -1, ""
-        # SLURM requeues a job only after its previous incarnation is gone, possibly to another
-        # node: a lock left by the same job id is that dead incarnation's.
-        requeued = holder is not None and me["slurm_job_id"] is not None \
-            and holder.get("slurm_job_id") == me["slurm_job_id"]
-        if holder is not None and host != me["host"] and not requeued:
-            raise StoreError(run_dir, f"is being written by pid {pid} on {host}; if that job is gone, "
-                             f"remove {path} and run again")
-        if holder is not None and not requeued and pid_alive(pid):
-            raise StoreError(run_dir, f"is being written by pid {pid} on this host; wait for it or stop it")
-        print(f"twinrun: recovering the stale lock {path} (pid {pid} on {host or '?'} is gone)", flush=True)
-        path.unlink(missing_ok=True)
-        if not _try_create(path, me):
-            raise StoreError(run_dir, "another process took the lock at the same moment; run again")
+    path = RunDir(run_dir).lock
+    fd = _acquire(path)
+    try:
+        _take_over(path, fd, me())
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         yield
     finally:
-        path.unlink(missing_ok=True)
+        try:
+            os.ftruncate(fd, 0)  # released by its holder: nothing left to recover
+        except OSError:
+            pass  # a read-only or full file system: the next writer recovers the record with a message
+        os.close(fd)  # closing the last descriptor releases the flock

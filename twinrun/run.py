@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,10 +25,25 @@ from twinrun import draws, probe, provenance
 from twinrun.arms import Arm, derive_arms
 from twinrun.determinism import MATMUL_PRECISIONS
 from twinrun.env import fingerprint
-from twinrun.errors import ConfigError, StoreError
+from twinrun.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    ConfigError,
+    Interrupted,
+    ModelError,
+    StoreError,
+    TwinrunError,
+)
 from twinrun.interventions import attached
 from twinrun.lock import run_lock
-from twinrun.store import atomic_write, read_json, read_store, store_name, write_json, write_store
+from twinrun.rundir import RunDir, RunIndex
+from twinrun.store import atomic_write, max_store_bytes, read_regular, store_name, write_json, write_store
+
+# The builders a run directory may name without the user vouching for them: twinrun's own
+# model, data and interventions. Anything else must come from a config the user composed (its
+# `_target_`s are passed in as `trusted`) or a module named on the command line.
+BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions")
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
 def config_hash(config: dict) -> str:
@@ -85,8 +101,31 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
         device = torch.device(p.device)
     except RuntimeError:
         raise ConfigError("probe.device", p.device, "not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("probe.device", p.device, "twinrun measures on cpu or cuda[:N] only")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("probe.device", p.device, "CUDA is not available here; use probe.device=cpu")
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError("seed", cfg.seed, "must be in [0, 2^63): it keys every noise stream")
+
+
+def check_sizes(cfg: DictConfig, image_shape, n_params: int, n_arms: int, run_dir: Path | None) -> None:
+    """Refuse at plan time what could never fit: a bin's noise in memory, the stores on disk."""
+    p = cfg.probe
+    noise_bytes = 4 * p.n_images * p.n_draws * math.prod(image_shape)
+    memory = max_store_bytes()
+    if noise_bytes > memory // 2:
+        raise ConfigError("probe.n_draws", p.n_draws, f"a bin's noise for probe.n_images={p.n_images} would take "
+                          f"{noise_bytes / 2**30:.1f} GiB, over half this machine's {memory / 2**30:.0f} GiB; "
+                          "use fewer draws or images")
+    store_bytes = 4 * p.n_folds * n_params * n_arms * len(cfg.sigma_grid.sigmas)
+    where = Path(run_dir) if run_dir is not None else Path.cwd()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if store_bytes > free:
+        raise ConfigError("probe.params", list(p.params), f"the stores would take {store_bytes / 2**30:.1f} GiB, "
+                          f"more than the {free / 2**30:.1f} GiB free at {where}; probe fewer parameters or folds")
 
 
 def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
@@ -123,15 +162,18 @@ def check_reference(reference: str | None, mine: dict) -> str | None:
     if reference is None:
         return None
     path = Path(reference).expanduser().resolve()
-    if path.name == "native" and path.parent.name == "arms":  # given the arm directory itself
+    if path.parent.name == "arms":  # given an arm directory itself
         path = path.parent.parent
-    if not (path / "run.json").is_file() or not (path / "arms" / "native").is_dir():
-        raise ConfigError("reference", reference, "must be an earlier twinrun run directory (with run.json "
-                          "and arms/native/)")
     try:
-        theirs = yaml.safe_load((path / "arms" / "native" / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError("reference", reference, f"its arms/native/config.yaml is unreadable ({err})") from None
+        index = RunIndex.load(path)
+        twin = index.arm("twin")["name"]
+        theirs = yaml.safe_load(read_regular(index.run_dir.arm_config(twin), MAX_CONFIG_BYTES, "config").decode())
+    except StoreError as err:
+        raise ConfigError("reference", reference, f"must be an earlier, intact twinrun run directory ({err})") from None
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError("reference", reference, f"its twin's config.yaml is unreadable ({err})") from None
+    if not isinstance(theirs, dict):
+        raise ConfigError("reference", reference, "its twin's config.yaml is not a config")
     differ = [k for k in PROTOCOL_CONFIG if theirs.get(k) != mine.get(k)]
     differ += [f"probe.{k}" for k in PROTOCOL_PROBE if (theirs.get("probe") or {}).get(k) != mine["probe"].get(k)]
     if differ:
@@ -149,9 +191,11 @@ def fold_sizes(n_images: int, n_folds: int) -> list[int]:
 # ----------------------------------------------------------------------------- plan
 
 
-def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict:
-    """Validate, derive the twin, write configs, diff and run.json. Returns run.json's content."""
-    run_dir = Path(run_dir)
+def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, dry_run: bool = False) -> dict:
+    """Validate, derive the twin, write configs, diff and run.json. Returns run.json's content.
+
+    dry_run: validate only, write nothing (a sweep checks every point before the first runs).
+    """
     intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
     images, _ = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
     validate(cfg, n_available_images=images.shape[0])
@@ -161,6 +205,8 @@ def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict
     check_params(model, cfg)
     check_checkable(intervention, grid, model)
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
+    n_params = sum(dict(model.named_parameters())[n].numel() for n in probe.select_params(model, list(cfg.probe.params)))
+    check_sizes(cfg, images.shape[1:], n_params, len(arms), run_dir)
     run = {
         "format": "twinrun-run/1",
         "status": "planned",
@@ -175,57 +221,109 @@ def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict
             for i, s in enumerate(grid)
         ],
     }
-    existing = run_dir / "run.json"
-    if existing.exists():
-        return _resume_plan(existing, run)
+    if dry_run:
+        return run
+    rd = RunDir(run_dir)
+    if rd.run_json.exists():
+        return _resume_plan(rd, run)
     for arm in arms:
-        (run_dir / "arms" / arm.name).mkdir(parents=True, exist_ok=True)
-        atomic_write(run_dir / "arms" / arm.name / "config.yaml", yaml.safe_dump(arm.config, sort_keys=False).encode())
-    write_json(run_dir / "config_diff.json", diff)
-    write_json(existing, run)
+        rd.arm_dir(arm.name).mkdir(parents=True, exist_ok=True)
+        atomic_write(rd.arm_config(arm.name), yaml.safe_dump(arm.config, sort_keys=False).encode())
+    write_json(rd.config_diff_json, diff)
+    write_json(rd.run_json, run)
     return run
 
 
-def _resume_plan(path: Path, planned: dict) -> dict:
-    old = read_json(path)
-    if [a["config_hash"] for a in old.get("arms", [])] != [a["config_hash"] for a in planned["arms"]]:
-        raise StoreError(path.parent, "holds a run of a different config; use a new run directory")
+def _resume_plan(rd: RunDir, planned: dict) -> dict:
+    old = RunIndex.load(rd).doc
+    if [a["config_hash"] for a in old["arms"]] != [a["config_hash"] for a in planned["arms"]]:
+        raise StoreError(rd.path, "holds a run of a different config; use a new run directory")
     return old
 
 
 # ----------------------------------------------------------------------------- the job
 
 
-def load_arms(run_dir: Path, run: dict) -> list[Arm]:
-    return [Arm(a["name"], yaml.safe_load((run_dir / "arms" / a["name"] / "config.yaml").read_text()), a["role"])
-            for a in run["arms"]]
+def targets(tree) -> list[str]:
+    """Every `_target_` in a config (Hydra's instantiate follows nested ones too)."""
+    if isinstance(tree, dict):
+        own = [tree["_target_"]] if "_target_" in tree else []
+        return own + [t for v in tree.values() for t in targets(v)]
+    if isinstance(tree, list):
+        return [t for v in tree for t in targets(v)]
+    return []
 
 
-def bin_done(run_dir: Path, b: dict, arm: str) -> bool:
-    """A bin's store counts as done only if it exists and its sha256 matches run.json."""
-    entry = b["stores"][arm]
-    if entry.get("status") != "done":
+def trusted_targets(cfg: DictConfig) -> list[str]:
+    """The builders of a config the user composed (its model, data and intervention)."""
+    return sorted({t for key in ("model", "data", "intervention")
+                   for t in targets(OmegaConf.to_container(cfg[key], resolve=True))})
+
+
+def _allowed(target, trusted) -> bool:
+    if not isinstance(target, str):
         return False
-    try:
-        read_store(run_dir / "arms" / arm / entry["file"], entry.get("sha256"))
-        return True
-    except StoreError as err:
-        print(f"twinrun: re-measuring {err}")
-        return False
+    module = target.rpartition(".")[0]
+    return any(module == m for m in BUILTIN_MODULES) or any(
+        target == t or target.startswith(f"{t}.") for t in trusted)
 
 
-def run_job(run_dir: str | Path) -> dict:
-    """Measure every pending bin, all arms back to back on the same draws; one writer at a time."""
-    run_dir = Path(run_dir)
-    with run_lock(run_dir):
-        for stale in run_dir.glob("arms/*/.*.tmp-*"):  # a write cut short by a kill: never read
+def load_arms(index: RunIndex, trusted=()) -> list[Arm]:
+    """Each arm's config.yaml, only if it is the config run.json hashed and names only builders
+    twinrun ships or the user vouched for: a run directory is data and never runs code."""
+    arms = []
+    for entry in index.doc["arms"]:
+        path = index.run_dir.arm_config(entry["name"])
+        try:
+            config = yaml.safe_load(read_regular(path, MAX_CONFIG_BYTES, "config").decode())
+        except (UnicodeDecodeError, yaml.YAMLError) as err:
+            raise StoreError(path, f"unreadable arm config ({str(err).splitlines()[0]})") from None
+        if not isinstance(config, dict) or config_hash(config) != entry["config_hash"]:
+            raise StoreError(path, f"does not match the config_hash {entry['config_hash']} run.json records "
+                             "for it (edited after planning?); restore it or start a new run directory")
+        foreign = [t for t in targets(config) if not _allowed(t, trusted)]
+        if foreign:
+            raise StoreError(path, f"names the builder _target_={foreign[0]!r}, which is neither twinrun's nor "
+                             "one you named: rerun your original command (with its --config-dir), or "
+                             "`python -m twinrun.resume RUN_DIR --trust MODULE` if you trust that code")
+        arms.append(Arm(entry["name"], config, entry["role"]))
+    return arms
+
+
+def run_job(run_dir: str | Path, trusted=()) -> dict:
+    """Measure every pending bin, all arms back to back on the same draws; one writer at a time.
+
+    `trusted`: builders (`_target_`s or module names) beyond twinrun's own that the arms may name.
+    """
+    rd = RunDir(run_dir)
+    with run_lock(rd.path):
+        for stale in rd.tmp_files():  # a write cut short by a kill: never read
             stale.unlink()
-        return _measure(run_dir)
+        index = RunIndex.load(rd)
+        try:
+            return _measure(index, load_arms(index, trusted))
+        except (KeyboardInterrupt, Interrupted) as err:
+            index.mark_interrupted()
+            if isinstance(err, KeyboardInterrupt):
+                raise Interrupted(EXIT_INTERRUPTED) from None
+            raise
 
 
-def _measure(run_dir: Path) -> dict:
-    run = read_json(run_dir / "run.json")
-    arms = load_arms(run_dir, run)
+def raise_on_sigterm() -> None:
+    """In an entry point's main thread: SIGTERM (kill, scancel) ends the run as "interrupted", exit 143."""
+    import signal
+    import threading
+
+    def _raise(signum, frame):
+        raise Interrupted(EXIT_TERMINATED)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise)
+
+
+def _measure(index: RunIndex, arms: list[Arm]) -> dict:
+    rd, run = index.run_dir, index.doc
+    run_dir = rd.path
     cfg = arms[0].config  # every arm shares everything outside `intervention`
     # Step: pin determinism before any torch work, then read where this job runs.
     determinism = provenance.setup_determinism(cfg)
@@ -246,12 +344,11 @@ def _measure(run_dir: Path) -> dict:
     job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(model, device, images.shape[1:]))
     record = provenance.bin_record(fp, job["sentinel_start"])
 
-    run["status"] = "running"
-    run.pop("failure", None)
-    write_json(run_dir / "run.json", run)
+    index.set_status("running")
     # The bin is the unit of twin validity: if any arm of it is missing, measure all of its arms
     # again, back to back in this process, rather than pair stores from two processes.
-    todo = [b for b in run["bins"] if not all(bin_done(run_dir, b, a.name) for a in arms)]
+    whole = [b["index"] for b in index.whole_bins()]
+    todo = [b for b in run["bins"] if b["index"] not in whole]
     if len(todo) < len(run["bins"]):
         print(f"twinrun: resuming: {len(run['bins']) - len(todo)} of {len(run['bins'])} bins already measured",
               flush=True)
@@ -264,8 +361,8 @@ def _measure(run_dir: Path) -> dict:
         for arm in arms:
             t_arm = time.perf_counter()
             eps_dev = eps.to(device)
-            sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
             try:
+                sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
                 with attached(interventions[arm.name], model):  # its hooks, on this arm only
                     sums = probe.fold_sums(model, names, images, eps_dev, sigma, sigma_cond.to(device),
                                            fold_of_image, len(sizes), p["chunk_images"], p["chunk_draws"])
@@ -275,22 +372,24 @@ def _measure(run_dir: Path) -> dict:
                         "fold_sizes": sizes, "image_ids": image_ids, "seed": cfg["seed"],
                         "draws_digest": draws.digest(eps_dev, sigma), "config_hash": hashes[arm.name],
                         "layout": layout, "env": record, "kernel_path": fp["kernel_path"]}
-                entry = b["stores"][arm.name]
-                entry["sha256"] = write_store(run_dir / "arms" / arm.name / entry["file"], sums, meta)
-                entry["status"] = "done"
-                entry["kernel_path_sha256"] = record["kernel_path_sha256"]
-                write_json(run_dir / "run.json", run)
-            except Exception:  # any failure, ours or the model's: record where, keep earlier bins, re-raise
-                _mark_failed(run_dir, run, b, arm.name)
+                sha = write_store(index.store_path(b, arm.name), sums, meta)
+                index.mark_done(b, arm.name, sha, record["kernel_path_sha256"])
+            except Interrupted:
                 raise
+            except Exception as err:  # any failure, ours or the model's: record where, keep earlier bins
+                index.mark_failed(b, arm.name)
+                if isinstance(err, TwinrunError):
+                    raise
+                cause = (str(err).strip().splitlines() or [""])[0]
+                raise ModelError(f"arm {arm.name}, bin {b['index']} (σ={sigma:g}) raised {type(err).__name__}: "
+                                 f"{cause}; earlier bins are kept") from err
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
             progress.step(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g} {arm.name}")
         progress.log(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
                      f"({time.perf_counter() - t0:.2f}s)")
     progress.close()
     job["sentinel_end"] = provenance.read_sentinel(model, device, images.shape[1:])["digest"]
-    run["status"] = "measured"
-    write_json(run_dir / "run.json", run)
+    index.set_status("measured")
     return run
 
 
@@ -322,27 +421,17 @@ class Progress:
 
 def start_job(run_dir: Path, run: dict, fp: dict, determinism: dict, sentinel: dict) -> dict:
     """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/."""
-    (run_dir / "env").mkdir(exist_ok=True)
+    rd = RunDir(run_dir)
+    rd.env_dir.mkdir(exist_ok=True)
     sha = provenance.kernel_path_sha256(fp)
-    if not (run_dir / "env" / f"kernel_path-{sha[:12]}.json").is_file():
-        write_json(run_dir / "env" / f"kernel_path-{sha[:12]}.json", fp)
+    if not rd.kernel_path_env(sha).is_file():
+        write_json(rd.kernel_path_env(sha), fp)
     jobs = run.setdefault("jobs", [])
     job = {"index": len(jobs), "kernel_path_sha256": provenance.kernel_path_sha256(fp),
            "hostname": fp["info"].get("hostname"), "boot_id": fp["info"].get("boot_id"),
            "slurm_job_id": (fp["info"].get("slurm") or {}).get("SLURM_JOB_ID"),
            "sentinel_start": sentinel["digest"], "sentinel_end": None}
-    write_json(run_dir / "env" / f"job{job['index']:03d}.json",
+    write_json(rd.job_env(job["index"]),
                {"fingerprint": fp, "determinism": determinism, "sentinel": sentinel})
     jobs.append(job)
     return job
-
-
-def _mark_failed(run_dir: Path, run: dict, b: dict, arm: str) -> None:
-    """Record which arm and bin failed; best effort (on a full disk run.json may not be writable)."""
-    b["stores"][arm]["status"] = "failed"
-    run["status"] = "failed"
-    run["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"]}
-    try:
-        write_json(run_dir / "run.json", run)
-    except StoreError as err:
-        print(f"twinrun: could not record the failure in run.json: {err}")

@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from twinrun.errors import EXIT_OK, StoreError, fail
-from twinrun.lock import pid_alive
-from twinrun.store import read_json
+from twinrun.errors import EXIT_OK, EXIT_USAGE, StoreError, fail
+from twinrun.lock import holder_alive, pid_alive, read_holder
+from twinrun.rundir import RUN_JSON, RunDir, RunIndex
+from twinrun.store import read_json, read_store
 
-LAUNCH_JSON = "launch.json"
 # SLURM job states after which the job will not run again (squeue/sacct spelling).
 SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
@@ -25,11 +25,11 @@ SCHEDULER_TIMEOUT_S = 20
 def find_runs(path: Path) -> list[Path]:
     """The run directories at `path`: itself if it holds run.json, else its sweep points."""
     path = Path(path)
-    if (path / "run.json").is_file():
+    if RunDir(path).is_run():
         return [path]
-    points = sorted((p for p in path.glob("*/run.json")), key=lambda p: _point_key(p.parent.name))
+    points = sorted((p for p in path.glob(f"*/{RUN_JSON}")), key=lambda p: _point_key(p.parent.name))
     if not points:
-        raise StoreError(path, "holds no run.json (not a run directory) and no sweep point with one")
+        raise StoreError(path, f"holds no {RUN_JSON} (not a run directory) and no sweep point with one")
     return [p.parent for p in points]
 
 
@@ -37,20 +37,60 @@ def _point_key(name: str):
     return (0, int(name), "") if name.isdigit() else (1, 0, name)
 
 
-def progress(run_dir: Path) -> dict:
-    """run.json's status, stores done per arm, the failure if any, and launch.json if written."""
-    run = read_json(Path(run_dir) / "run.json")
-    arms = [a["name"] for a in run.get("arms", [])]
-    bins = run.get("bins", [])
-    done = {a: sum(b["stores"].get(a, {}).get("status") == "done" for b in bins) for a in arms}
-    launch_path = Path(run_dir) / LAUNCH_JSON
+def progress(run_dir: Path, verify: bool = False) -> dict:
+    """run.json's status, stores done per arm, the failure if any, and launch.json if written.
+
+    verify: count a store as done only if it exists and its sha256 matches run.json (reads every
+    store), list the others as damaged, tell whether the writer still lives, and add the verdict.
+    """
+    index = RunIndex.load(run_dir)
+    rd = index.run_dir
+    done, damaged = {}, []
+    for arm in index.arm_names:
+        ok = [b for b in index.bins if b["stores"][arm]["status"] == "done"]
+        if verify:
+            good = [b for b in ok if _verified(index, b, arm, damaged)]
+            ok = good
+        done[arm] = len(ok)
+    launch = read_json(rd.launch_json) if rd.launch_json.is_file() else None
     return {
-        "status": run.get("status"),
+        "status": _live_status(index, launch) if verify else index.status,
         "done": done,
-        "n_bins": len(bins),
-        "failure": run.get("failure"),
-        "launch": read_json(launch_path) if launch_path.is_file() else None,
+        "n_bins": len(index.bins),
+        "failure": index.doc.get("failure"),
+        "launch": launch,
+        "damaged": damaged,
+        "verdict": _verdict(rd) if verify else None,
     }
+
+
+def _verified(index: RunIndex, b: dict, arm: str, damaged: list) -> bool:
+    try:
+        read_store(index.store_path(b, arm), b["stores"][arm]["sha256"])
+    except StoreError as err:
+        damaged.append(str(err))
+        return False
+    return True
+
+
+def _live_status(index: RunIndex, launch: dict | None) -> str:
+    """run.json's status, corrected when it says "running" but its writer is gone."""
+    if index.status != "running":
+        return index.status
+    alive = holder_alive(read_holder(index.run_dir.path))
+    if alive is None:  # held from another host: the scheduler's state (if any) tells the rest
+        return "running (on another host)"
+    if alive or (launch is not None and job_state(launch) in ("RUNNING", "PENDING")):
+        return "running"
+    return "interrupted (its process is gone; resume with `python -m twinrun.resume RUN_DIR`)"
+
+
+def _verdict(rd: RunDir) -> str | None:
+    if not rd.summary_json.is_file():
+        return None
+    summary = read_json(rd.summary_json)
+    gates = bool(summary["gates"]) and all(g["passed"] for g in summary["gates"])
+    return "reduced: valid, gates passed" if summary["valid"] and gates else "reduced: NOT valid (checks or gates failed)"
 
 
 def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
@@ -62,6 +102,10 @@ def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
     failure = prog["failure"]
     if failure:
         line += f"; failed: arm {failure['arm']}, bin {failure['bin_index']} (σ={failure['sigma']:g})"
+    if prog.get("damaged"):
+        line += f"; {len(prog['damaged'])} damaged store(s), first: {prog['damaged'][0]}"
+    if prog.get("verdict"):
+        line += f"; {prog['verdict']}"
     return line
 
 
@@ -128,12 +172,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = find_runs(args.path)
+        damaged = False
         for run_dir in runs:
-            prog = progress(run_dir)
+            prog = progress(run_dir, verify=True)
             print(describe(run_dir, prog, job_state(prog["launch"])))
+            damaged |= bool(prog["damaged"])
     except StoreError as err:
         fail(err)
-    return EXIT_OK
+    return EXIT_USAGE if damaged else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ reading a store checks it, and nothing read from a run directory is unpickled or
 import hashlib
 import json
 import os
+import stat
 import struct
 import sys
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ import torch
 from twinrun.errors import StoreError
 
 STORE_FORMAT = "twinrun-store/1"
-RUN_FORMAT = "twinrun-run/1"
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+MAX_JSON_BYTES = 256 * 1024 * 1024  # run.json of a 10⁵-bin run is a few MB
 
 
 def atomic_write(path: Path, data: bytes) -> str:
@@ -39,7 +40,10 @@ def atomic_write(path: Path, data: bytes) -> str:
         finally:
             os.close(dir_fd)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only file system: there is no temporary file to remove either
         raise StoreError(path, f"cannot write ({err.strerror or err}); finished stores are kept") from None
     return hashlib.sha256(data).hexdigest()
 
@@ -49,24 +53,74 @@ def write_json(path: Path, obj) -> str:
 
 
 def read_json(path: Path) -> dict:
+    """A JSON object from a regular file of plausible size; run.json and summary.json are also
+    validated against their schema (twinrun.rundir), so every reader inherits the checks."""
     path = Path(path)
+    data = read_regular(path, MAX_JSON_BYTES, "JSON file")
     try:
-        obj = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise StoreError(path, "not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        obj = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise StoreError(path, f"not readable JSON ({err})") from None
     if not isinstance(obj, dict):
         raise StoreError(path, "not a JSON object")
-    return obj
+    from twinrun.rundir import SCHEMAS  # rundir reads and writes through this module
+
+    validate = SCHEMAS.get(path.name)
+    return validate(path, obj) if validate is not None else obj
+
+
+def open_regular(path: Path, max_bytes: int, what: str) -> tuple[int, int]:
+    """(descriptor, size) of a regular file no larger than max_bytes; anything else is a StoreError.
+
+    O_NONBLOCK: opening a FIFO planted in place of a file must not wait for a writer forever.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise StoreError(path, "not found") from None
+    except OSError as err:
+        raise StoreError(path, f"cannot read ({err.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise StoreError(path, f"not a regular file (a {_kind(st.st_mode)}): refusing to read it as a {what}")
+    if st.st_size > max_bytes:
+        os.close(fd)
+        raise StoreError(path, f"implausibly large for a {what} ({st.st_size} bytes > {max_bytes}): refused "
+                         "before reading")
+    return fd, st.st_size
+
+
+def read_regular(path: Path, max_bytes: int, what: str) -> bytes:
+    """The whole content of a regular file of plausible size (see open_regular)."""
+    fd, size = open_regular(path, max_bytes, what)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read(size + 1)
+    except OSError as err:
+        raise StoreError(path, f"cannot read ({err.strerror})") from None
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+             (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+    return next((name for test, name in kinds if test(mode)), "special file")
+
+
+def max_store_bytes() -> int:
+    """No store may be larger than this machine's memory: reading it would allocate it whole."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 40
 
 
 def require_run_dir(path: Path) -> Path:
     """A run directory given on a command line: it must hold run.json."""
-    path = Path(path)
-    if not (path / "run.json").is_file():
-        raise StoreError(path, "not a twinrun run directory (no run.json)")
-    return path
+    from twinrun.rundir import RunDir
+
+    return RunDir(path).require().path
 
 
 def store_name(bin_index: int, sigma: float) -> str:
@@ -118,16 +172,18 @@ def _decode(value: str):
 def read_store(path: Path, sha256: str | None = None) -> Store:
     """Read and check one store; any problem is a StoreError naming the path.
 
-    The file is read once into one buffer, hashed there, and `sums` is a view of that buffer
-    (safetensors' own loader copies a store three times; at P = 10⁶ loading dominated reducing).
+    The header is read first and the file's size checked against it (and against this machine's
+    memory) before the payload is allocated, so a planted FIFO or a 1 TiB sparse file is refused
+    at once. The file is then read once into one buffer, hashed there, and `sums` is a view of that
+    buffer (safetensors' own loader copies a store three times; at P = 10⁶ loading dominated reducing).
     """
     path = Path(path)
+    fd, size = open_regular(path, max_store_bytes(), "store")
     try:
-        with open(path, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
+        with os.fdopen(fd, "rb") as f:
+            _check_size(path, f, size)
+            data = bytearray(size)
             n_read = f.readinto(data)
-    except FileNotFoundError:
-        raise StoreError(path, "missing store (the bin was not measured, or the file was removed)") from None
     except OSError as err:
         raise StoreError(path, f"cannot read ({err.strerror})") from None
     if n_read != len(data):
@@ -142,6 +198,20 @@ def read_store(path: Path, sha256: str | None = None) -> Store:
     except Exception as err:  # noqa: BLE001 — a hostile or damaged file must end as a named error, never a traceback
         raise StoreError(path, f"malformed store ({type(err).__name__})") from None
     return Store(path, sums, meta, digest)
+
+
+def _check_size(path: Path, f, size: int) -> None:
+    """The size the header promises (header + one float32 [n_folds, n_params] tensor) is the file's."""
+    head = f.read(min(size, 8 + MAX_HEADER_BYTES))
+    header = _header(path, head)
+    info = header.get("sums")
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n >= 0 for n in shape)):
+        raise StoreError(path, "not a twinrun store (no float32 [n_folds, n_params] tensor 'sums' in its header)")
+    expected = 8 + struct.unpack("<Q", head[:8])[0] + 4 * shape[0] * shape[1]
+    if expected != size:
+        raise StoreError(path, f"{size} bytes, but its header describes {expected}: truncated or padded")
+    f.seek(0)
 
 
 def _parse(path: Path, data: bytearray) -> tuple[torch.Tensor, dict]:
@@ -173,15 +243,13 @@ def _parse(path: Path, data: bytearray) -> tuple[torch.Tensor, dict]:
 
 
 def _check_meta(path: Path, sums: torch.Tensor, meta: dict) -> None:
-    required = ("arm", "bin_index", "sigma", "sigma_cond", "n_images", "n_draws", "fold_sizes",
-                "draws_digest", "config_hash", "layout")
-    missing = [k for k in required if k not in meta]
-    if missing:
-        raise StoreError(path, f"metadata lacks {', '.join(missing)}")
-    try:
-        n_params = sum(int(g["numel"]) for g in meta["layout"])
-        n_folds = len(meta["fold_sizes"])
-    except (TypeError, KeyError, ValueError):
-        raise StoreError(path, "metadata 'layout' or 'fold_sizes' is malformed") from None
-    if tuple(sums.shape) != (n_folds, n_params):
-        raise StoreError(path, f"'sums' has shape {list(sums.shape)}, metadata says [{n_folds}, {n_params}]")
+    """The metadata every reader relies on, field by field, and numbers that are numbers."""
+    from twinrun.rundir import validate_store_meta
+
+    validate_store_meta(path, meta)
+    n_params = sum(g["numel"] for g in meta["layout"])
+    if tuple(sums.shape) != (len(meta["fold_sizes"]), n_params):
+        raise StoreError(path, f"'sums' has shape {list(sums.shape)}, metadata says "
+                         f"[{len(meta['fold_sizes'])}, {n_params}]")
+    if not bool(torch.isfinite(sums).all()):
+        raise StoreError(path, "'sums' holds NaN or inf (twinrun never writes such a store): damaged or forged")

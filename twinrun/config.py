@@ -77,13 +77,23 @@ class SigmaGridConfig:
 
 @dataclass
 class ReduceConfig:
-    # Linear views of the stored sums: all (every probed parameter), cond (the conditioning
-    # pathway), residual (each bin minus the twin's mean over bins: shared structure removed).
+    # Registered at plan time (run.json "registered"): `python -m twinrun.reduce` with other
+    # settings writes a labelled post-hoc view under RUN/views/, never over the registered report.
+    # Linear views of the stored sums, from the registry in twinrun/estimands.py: all (every
+    # probed parameter), cond (the conditioning pathway), residual (each bin minus the twin's mean
+    # over bins: shared structure removed).
     estimands: list = field(default_factory=lambda: ["all", "cond", "residual"])
-    # No-op gate: at a bin where the intervention does nothing, the arms must be bit-identical or
-    # reach debiased cos ≥ this for every estimand (signed: an anti-aligned gradient does not match
-    # its twin), or the instrument is broken: no effect shown.
-    gate_threshold: float = 0.95
+    # No-op gate, at each bin where the intervention claims to do nothing:
+    #   replicate      pass if bit-identical to the twin; if not, FAIL unless the twin's replicate
+    #                  (measured automatically) proves the kernel path nondeterministic and the
+    #                  arms differ by no more than the replicate does (max relative difference).
+    #   bit_identical  pass only if bit-identical (a nondeterministic path fails every gate).
+    # Within one process on one deterministic kernel path a true no-op is bit-identical: "close"
+    # is not a no-op, so there is no cosine threshold.
+    gate_rule: str = "replicate"
+    # Test of signal: a debiased norm² counts only if norm²/SE > the one-sided t_{F-1} quantile at
+    # this level; otherwise "below noise" and no cosine or ratio is printed (docs/estimator.md).
+    signal_alpha: float = 0.05
 
 
 @dataclass

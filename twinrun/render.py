@@ -38,8 +38,8 @@ def render(summary: dict) -> str:
         lines += ["", ("INSTRUMENT BROKEN: a validity check or no-op gate failed. Effects are withheld; "
                        "nothing else from this run should be read.")]
         return "\n".join(lines)
-    lines += ["", ("effects (debiased, ± jackknife SE; 95% interval = value ± t·SE with t = t_{F−1}; "
-              "1 − cos is the change of direction, the norm ratio |μ_arm| / |μ_twin| the change of size):"),
+    lines += ["", ("effects (debiased cos and norm ratio |μ_arm| / |μ_twin| to the twin, ± jackknife SE; 95% "
+                   "interval = value ± t_{F−1}·SE; 1 − cos is the change of direction, the ratio the change of size):"),
               f"  {'σ':>6}  {'estimand':<9} {'cos ± se':>22} {'norm ratio ± se':>22} {'naive cos':>10}"]
     for x in summary["effects"]:
         if x["below_noise"]:

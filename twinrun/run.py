@@ -109,7 +109,7 @@ def check_measures_something(intervention, grid: list[float]) -> None:
     twin = Native()
     if all(torch.equal(intervention.sigma_cond(torch.tensor(s, dtype=torch.float32)),
                        twin.sigma_cond(torch.tensor(s, dtype=torch.float32))) for s in grid):
-        raise ConfigError(key, grid, "feeds the twin's σ_cond in every bin: a no-op everywhere, nothing to measure; "
+        raise ConfigError(key, grid, "a no-op everywhere: nothing to measure (its σ_cond is the twin's in every bin); "
                           "choose settings that change something (e.g. gamma ≠ 1)")
 
 

@@ -72,8 +72,8 @@ def test_intervals_cover_the_truth_where_a_number_is_reported(snr, folds, sizes)
     _, cov_cos, cov_ratio, reported = simulate(fold_sizes, snr, rho=0.9, reps=2000, seed=int(snr * 10) + folds)
     assert reported >= 300
     # 2000 draws: a binomial SE of 0.5% on the coverage; bands measured in docs/estimator.md.
-    assert 0.93 <= cov_cos <= 0.98, f"cos interval covered the truth in {cov_cos:.3f} of cases"
-    assert 0.93 <= cov_ratio <= 0.985, f"norm-ratio interval covered the truth in {cov_ratio:.3f} of cases"
+    assert 0.93 <= cov_cos <= 0.985, f"cos interval covered the truth in {cov_cos:.3f} of cases"
+    assert 0.93 <= cov_ratio <= 0.99, f"norm-ratio interval covered the truth in {cov_ratio:.3f} of cases"
 
 
 def test_normal_quantiles_would_under_cover_at_few_folds():

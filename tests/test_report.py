@@ -76,6 +76,11 @@ def test_bring_your_own_model_data_and_intervention(tmp_path):
     assert run["bins"][0]["stores"]["scale_cond"]["status"] == "done"
 
 
+def fresh_meta(store) -> dict:
+    """A store's metadata without the payload digest write_store recomputes."""
+    return {k: v for k, v in store.meta.items() if k not in ("format", "sums_sha256")}
+
+
 def test_post_hoc_settings_make_a_labelled_view_and_never_rewrite_the_registered_verdict(tmp_path):
     run_dir = tmp_path / "run"
     # registered: the strict rule; the stores are then edited as a nondeterministic path would move them
@@ -89,7 +94,7 @@ def test_post_hoc_settings_make_a_labelled_view_and_never_rewrite_the_registered
     for arm, factor in (("pin_sigma", 1 + 1e-7), ("native_replicate", 1 + 1e-6)):
         entry = gate["stores"][arm]
         entry["sha256"] = write_store(run_dir / "arms" / arm / entry["file"], twin.sums * factor,
-                                      {**twin.meta, "arm": arm})
+                                      {**fresh_meta(twin), "arm": arm})
     (run_dir / "run.json").write_text(json.dumps(run))
     registered = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.reduce")
     assert registered.returncode == 1 and "INSTRUMENT BROKEN" in registered.stdout

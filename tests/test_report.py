@@ -93,8 +93,8 @@ def test_post_hoc_settings_make_a_labelled_view_and_never_rewrite_the_registered
     twin = read_store(run_dir / "arms" / "native" / gate["stores"]["native"]["file"])
     for arm, factor in (("pin_sigma", 1 + 1e-7), ("native_replicate", 1 + 1e-6)):
         entry = gate["stores"][arm]
-        entry["sha256"] = write_store(run_dir / "arms" / arm / entry["file"], twin.sums * factor,
-                                      {**fresh_meta(twin), "arm": arm})
+        path = run_dir / "arms" / arm / entry["file"]
+        entry["sha256"] = write_store(path, twin.sums * factor, fresh_meta(read_store(path)))
     (run_dir / "run.json").write_text(json.dumps(run))
     registered = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.reduce")
     assert registered.returncode == 1 and "INSTRUMENT BROKEN" in registered.stdout

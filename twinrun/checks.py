@@ -46,8 +46,8 @@ def _wanted(run_dir: Path, run: dict) -> dict:
     hashes = {a["name"]: a.get("config_hash") for a in run["arms"]}
     for b in run["bins"]:
         entries = [(arm["name"], b["stores"].get(arm["name"], {})) for arm in run["arms"]]
-        if isinstance(b.get("gate_replicate"), dict) and REPLICATE not in hashes:
-            entries.append((REPLICATE, b["gate_replicate"]))  # measured because the gate was not bit-identical
+        if REPLICATE not in hashes and isinstance(b["stores"].get(REPLICATE), dict):
+            entries.append((REPLICATE, b["stores"][REPLICATE]))  # the twin again, at a gate bin (run.plan_gate_replicates)
         for name, entry in entries:
             path = run_dir / "arms" / name / Path(str(entry.get("file", ""))).name
             if entry.get("status") != "done":

@@ -1,10 +1,11 @@
 """Provenance rules failing for the right reason: fingerprints, kernel paths, references."""
 
 import json
+import os
 import textwrap
 
 import pytest
-from conftest import TINY, run_twinrun
+from conftest import REPO, TINY, run_twinrun
 
 from twinrun.store import read_store, write_store
 
@@ -36,6 +37,11 @@ SHIFTED = textwrap.dedent("""
         model.load_state_dict(tensors)
         return model.eval()
 """)
+
+
+def with_path(folder) -> dict:
+    """PYTHONPATH with a test's own module folder, the checkout still first on it."""
+    return {"PYTHONPATH": os.pathsep.join([str(REPO), str(folder)])}
 
 
 def run(tmp_path, name, *extra, env=None):
@@ -108,7 +114,7 @@ def test_reference_dead_when_the_path_shifts_while_the_twin_gate_still_passes(tm
     _, ref = run(tmp_path, "ref")
     (tmp_path / "shifted_model.py").write_text(SHIFTED)
     proc, today = run(tmp_path, "today", f"reference={ref}", "model._target_=shifted_model.load_shifted",
-                      env={"PYTHONPATH": str(tmp_path)})
+                      env=with_path(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]  # the twin-based gate passes
     summary = json.loads((today / "summary.json").read_text())
     assert all(g["passed"] for g in summary["gates"]) and summary["effects"]
@@ -244,5 +250,5 @@ def test_interventions_that_prove_nothing_are_refused_before_compute(tmp_path):
             def gate_sigmas(self, grid):
                 return []
     """))
-    gateless, _ = run(tmp_path, "gateless", "intervention._target_=gateless.Gateless", env={"PYTHONPATH": str(tmp_path)})
+    gateless, _ = run(tmp_path, "gateless", "intervention._target_=gateless.Gateless", env=with_path(tmp_path))
     assert gateless.returncode == 2 and "has no gate bin" in gateless.stderr and "Traceback" not in gateless.stderr

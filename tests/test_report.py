@@ -62,7 +62,7 @@ def test_bring_your_own_model_data_and_intervention(tmp_path):
     example = REPO / "examples" / "byo"
     run_dir = tmp_path / "byo"
     proc = run_twinrun(["--config-dir", str(example / "conf"), "+experiment=byo_bars", f"hydra.run.dir={run_dir}"],
-                       cwd=tmp_path, env={"PYTHONPATH": str(example)})
+                       cwd=tmp_path, env={"PYTHONPATH": f"{REPO}:{example}"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["arms"] == ["scale_cond", "native"]

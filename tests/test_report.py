@@ -30,7 +30,9 @@ def test_report_order_and_plot(tmp_path):
     proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = (run_dir / "report.md").read_text()
-    assert sections(report)[:4] == ["Verdict", "Validity checks", "No-op gates (rule: replicate)", "Effects"]
+    # the twin's replicate at the gate bin is always measured: it decides a gate that is not bit-identical
+    assert sections(report)[:5] == ["Verdict", "Validity checks", "No-op gates (rule: replicate)",
+                                    "Replicate (determinism control)", "Effects"]
     assert "**VALID**" in report and "![effect vs σ](effect.png)" in report
     assert f"hydra.run.dir={run_dir}" in report  # the command that reproduces it
     assert sections(report)[-2:] == ["Environment", "Reproduce"] and "job 0: local process on" in report
@@ -40,8 +42,8 @@ def test_report_order_and_plot(tmp_path):
 def test_sweep_summary_report_and_heatmap(tmp_path):
     sweep = tmp_path / "sweep"
     # enough images that effects away from the diagonal are signal, not "below noise"
-    proc = run_twinrun(["-m", "+experiment=pin_sigma", *TINY, "probe.n_images=120", "probe.n_draws=1",
-                        "probe.n_folds=10", "intervention.sigma_pin=0.2,0.5,1.2",
+    proc = run_twinrun(["-m", "+experiment=pin_sigma", *TINY, "probe.n_images=290", "probe.n_draws=1",
+                        "probe.n_folds=20", "intervention.sigma_pin=0.2,0.5,1.2",
                         f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((sweep / "sweep_summary.json").read_text())

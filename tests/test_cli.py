@@ -24,7 +24,7 @@ def test_tiny_run_end_to_end(tmp_path):
     assert [c["passed"] for c in summary["checks"]] == [True] * len(summary["checks"])
     gates = summary["gates"]
     assert {g["estimand"] for g in gates} == {"all", "cond", "residual"}
-    assert all(g["sigma"] == 0.5 and g["bit_identical"] and g["cos"] == pytest.approx(1.0, abs=1e-12) for g in gates)
+    assert all(g["sigma"] == 0.5 and g["bit_identical"] and g["rule"] == "bit-identical" for g in gates)
     assert len(summary["effects"]) == 3 * 3
     # stores: one per (arm, bin), float32 [n_folds, n_params], identical draws across arms
     run = json.loads((run_dir / "run.json").read_text())
@@ -167,14 +167,12 @@ def test_pair_commands_refuse_missing_paths_in_one_line(tmp_path, module):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
-def test_estimands_and_threshold_are_chosen_at_reduce_time(tmp_path):
+def test_estimands_are_chosen_at_reduce_time_as_a_post_hoc_view(tmp_path):
     proc, run_dir = tiny_run(tmp_path)
     assert proc.returncode == 0
-    again = run_twinrun([str(run_dir), "--estimands", "all", "--gate-threshold", "0.99"], cwd=tmp_path,
-                        module="twinrun.reduce")
+    again = run_twinrun([str(run_dir), "--estimands", "all"], cwd=tmp_path, module="twinrun.reduce")
     assert again.returncode == 0, again.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert {e["estimand"] for e in summary["effects"]} == {"all"}
-    assert {g["threshold"] for g in summary["gates"]} == {0.99}
+    summary = json.loads((run_dir / "views" / "estimands-all" / "summary.json").read_text())
+    assert {e["estimand"] for e in summary["effects"]} == {"all"} and summary["post_hoc"]["used"]["estimands"] == ["all"]
     bad = run_twinrun([str(run_dir), "--estimands", "all,curvature"], cwd=tmp_path, module="twinrun.reduce")
     assert bad.returncode == 2 and "curvature" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,11 +1,13 @@
-"""The estimator against synthetic data with a known true cosine."""
+"""The estimator against synthetic data with a known truth (calibration: tests/test_calibration.py)."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from twinrun.estimator import debiased_inner, estimate
+from twinrun.estimator import debiased_inner, estimate, jackknife_se, leave_one_out_inner
+
+ALPHA = 0.05
 
 
 def two_arms_with_cosine(rng, cos_true, n_params=200, signal_norm=2.0):
@@ -36,9 +38,9 @@ def test_identical_arms_give_cosine_exactly_one():
     rng = np.random.default_rng(0)
     s, _ = fold_sums(rng, np.ones(30), [4] * 10)
     g = s @ s.T
-    est = estimate(g, g, g, [4] * 10, [4] * 10)
-    assert est.cos == 1.0
-    assert est.se == 0.0
+    est = estimate(g, g, g, [4] * 10, [4] * 10, ALPHA)
+    assert est.cos == 1.0 and est.norm_ratio == 1.0
+    assert est.se == 0.0 and est.norm_ratio_se == 0.0
 
 
 def test_debiased_inner_product_is_unbiased_where_the_naive_one_is_not():
@@ -69,11 +71,11 @@ def test_debiased_cosine_recovers_truth_and_jackknife_covers_it(cos_true):
         sa, noise = fold_sums(rng, mu_a, sizes)
         # common random numbers: arm b sees the same noise, as twin arms do
         sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=noise)
-        est = estimate(*grams(sa, sb), sizes, sizes)
+        est = estimate(*grams(sa, sb), sizes, sizes, ALPHA)
         assert est.cos is not None and est.se is not None
         cos.append(est.cos)
         naive.append(est.cos_naive)
-        covered += abs(est.cos - cos_true) <= 1.96 * est.se
+        covered += abs(est.cos - cos_true) <= est.t_crit * est.se
     assert np.mean(cos) == pytest.approx(cos_true, abs=0.02)
     # the naive cosine is biased by the (shared) noise; the debiased one is not
     assert abs(np.mean(naive) - cos_true) > 2 * abs(np.mean(cos) - cos_true)
@@ -81,27 +83,54 @@ def test_debiased_cosine_recovers_truth_and_jackknife_covers_it(cos_true):
 
 
 def test_pure_noise_is_reported_below_noise_not_as_a_number():
+    """Signal, not sign: pure noise with shared draws, and norm² > 0 that is not significant, give no cosine."""
     rng = np.random.default_rng(3)
     sizes = [5] * 10
-    below = 0
-    for _ in range(50):
-        sa, _ = fold_sums(rng, np.zeros(100), sizes)
-        sb, _ = fold_sums(rng, np.zeros(100), sizes)
-        est = estimate(*grams(sa, sb), sizes, sizes)
+    below = positive_but_insignificant = 0
+    for _ in range(200):
+        sa, noise = fold_sums(rng, np.zeros(100), sizes)
+        sb, _ = fold_sums(rng, np.zeros(100), sizes, shared_noise=0.99 * noise + 0.14 * rng.standard_normal(noise.shape))
+        est = estimate(*grams(sa, sb), sizes, sizes, ALPHA)
         if est.below_noise:
             below += 1
-            assert est.cos is None and est.se is None
-    # a zero mean gradient has a debiased squared norm ≤ 0 about half the time per arm
-    assert below >= 25
+            assert est.cos is None and est.se is None and est.norm_ratio is None and est.norm_ratio_se is None
+        # the evidence is always there: each arm's debiased norm² with its SE
+        assert np.isfinite([est.norm2_a, est.norm2_a_se, est.norm2_b, est.norm2_b_se]).all()
+        if 0 < est.norm2_a < 1.5 * est.norm2_a_se:
+            positive_but_insignificant += 1
+            assert est.below_noise
+    # A positive norm² is not enough (about half of pure-noise norms are > 0): only signal counts.
+    assert below >= 190 and positive_but_insignificant >= 20
+
+
+def test_leave_one_out_and_jackknife_match_a_brute_force_recomputation():
+    rng = np.random.default_rng(6)
+    sizes = np.array([3.0, 5, 8, 4, 6, 7])
+    sa, _ = fold_sums(rng, np.full(20, 0.4), sizes.astype(int))
+    g = sa @ sa.T / np.outer(sizes, sizes)
+    brute = []
+    for i in range(len(sizes)):
+        keep = np.arange(len(sizes)) != i
+        brute.append(debiased_inner((sa @ sa.T)[np.ix_(keep, keep)], sizes[keep], sizes[keep]))
+    np.testing.assert_allclose(leave_one_out_inner(g), brute, rtol=1e-12)
+    reps = np.asarray(brute)
+    assert jackknife_se(reps) == pytest.approx(np.sqrt((len(reps) - 1) / len(reps) * ((reps - reps.mean()) ** 2).sum()))
 
 
 def test_unequal_folds_are_weighted_by_their_size():
+    """Each fold sum is divided by its own size: without that, unequal folds bias |μ|² itself (the
+    cosine alone would not show it: the bias is a common factor)."""
     rng = np.random.default_rng(4)
     mu_a, mu_b = two_arms_with_cosine(rng, 0.5, signal_norm=3.0)
     sizes = [3, 5, 8, 4, 6, 7, 2, 5]
-    cos = []
+    cos, norm2, ratio = [], [], []
     for _ in range(300):
         sa, _ = fold_sums(rng, mu_a, sizes, noise_std=0.5)
-        sb, _ = fold_sums(rng, mu_b, sizes, noise_std=0.5)
-        cos.append(estimate(*grams(sa, sb), sizes, sizes).cos)
+        sb, _ = fold_sums(rng, 0.5 * mu_b, sizes, noise_std=0.5)
+        est = estimate(*grams(sa, sb), sizes, sizes, ALPHA)
+        cos.append(est.cos)
+        norm2.append(est.norm2_a)
+        ratio.append(est.norm_ratio)
     assert np.mean(cos) == pytest.approx(0.5, abs=0.03)
+    assert np.mean(norm2) == pytest.approx(9.0, rel=0.03)
+    assert np.mean(ratio) == pytest.approx(2.0, rel=0.03)

@@ -1,10 +1,11 @@
 """Provenance rules failing for the right reason: fingerprints, kernel paths, references."""
 
 import json
+import os
 import textwrap
 
 import pytest
-from conftest import TINY, run_twinrun
+from conftest import REPO, TINY, run_twinrun
 
 from twinrun.store import read_store, write_store
 
@@ -38,6 +39,11 @@ SHIFTED = textwrap.dedent("""
 """)
 
 
+def with_path(folder) -> dict:
+    """PYTHONPATH with a test's own module folder, the checkout still first on it."""
+    return {"PYTHONPATH": os.pathsep.join([str(REPO), str(folder)])}
+
+
 def run(tmp_path, name, *extra, env=None):
     run_dir = tmp_path / name
     proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path, env=env)
@@ -67,7 +73,10 @@ def test_compare_refuses_a_store_whose_fingerprint_was_altered(tmp_path):
     assert refused.returncode == 3 and "threads.intra_op" in refused.stderr
     assert "debiased cos" not in refused.stdout
     forced = run_twinrun([str(original), str(altered), "--force"], cwd=tmp_path, module="twinrun.compare")
-    assert forced.returncode == 3 and "INVALID" in forced.stdout and "1.000000" in forced.stdout
+    assert forced.returncode == 3 and "INVALID" in forced.stdout
+    # every estimand, residual included, with bit-identity and the size of the difference
+    rows = [line.split() for line in forced.stdout.splitlines()[2:]]
+    assert [r[1] for r in rows] == ["all", "cond", "residual"] and all(r[2:4] == ["yes", "0.000e+00"] for r in rows)
 
 
 def test_compare_refuses_a_reference_from_another_kernel_path(tmp_path):
@@ -78,30 +87,48 @@ def test_compare_refuses_a_reference_from_another_kernel_path(tmp_path):
     assert same_path.returncode == 0 and "valid: one kernel path" in same_path.stdout
 
 
-def test_reference_alive_across_a_real_but_tiny_path_change_then_vouched_for_compare(tmp_path):
-    _, ref = run(tmp_path, "ref", env=ONE_THREAD)
+def test_reference_alive_across_a_path_change_that_moves_no_bit_then_vouched_for_compare(tmp_path):
+    _, ref = run(tmp_path, "ref", env=ONE_THREAD)  # another thread count; on this tiny model, the same bits
     proc, today = run(tmp_path, "today", f"reference={ref}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((today / "summary.json").read_text())
-    assert summary["reference"]["alive"] is True
+    assert summary["reference"]["alive"] is True and summary["reference"]["rule"] == "bit-identical in every bin"
     assert any(f.startswith("threads") for f in summary["reference"]["kernel_path_differs_in"])
     assert "reference ALIVE" in proc.stdout
-    # the same-environment control now vouches for the reference
+    # the same-environment control vouches for the reference, recomputed from the stores
     vouched = run_twinrun([str(today), str(ref)], cwd=tmp_path, module="twinrun.compare")
     assert vouched.returncode == 0 and "vouched" in vouched.stdout
+    # a summary.json claiming "alive" is not trusted: alter the reference's bits, keep the summary
+    run_ref = json.loads((ref / "run.json").read_text())
+    entry = run_ref["bins"][0]["stores"]["native"]
+    store = read_store(ref / "arms" / "native" / entry["file"])
+    entry["sha256"] = write_store(ref / "arms" / "native" / entry["file"], store.sums * (1 + 1e-6),
+                                  {k: v for k, v in store.meta.items() if k not in ("format", "sums_sha256")})
+    (ref / "run.json").write_text(json.dumps(run_ref))
+    assert json.loads((today / "summary.json").read_text())["reference"]["alive"] is True
+    refused = run_twinrun([str(today), str(ref)], cwd=tmp_path, module="twinrun.compare")
+    assert refused.returncode == 3 and "vouched" not in refused.stdout
 
 
 def test_reference_dead_when_the_path_shifts_while_the_twin_gate_still_passes(tmp_path):
     _, ref = run(tmp_path, "ref")
     (tmp_path / "shifted_model.py").write_text(SHIFTED)
     proc, today = run(tmp_path, "today", f"reference={ref}", "model._target_=shifted_model.load_shifted",
-                      env={"PYTHONPATH": str(tmp_path)})
+                      env=with_path(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]  # the twin-based gate passes
     summary = json.loads((today / "summary.json").read_text())
     assert all(g["passed"] for g in summary["gates"]) and summary["effects"]
-    assert summary["reference"]["alive"] is False
-    assert "reference DEAD in this environment" in proc.stdout and "not the intervention's" in proc.stdout
-    assert "intervention_vs_reference" not in summary["reference"]
+    ref_verdict = summary["reference"]
+    assert ref_verdict["alive"] is False and ref_verdict["config_differs_in"] == ["model._target_"]
+    assert "reference DEAD in this environment" in proc.stdout
+    # a changed model is named as such, never blamed on the environment
+    assert "The model changed (model._target_): this gap is the model's" in proc.stdout
+    assert "environment's" not in ref_verdict["detail"].replace("not the environment's", "")
+    assert "intervention_vs_reference" not in ref_verdict
+    # the size of the shift per bin and estimand, residual included
+    rows = ref_verdict["native_vs_reference"]
+    assert {r["estimand"] for r in rows} == {"all", "cond", "residual"} and all(r["max_shift"] > 0 for r in rows)
+    assert "reference shift" in (today / "report.md").read_text()
 
 
 def test_reference_with_another_protocol_is_bad_input(tmp_path):
@@ -144,7 +171,7 @@ def test_a_bin_pieced_from_two_processes_fails_the_same_allocation_check(tmp_pat
 
 
 def test_sentinel_check_fails_when_a_job_saw_the_path_move():
-    from twinrun.reduce import provenance_checks
+    from twinrun.checks import provenance_checks
 
     class FakeStore:
         def __init__(self, sentinel):
@@ -159,3 +186,69 @@ def test_sentinel_check_fails_when_a_job_saw_the_path_move():
     assert all(c["passed"] for c in provenance_checks(run, stores, ["x", "native"]))
     run["jobs"][0]["sentinel_end"] = None  # killed before its closing reading
     assert not {c["name"]: c for c in provenance_checks(run, stores, ["x", "native"])}["sentinel_unchanged"]["passed"]
+
+
+# One changed value per key of the probe and determinism schemas. A key added later without an
+# entry here fails the walk below: every setting must be shown to move no bit or the digest.
+ALTERNATIVES = {
+    "probe.n_images": 6, "probe.n_draws": 3, "probe.n_folds": 3, "probe.params": "['blocks.*','cond_embed.*']",
+    "probe.chunk_images": 3, "probe.chunk_draws": 1,
+    "probe.device": None,  # one device on a CPU-only machine: nothing to change to
+    "determinism.enabled": "false", "determinism.float32_matmul_precision": "medium",
+    "determinism.compile_cache_dir": "{tmp}/compile_cache",
+}
+
+
+def digests(run_dir):
+    """{store: (sums bytes, (kernel-path digest, protocol))} of a run."""
+    from twinrun.checks import PROTOCOL_KEYS
+
+    out = {}
+    for path in sorted(run_dir.glob("arms/*/*.safetensors")):
+        store = read_store(path)
+        protocol = json.dumps([store.meta.get(k) for k in (*PROTOCOL_KEYS, "image_ids", "seed")], sort_keys=True)
+        out[path.relative_to(run_dir).as_posix()] = (store.sums.numpy().tobytes(),
+                                                     (store.meta["env"]["kernel_path_sha256"], protocol))
+    return out
+
+
+def test_every_bit_moving_setting_is_on_the_record(tmp_path):
+    """Changing any probe or determinism key leaves the stores bit-identical or changes the
+    kernel-path or protocol digest: never different bits under one digest."""
+    from dataclasses import fields
+
+    from twinrun.config import DeterminismConfig, ProbeConfig
+
+    keys = [f"probe.{f.name}" for f in fields(ProbeConfig)] + [f"determinism.{f.name}" for f in fields(DeterminismConfig)]
+    assert set(keys) == set(ALTERNATIVES), f"give each new key a changed value in ALTERNATIVES: {set(keys) ^ set(ALTERNATIVES)}"
+    _, base_dir = run(tmp_path, "base")
+    base = digests(base_dir)
+    moved = []
+    for key in keys:
+        if ALTERNATIVES[key] is None:
+            continue
+        proc, other_dir = run(tmp_path, key, f"{key}={str(ALTERNATIVES[key]).format(tmp=tmp_path)}")
+        assert proc.returncode == 0, (key, proc.stderr[-1500:])
+        other = digests(other_dir)
+        for name, (bits, digest) in other.items():
+            if name in base and bits != base[name][0]:
+                assert digest != base[name][1], f"{key} changed {name} under the same kernel-path and protocol digest"
+                moved.append(key)
+    # the walk is not vacuous: chunking really moves bits (that is why it is in the digest)
+    assert "probe.chunk_images" in moved or "probe.chunk_draws" in moved
+
+
+def test_interventions_that_prove_nothing_are_refused_before_compute(tmp_path):
+    noop_dir = tmp_path / "gamma1"
+    noop = run_twinrun(["+experiment=scale_cond", *TINY, "intervention.gamma=1", f"hydra.run.dir={noop_dir}"], cwd=tmp_path)
+    assert noop.returncode == 2 and "a no-op everywhere: nothing to measure" in noop.stderr
+    assert "Traceback" not in noop.stderr and not (noop_dir / "run.json").exists()
+    (tmp_path / "gateless.py").write_text(textwrap.dedent("""
+        from twinrun.interventions import PinSigma
+
+        class Gateless(PinSigma):
+            def gate_sigmas(self, grid):
+                return []
+    """))
+    gateless, _ = run(tmp_path, "gateless", "intervention._target_=gateless.Gateless", env=with_path(tmp_path))
+    assert gateless.returncode == 2 and "has no gate bin" in gateless.stderr and "Traceback" not in gateless.stderr

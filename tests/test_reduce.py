@@ -1,4 +1,4 @@
-"""The reducer's Gram accumulation against a brute-force Gram of the same rows."""
+"""The estimand registry's Gram accumulation against a brute-force Gram of the same rows."""
 
 from types import SimpleNamespace
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from twinrun.reduce import grams
+from twinrun.estimands import ESTIMANDS, available, column_ranges, grams
 
 N_BINS, N_FOLDS = 4, 5
 LAYOUT = [{"name": "a", "offset": 0, "numel": 7, "cond": False},
@@ -35,9 +35,8 @@ def brute_force(stores, arms, columns):
 @pytest.mark.parametrize("arms", [["pin_sigma", "native"], ["pin_sigma", "native", "native_replicate"]])
 @pytest.mark.parametrize("chunk_params", [1, 4, 1000])
 def test_within_bin_blocks_match_a_brute_force_gram(arms, chunk_params):
-    run, stores = fake_run(arms)
-    g, names, n_folds = grams(run, stores, chunk_params)
-    assert names == arms and n_folds == N_FOLDS
+    _, stores = fake_run(arms)
+    g = grams(arms, N_BINS, stores, "native", list(ESTIMANDS), chunk_params)
     cond_cols = [c for e in LAYOUT if e["cond"] for c in range(e["offset"], e["offset"] + e["numel"])]
     full_all, full_res = brute_force(stores, arms, list(range(P)))
     full_cond, _ = brute_force(stores, arms, cond_cols)
@@ -50,3 +49,11 @@ def test_within_bin_blocks_match_a_brute_force_gram(arms, chunk_params):
                 np.testing.assert_allclose(g["all"][b, i, :, j], full_all[ri, rj], rtol=1e-12, atol=1e-12)
                 np.testing.assert_allclose(g["cond"][b, i, :, j], full_cond[ri, rj], rtol=1e-12, atol=1e-12)
                 np.testing.assert_allclose(g["residual"][b, i, :, j], full_res[ri, rj], rtol=1e-10, atol=1e-10)
+
+
+def test_an_estimand_is_one_registry_entry_selecting_columns():
+    assert available(LAYOUT) == list(ESTIMANDS)
+    assert available([{**e, "cond": False} for e in LAYOUT]) == ["all", "residual"]
+    # contiguous columns read by the same estimands are merged into one range
+    assert column_ranges(LAYOUT, ["all", "cond"]) == [(0, 7, ("all",)), (7, 12, ("all", "cond")),
+                                                     (12, 21, ("all",)), (21, 24, ("all", "cond"))]

@@ -1,20 +1,25 @@
 """Absolute comparison of two arms: `python -m twinrun.compare A B [--force]`.
 
 A and B are run directories (their native twin, or `--arm NAME`), arm directories
-(RUN/arms/NAME) or single store files. Prints the debiased cosine per bin and estimand.
-If their kernel paths differ and no same-environment control vouches for B (A's run found B
-alive as its reference), it refuses with exit 3 and lists the differing fingerprint fields;
-`--force` prints the numbers anyway, every one marked INVALID, and still exits 3.
+(RUN/arms/NAME) or single store files. Prints, per bin and estimand (every estimand of the
+registry, residual included), B against A: the debiased cosine and norm ratio |μ_B| / |μ_A| with
+their SEs, bit-identity and the max relative difference of the sums. If their kernel paths differ
+and no same-environment control vouches for B (A's run has B as its reference and, recomputed
+from the stores now, today's twin reproduces it), it refuses with exit 3 and lists the differing
+fingerprint fields; `--force` prints the numbers anyway, every one marked INVALID, and exits 3.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
+from twinrun.checks import arm_stores, load_run, registered
+from twinrun.config import ReduceConfig
 from twinrun.env import kernel_path_diff
 from twinrun.errors import EXIT_OK, EXIT_REFUSED, StoreError, TwinrunError, fail
-from twinrun.reduce import arm_stores, cross_estimates, protocol_mismatch
-from twinrun.store import read_json, read_store
+from twinrun.references import cross_estimates, protocol_mismatch, reference_report
+from twinrun.render import pm
+from twinrun.store import read_store
 
 
 def resolve(path: Path, arm: str) -> tuple[Path | None, dict]:
@@ -40,11 +45,16 @@ def kernel_path_fields(a: dict, b: dict) -> list[str]:
 
 
 def vouched(run_a: Path | None, run_b: Path | None) -> bool:
-    """A's own run measured B as its reference and found it alive in A's environment."""
-    if run_a is None or run_b is None or not (run_a / "summary.json").is_file():
+    """A's own run has B as its reference, and today's twin of A reproduces B: recomputed from the
+    stores of both runs now (summary.json is never trusted)."""
+    if run_a is None or run_b is None:
         return False
-    ref = read_json(run_a / "summary.json").get("reference") or {}
-    return bool(ref.get("alive")) and Path(ref.get("path", "")).resolve() == run_b.resolve()
+    run, stores = load_run(run_a)
+    if not run.get("reference") or Path(run["reference"]).resolve() != run_b.resolve():
+        return False
+    inter = next(a["name"] for a in run["arms"] if a["role"] == "intervention")
+    verdict = reference_report(run_a, run, stores, inter, run_b, registered(run)["signal_alpha"], run_ok=False)
+    return bool(verdict["alive"])
 
 
 def main(argv=None) -> int:
@@ -75,16 +85,17 @@ def main(argv=None) -> int:
             return EXIT_REFUSED
         elif fields:
             label = f"INVALID: kernel paths differ ({', '.join(fields)})"
-        rows = cross_estimates(a, b)
+        rows = cross_estimates(a, b, ReduceConfig().signal_alpha)
     except TwinrunError as err:
         fail(err)
     print(f"twinrun compare: {args.a} vs {args.b} [{label}]")
-    print(f"  {'σ':>6}  {'estimand':<9} {'debiased cos':>13} {'± se':>9} {'naive cos':>10}")
+    print(f"  {'σ':>6}  {'estimand':<9} {'bit-identical':>13} {'max rel diff':>12} {'debiased cos ± se':>24} "
+          f"{'norm ratio B/A ± se':>24} {'naive cos':>10}")
+    mark = "  INVALID" if label.startswith("INVALID") else ""
     for r in rows:
-        cos = "below noise" if r["cos"] is None else f"{r['cos']:.6f}"
-        se = "" if r["se"] is None else f"{r['se']:.1e}"
-        mark = "  INVALID" if label.startswith("INVALID") else ""
-        print(f"  {r['sigma']:>6g}  {r['estimand']:<9} {cos:>13} {se:>9} {r['cos_naive']:>10.6f}{mark}")
+        print(f"  {r['sigma']:>6g}  {r['estimand']:<9} {'yes' if r['bit_identical'] else 'no':>13} "
+              f"{r['max_shift']:>12.3e} {pm(r['cos'], r['se'], '.6f'):>24} "
+              f"{pm(r['norm_ratio'], r['norm_ratio_se'], '.6f'):>24} {r['cos_naive']:>10.6f}{mark}")
     return EXIT_REFUSED if label.startswith("INVALID") else EXIT_OK
 
 

@@ -100,6 +100,8 @@ class ScaleCond(Intervention):
         self.anchor_sigma, self.gamma = float(anchor_sigma), float(gamma)
 
     def sigma_cond(self, sigma: torch.Tensor) -> torch.Tensor:
+        if self.gamma == 1:  # native exactly (exp∘log does not round-trip): refused as a no-op everywhere
+            return sigma
         log_a = math.log(self.anchor_sigma)
         scaled = torch.exp(log_a + self.gamma * (torch.log(sigma) - log_a))
         # exp(log(σ_a)) need not round back to σ_a: feed σ itself at the anchor, so the gate bin

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from twinrun import draws, probe, provenance
 from twinrun.arms import Arm, derive_arms
+from twinrun.checks import REPLICATE as GATE_REPLICATE
 from twinrun.determinism import MATMUL_PRECISIONS
 from twinrun.env import fingerprint
 from twinrun.errors import (
@@ -34,7 +35,9 @@ from twinrun.errors import (
     StoreError,
     TwinrunError,
 )
-from twinrun.interventions import attached
+from twinrun.estimands import ESTIMANDS, available
+from twinrun.gates import GATE_RULES
+from twinrun.interventions import Intervention, Native, attached
 from twinrun.lock import run_lock
 from twinrun.rundir import RunDir, RunIndex
 from twinrun.store import atomic_write, max_store_bytes, read_regular, store_name, write_json, write_store
@@ -76,24 +79,20 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
     p = cfg.probe
     if p.n_draws < 1:
         raise ConfigError("probe.n_draws", p.n_draws, "must be ≥ 1")
-    if p.n_images < 2:
-        raise ConfigError("probe.n_images", p.n_images, "must be ≥ 2 (the estimator needs 2 folds)")
+    if p.n_images < 3:
+        raise ConfigError("probe.n_images", p.n_images, "must be ≥ 3 (the estimator needs 3 folds)")
     if p.n_images > n_available_images:
         raise ConfigError("probe.n_images", p.n_images,
                           f"the data set has only {n_available_images} images; use at most that")
-    if not 2 <= p.n_folds <= p.n_images:
-        raise ConfigError("probe.n_folds", p.n_folds,
-                          f"must be between 2 and probe.n_images={p.n_images} (a fold holds ≥ 1 image)")
+    if not 3 <= p.n_folds <= p.n_images:
+        raise ConfigError("probe.n_folds", p.n_folds, f"must be between 3 (the jackknife SE needs 3 folds) and "
+                          f"probe.n_images={p.n_images} (a fold holds ≥ 1 image)")
     if not p.params:
         raise ConfigError("probe.params", list(p.params), "give at least one pattern, e.g. ['*']")
     for key in ("chunk_images", "chunk_draws"):
         if p[key] == 0 or p[key] < -1:
             raise ConfigError(f"probe.{key}", p[key], "must be ≥ 1, or -1 for no limit")
-    unknown = [e for e in cfg.reduce.estimands if e not in ("all", "cond", "residual")]
-    if unknown or not cfg.reduce.estimands:
-        raise ConfigError("reduce.estimands", list(cfg.reduce.estimands), "choose from all, cond, residual")
-    if not 0 < cfg.reduce.gate_threshold <= 1:
-        raise ConfigError("reduce.gate_threshold", cfg.reduce.gate_threshold, "must be in (0, 1]")
+    validate_reduce(cfg.reduce)
     if cfg.determinism.float32_matmul_precision not in MATMUL_PRECISIONS:
         raise ConfigError("determinism.float32_matmul_precision", cfg.determinism.float32_matmul_precision,
                           f"choose one of {', '.join(MATMUL_PRECISIONS)}")
@@ -128,25 +127,45 @@ def check_sizes(cfg: DictConfig, image_shape, n_params: int, n_arms: int, run_di
                           f"more than the {free / 2**30:.1f} GiB free at {where}; probe fewer parameters or folds")
 
 
+def validate_reduce(r: DictConfig) -> None:
+    """The analysis registered at plan time: estimands from the registry, a known gate rule."""
+    unknown = [e for e in r.estimands if e not in ESTIMANDS]
+    if unknown or not r.estimands:
+        raise ConfigError("reduce.estimands", list(r.estimands), f"choose from {', '.join(ESTIMANDS)}")
+    if r.gate_rule not in GATE_RULES:
+        raise ConfigError("reduce.gate_rule", r.gate_rule, f"choose one of {', '.join(GATE_RULES)}")
+    if not 0 < r.signal_alpha < 0.5:
+        raise ConfigError("reduce.signal_alpha", r.signal_alpha, "must be in (0, 0.5), e.g. 0.05")
+
+
+def check_measures_something(intervention, grid: list[float]) -> None:
+    """Refuse, before compute, an intervention that can prove nothing: neither a gate bin nor a no-op
+    setting (nothing would vouch for the instrument), or one that is the twin everywhere (nothing to
+    measure): its settings are its no-op setting, or it only changes σ_cond and feeds the twin's."""
+    key = f"intervention({type(intervention).__name__})"
+    noop = intervention.noop()
+    if not intervention.gate_sigmas(grid) and noop is None:
+        raise ConfigError(key, grid, "has no gate bin (no bin of the grid where it claims to be a no-op) and no "
+                          "no-op setting (`noop()`, run as its machinery arm): nothing would vouch for the "
+                          "instrument; add its no-op σ to sigma_grid.sigmas or declare a no-op setting")
+    at_noop = noop is not None and all(getattr(intervention, k, None) == v for k, v in noop.items())
+    sigma_only = type(intervention).attach is Intervention.attach
+    twin = Native()
+    same_sigma = all(torch.equal(intervention.sigma_cond(torch.tensor(s, dtype=torch.float32)),
+                                 twin.sigma_cond(torch.tensor(s, dtype=torch.float32))) for s in grid)
+    if at_noop or (sigma_only and same_sigma):
+        raise ConfigError(key, grid, "a no-op everywhere: nothing to measure (its settings are the twin's in "
+                          "every bin); choose settings that change something (e.g. gamma ≠ 1, factor ≠ 1)")
+
+
 def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
     """probe.params must match parameters, and `cond` needs conditioning ones among them."""
     names = probe.select_params(model, list(cfg.probe.params))
-    has_cond = any(e["cond"] for e in probe.layout(model, names, probe.cond_patterns(model)))
-    if "cond" in cfg.reduce.estimands and not has_cond:
+    if [e for e in cfg.reduce.estimands if e not in available(probe.layout(model, names, probe.cond_patterns(model)))]:
         raise ConfigError("reduce.estimands", list(cfg.reduce.estimands),
                           f"`cond` needs conditioning parameters among probe.params={list(cfg.probe.params)} "
                           f"(the model's are {probe.cond_patterns(model) or 'not declared'}); drop `cond` "
                           "or probe them")
-
-
-def check_checkable(intervention, grid: list[float], model: torch.nn.Module) -> None:
-    """An intervention must be checkable against its twin: a gate bin, or a no-op setting whose
-    machinery arm runs its own code doing nothing; and it must fit the model (module names)."""
-    if not intervention.gate_sigmas(grid) and intervention.noop() is None:
-        raise ConfigError("intervention._target_", type(intervention).__name__,
-                          f"has no bin of sigma_grid.sigmas={grid} where it is a no-op and no no-op setting "
-                          "(`noop()`): nothing could show the instrument works; give it one of them")
-    intervention.check_model(model)
 
 
 # The protocol a reference must share with the run (chunking and device do not change what is
@@ -201,37 +220,52 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     validate(cfg, n_available_images=images.shape[0])
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     intervention.check(grid)
+    check_measures_something(intervention, grid)
     model = build(OmegaConf.to_container(cfg.model, resolve=True), "model")
     check_params(model, cfg)
-    check_checkable(intervention, grid, model)
+    intervention.check_model(model)
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
     n_params = sum(dict(model.named_parameters())[n].numel() for n in probe.select_params(model, list(cfg.probe.params)))
-    check_sizes(cfg, images.shape[1:], n_params, len(arms), run_dir)
+    check_sizes(cfg, images.shape[1:], n_params, len(arms) + 1, run_dir)  # + 1: the gate replicate
     run = {
         "format": "twinrun-run/1",
         "status": "planned",
         "command": command,
         "reference": check_reference(cfg.reference, arms[1].config),
         "arms": [{"name": a.name, "role": a.role, "config_hash": config_hash(a.config)} for a in arms],
-        "estimands": list(cfg.reduce.estimands),
-        "gate_threshold": float(cfg.reduce.gate_threshold),
+        # The analysis registered before any compute; `reduce` with other settings is a post-hoc view.
+        "registered": {"estimands": list(cfg.reduce.estimands), "gate_rule": cfg.reduce.gate_rule,
+                       "signal_alpha": float(cfg.reduce.signal_alpha)},
         "bins": [
             {"index": i, "sigma": s, "gate": s in intervention.gate_sigmas(grid),
              "stores": {a.name: {"file": store_name(i, s), "status": "pending"} for a in arms}}
             for i, s in enumerate(grid)
         ],
     }
+    plan_gate_replicates(run, arms)
     if dry_run:
         return run
     rd = RunDir(run_dir)
     if rd.run_json.exists():
         return _resume_plan(rd, run)
+    rd.arm_dir(GATE_REPLICATE).mkdir(parents=True, exist_ok=True)
     for arm in arms:
         rd.arm_dir(arm.name).mkdir(parents=True, exist_ok=True)
         atomic_write(rd.arm_config(arm.name), yaml.safe_dump(arm.config, sort_keys=False).encode())
     write_json(rd.config_diff_json, diff)
     write_json(rd.run_json, run)
     return run
+
+
+def plan_gate_replicates(run: dict, arms: list[Arm]) -> None:
+    """The twin is measured again at every gate bin (unless arms.replicate already does it in every
+    bin): without it a gate that is not bit-identical could not tell a nondeterministic kernel
+    path from an intervention that is not a no-op (twinrun/gates.py)."""
+    if any(a.name == GATE_REPLICATE for a in arms):
+        return
+    for b in run["bins"]:
+        if b["gate"]:
+            b["stores"][GATE_REPLICATE] = {"file": store_name(b["index"], b["sigma"]), "status": "pending"}
 
 
 def _resume_plan(rd: RunDir, planned: dict) -> dict:
@@ -287,6 +321,8 @@ def load_arms(index: RunIndex, trusted=()) -> list[Arm]:
                              "one you named: rerun your original command (with its --config-dir), or "
                              "`python -m twinrun.resume RUN_DIR --trust MODULE` if you trust that code")
         arms.append(Arm(entry["name"], config, entry["role"]))
+    if all(a.name != GATE_REPLICATE for a in arms) and any(GATE_REPLICATE in b["stores"] for b in index.bins):
+        arms.append(Arm(GATE_REPLICATE, next(a for a in arms if a.role == "twin").config, "replicate"))
     return arms
 
 
@@ -328,6 +364,8 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
     # Step: pin determinism before any torch work, then read where this job runs.
     determinism = provenance.setup_determinism(cfg)
     fp = fingerprint()
+    # twinrun's own batching changes the arithmetic order: it is part of the kernel path.
+    fp["kernel_path"]["probe_arithmetic"] = provenance.probe_arithmetic(cfg["probe"])
     provenance.refuse_straddling(run_dir, run, fp)
     p = cfg["probe"]
     device = torch.device(p["device"])
@@ -341,6 +379,7 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
     fold_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
     interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
     hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
+    hashes.setdefault(GATE_REPLICATE, hashes["native"])  # the gate replicate is the twin, measured again
     job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(model, device, images.shape[1:]))
     record = provenance.bin_record(fp, job["sentinel_start"])
 
@@ -352,13 +391,13 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
     if len(todo) < len(run["bins"]):
         print(f"twinrun: resuming: {len(run['bins']) - len(todo)} of {len(run['bins'])} bins already measured",
               flush=True)
-    progress = Progress(len(todo) * len(arms))
+    progress = Progress(sum(len(b["stores"]) for b in todo))
     for b in todo:
         sigma = b["sigma"]
         t0 = time.perf_counter()
         eps = draws.noise(cfg["seed"], sigma, image_ids, p["n_draws"], tuple(images.shape[1:]))
         timings = []
-        for arm in arms:
+        for arm in (a for a in arms if a.name in b["stores"]):
             t_arm = time.perf_counter()
             eps_dev = eps.to(device)
             try:

@@ -26,6 +26,7 @@ LOG_NAME = "twinrun.log"
 
 # Arm directories and store files: one path component, no traversal, nothing a shell expands.
 SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+GATE_REPLICATE = "native_replicate"  # the twin measured again at gate bins (twinrun/gates.py)
 ROLES = ("intervention", "twin", "replicate", "machinery")
 RUN_STATUSES = ("planned", "running", "measured", "failed", "interrupted")
 STORE_STATUSES = ("pending", "done", "failed")
@@ -188,12 +189,7 @@ def validate_run(path: Path, run: dict) -> dict:
     if roles.count("intervention") != 1 or roles.count("twin") != 1 or len(set(names)) != len(names):
         c.fail("arms", f"roles {roles} with names {names}: need exactly one intervention and one twin, "
                "names unique")
-    estimands = c.get(run, "estimands", "estimands", list)
-    if not estimands or not all(isinstance(e, str) and SAFE_NAME.fullmatch(e) for e in estimands):
-        c.fail("estimands", f"{_show(estimands)} must be a non-empty list of names")
-    threshold = c.number(run, "gate_threshold", "gate_threshold", low=0)
-    if threshold > 1:
-        c.fail("gate_threshold", f"{threshold!r} must be in (0, 1]")
+    _validate_registered(c, run)
     bins = c.get(run, "bins", "bins", list)
     if not bins:
         c.fail("bins", "empty: a run has at least one bin")
@@ -208,6 +204,25 @@ def validate_run(path: Path, run: dict) -> dict:
         c.get(failure, "bin_index", "failure.bin_index", int)
         c.number(failure, "sigma", "failure.sigma", low=0)
     return run
+
+
+def _validate_registered(c: _Check, run: dict) -> None:
+    """The analysis registered at plan time (runs planned before registration: estimands and a
+    gate threshold at the top level)."""
+    reg = c.get(run, "registered", "registered", dict) if "registered" in run or "estimands" not in run else None
+    where, holder = ("registered.", reg) if reg is not None else ("", run)
+    estimands = c.get(holder, "estimands", f"{where}estimands", list)
+    if not estimands or not all(isinstance(e, str) and SAFE_NAME.fullmatch(e) for e in estimands):
+        c.fail(f"{where}estimands", f"{_show(estimands)} must be a non-empty list of names")
+    if reg is None:
+        threshold = c.number(run, "gate_threshold", "gate_threshold", low=0)
+        if threshold > 1:
+            c.fail("gate_threshold", f"{threshold!r} must be in (0, 1]")
+        return
+    c.get(reg, "gate_rule", "registered.gate_rule", str)
+    alpha = c.number(reg, "signal_alpha", "registered.signal_alpha", low=0)
+    if not 0 < alpha < 1:
+        c.fail("registered.signal_alpha", f"{alpha!r} must be in (0, 1)")
 
 
 def _validate_job(c: _Check, job, i: int) -> None:
@@ -243,7 +258,9 @@ def _validate_bin(c: _Check, b, i: int, names: list[str]) -> None:
     c.number(b, "sigma", f"{field}.sigma", low=0)
     c.get(b, "gate", f"{field}.gate", bool)
     stores = c.get(b, "stores", f"{field}.stores", dict)
-    if sorted(stores) != sorted(names):
+    # Every arm has a store in every bin; the twin's gate replicate (measured only where the gate
+    # rule needs it) may add one more.
+    if not set(names) <= set(stores) <= set(names) | {GATE_REPLICATE}:
         c.fail(f"{field}.stores", f"arms {sorted(stores)} are not the run's arms {sorted(names)}")
     for arm, entry in stores.items():
         where = f"{field}.stores.{arm}"
@@ -400,8 +417,8 @@ class RunIndex:
         return self.run_dir.store(arm, b["stores"][arm]["file"])
 
     def marked_done(self, b: dict) -> bool:
-        """Every arm of the bin is recorded done (no file is read)."""
-        return all(b["stores"][a]["status"] == "done" for a in self.arm_names)
+        """Every store of the bin is recorded done (no file is read)."""
+        return all(entry["status"] == "done" for entry in b["stores"].values())
 
     def is_done(self, b: dict, arm: str) -> bool:
         """The store is recorded done, exists, and verifies against its sha256 in run.json."""
@@ -421,7 +438,7 @@ class RunIndex:
         """The bins whose every arm is done (verified on disk unless verify=False)."""
         if not verify:
             return [b for b in self.bins if self.marked_done(b)]
-        return [b for b in self.bins if all(self.is_done(b, a) for a in self.arm_names)]
+        return [b for b in self.bins if all(self.is_done(b, a) for a in b["stores"])]
 
     # ---- updates (each saved at once)
 

@@ -1,0 +1,164 @@
+"""Loading a run for the reducer, and the validity checks that come before any verdict.
+
+`load_run` is the one place the reducer side reads run.json and the stores it lists; everything
+read is checked (format, sha256, arm, bin, config hash) and any problem is a StoreError naming
+the path (exit 2), never a number.
+"""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import yaml
+
+from twinrun import arms as arms_mod
+from twinrun.config import ReduceConfig
+from twinrun.errors import StoreError
+from twinrun.rundir import GATE_REPLICATE, RunDir
+from twinrun.store import read_json, read_store
+
+TWIN, REPLICATE = "native", GATE_REPLICATE
+# Store metadata that must agree across every store of a run (the protocol).
+PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
+
+
+def check(name: str, passed: bool, detail: str) -> dict:
+    return {"name": name, "passed": bool(passed), "detail": detail}
+
+
+def registered(run: dict) -> dict:
+    """The reduce settings registered at plan time (older runs: the schema's defaults)."""
+    defaults = ReduceConfig()
+    reg = run.get("registered") or {}
+    return {"estimands": list(reg.get("estimands") or run.get("estimands") or defaults.estimands),
+            "gate_rule": reg.get("gate_rule", defaults.gate_rule),
+            "signal_alpha": float(reg.get("signal_alpha", defaults.signal_alpha))}
+
+
+def _well_formed(run: dict) -> bool:
+    return isinstance(run.get("arms"), list) and isinstance(run.get("bins"), list) and all(
+        isinstance(b, dict) and isinstance(b.get("stores"), dict) and "index" in b and "sigma" in b
+        for b in run["bins"]) and all(isinstance(a, dict) and "name" in a for a in run["arms"])
+
+
+def _wanted(run_dir: Path, run: dict) -> dict:
+    """{(arm, bin index): (path, sha256, config hash)} of every store the reducer needs."""
+    wanted = {}
+    hashes = {a["name"]: a.get("config_hash") for a in run["arms"]}
+    for b in run["bins"]:
+        entries = [(arm["name"], b["stores"].get(arm["name"], {})) for arm in run["arms"]]
+        if REPLICATE not in hashes and isinstance(b["stores"].get(REPLICATE), dict):
+            entries.append((REPLICATE, b["stores"][REPLICATE]))  # the twin again, at a gate bin (run.plan_gate_replicates)
+        for name, entry in entries:
+            path = RunDir(run_dir).store(name, entry["file"])  # validated and contained by read_json
+            if entry.get("status") != "done":
+                raise StoreError(path, f"bin {b['index']} (σ={b['sigma']:g}) of arm {name} is "
+                                 f"{entry.get('status', 'missing')}: resume the run, then reduce")
+            wanted[name, b["index"]] = (path, entry.get("sha256"), hashes.get(name, hashes.get(TWIN)))
+    return wanted
+
+
+def load_run(run_dir: Path) -> tuple[dict, dict]:
+    """run.json and every store it lists ({(arm, bin_index): Store}), each checked."""
+    run = read_json(run_dir / "run.json")
+    if run.get("format") != "twinrun-run/1":
+        raise StoreError(run_dir / "run.json", f"not a twinrun run index (format {run.get('format')!r})")
+    if not _well_formed(run):
+        raise StoreError(run_dir / "run.json", "malformed run index (arms, bins or stores missing)")
+    wanted = _wanted(run_dir, run)
+    # Reading and hashing release the GIL: a few threads overlap disk and sha256 (each store is
+    # still read exactly once).
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        loaded = dict(zip(wanted, pool.map(lambda w: read_store(w[0], w[1]), wanted.values())))
+    for (name, index), store in loaded.items():
+        if store.meta["config_hash"] != wanted[name, index][2]:
+            raise StoreError(store.path, "config hash differs from run.json's: a store from another run")
+        if store.meta["arm"] != name or store.meta["bin_index"] != index:
+            raise StoreError(store.path, "store belongs to another arm or bin than run.json says")
+    return run, loaded
+
+
+def arm_config(run_dir: Path, arm: str) -> dict:
+    path = run_dir / "arms" / arm / "config.yaml"
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise StoreError(path, f"unreadable arm config ({getattr(err, 'strerror', None) or err})") from None
+    if not isinstance(config, dict):
+        raise StoreError(path, "not a resolved twinrun config")
+    return config
+
+
+def arm_stores(run_dir: Path, arm: str) -> tuple[dict, dict]:
+    """{σ: Store} of one arm of a run, each verified against run.json."""
+    run, stores = load_run(run_dir)
+    arms = [a["name"] for a in run["arms"]]
+    if arm not in arms:
+        raise StoreError(run_dir, f"has no arm {arm!r} (its arms: {', '.join(arms)})")
+    return run, {b["sigma"]: stores[arm, b["index"]] for b in run["bins"]}
+
+
+def validity_checks(run_dir: Path, run: dict, stores: dict) -> list[dict]:
+    names = [a["name"] for a in run["arms"]]
+    configs = {n: arm_config(run_dir, n) for n in names}
+    out = []
+    diffs = {n: arms_mod.outside_intervention(arms_mod.config_diff(configs[names[0]], configs[n])) for n in names}
+    bad = {n: d for n, d in diffs.items() if d}
+    out.append(check("configs_differ_only_in_intervention", not bad,
+                     "ok" if not bad else f"arms differ outside `intervention` at {bad}"))
+    unequal = sorted({i for (n, i), s in stores.items() if s.meta["draws_digest"] != stores[TWIN, i].meta["draws_digest"]})
+    out.append(check("identical_draws", not unequal,
+                     f"draw digests equal in all {len(run['bins'])} bins" if not unequal
+                     else f"draw digests differ between arms in bins {unequal}"))
+    ref = next(iter(stores.values())).meta
+    mismatched = sorted({str(s.path) for s in stores.values() for k in PROTOCOL_KEYS if s.meta[k] != ref[k]})
+    out.append(check("same_protocol", not mismatched,
+                     "images, draws, folds and parameter layout equal in every store" if not mismatched
+                     else f"protocol differs in {mismatched}"))
+    wrong_sigma = [s.path.name for (n, i), s in stores.items() if s.meta["sigma"] != run["bins"][i]["sigma"]]
+    out.append(check("stores_match_bins", not wrong_sigma,
+                     "every store's σ matches its bin" if not wrong_sigma else f"σ mismatch in {wrong_sigma}"))
+    return out + provenance_checks(run, stores, names)
+
+
+def provenance_checks(run: dict, stores: dict, names: list[str]) -> list[dict]:
+    """Validity rule 3: each bin's arms ran in one process/node/boot/GPU/job on one kernel path,
+    and the kernel-path sentinel read around the jobs never moved."""
+    out = []
+    split = {}
+    for b in run["bins"]:
+        records = [s.meta.get("env") or {} for (n, i), s in stores.items() if i == b["index"]]
+        fields = sorted({k for r in records for k in r if any(r.get(k) != o.get(k) for o in records)})
+        if fields or not records[0]:
+            split[b["index"]] = fields or ["(no record)"]
+    out.append(check("same_allocation_per_bin", not split,
+                     "every bin's arms ran back to back in one process (same job, node, boot, GPU)" if not split
+                     else "arms of a bin ran apart: " + "; ".join(f"bin {i}: {', '.join(f)}" for i, f in split.items())))
+    paths = {(s.meta.get("env") or {}).get("kernel_path_sha256") for s in stores.values()}
+    out.append(check("one_kernel_path", len(paths) == 1 and None not in paths,
+                     "every store was measured on one kernel path" if len(paths) == 1
+                     else f"stores come from {len(paths)} kernel paths"))
+    jobs = run.get("jobs", [])
+    readings = {j["sentinel_start"] for j in jobs} | {j["sentinel_end"] for j in jobs if j.get("sentinel_end")}
+    readings |= {(s.meta.get("env") or {}).get("sentinel") for s in stores.values()}
+    unclosed = bool(jobs) and jobs[-1].get("sentinel_end") is None
+    ok = len(readings) == 1 and not unclosed
+    detail = (f"sentinel identical at the start and end of all {len(jobs)} job(s)" if ok
+              else "the last job ended without its closing sentinel reading: resume the run to take it"
+              if len(readings) == 1 else
+              f"the kernel-path sentinel changed during the run ({len(readings)} distinct readings)")
+    out.append(check("sentinel_unchanged", ok, detail))
+    return out
+
+
+def machinery_check(run: dict, stores: dict, arm: str) -> dict:
+    """The intervention's own code at its no-op setting must equal the twin bit for bit in every bin:
+    otherwise the intervention's machinery perturbs more than the intervention."""
+    differ = [b["sigma"] for b in run["bins"] if not torch.equal(stores[arm, b["index"]].sums,
+                                                                 stores[TWIN, b["index"]].sums)]
+    n = len(run["bins"])
+    return check("machinery_is_a_no_op", not differ,
+                 f"{arm} (the intervention's code at its no-op setting) is bit-identical to the twin in all {n} bins"
+                 if not differ else f"{arm} differs from the twin at σ = {', '.join(f'{s:g}' for s in differ)}: "
+                 "the intervention's code perturbs the model even at its no-op setting")

@@ -1,0 +1,91 @@
+"""The no-op gate rule and the replicate: may this run's effects be read at all?
+
+At a gate bin the intervention claims to do nothing. Both arms ran in one process on the same
+draws, so on a deterministic kernel path a true no-op is bit-identical: "close" is not a no-op.
+The twin's replicate (the twin measured again in the same job: every bin with arms.replicate,
+else automatically at a gate bin whose arms differ) tells the two cases apart.
+"""
+
+import torch
+
+from twinrun.checks import REPLICATE, TWIN
+from twinrun.estimands import max_shift
+
+GATE_RULES = ("replicate", "bit_identical")
+
+
+def _size(est, shift: float) -> str:
+    """The size of a difference, in the words every verdict uses."""
+    parts = [f"max relative difference of the sums {shift:.3e}"]
+    if est.cos is not None:
+        parts += [f"1 − cos {1 - est.cos:.3e} ± {est.se:.1e}", f"norm ratio {est.norm_ratio:.6f} ± {est.norm_ratio_se:.1e}"]
+    return ", ".join(parts)
+
+
+def decide(identical: bool, shift: float, replicate_shift: float | None, rule: str) -> tuple[bool, str]:
+    """(passed, which rule decided) for one gate row; replicate_shift None = no replicate measured."""
+    if identical:
+        return True, "bit-identical"
+    if replicate_shift is None:
+        return False, "not bit-identical, no replicate"
+    if replicate_shift == 0.0:
+        return False, "not a no-op on a deterministic path"
+    if rule == "bit_identical":
+        return False, "not bit-identical (gate_rule=bit_identical)"
+    return shift <= replicate_shift, "within the replicate" if shift <= replicate_shift else "beyond the replicate"
+
+
+def gate_row(b: dict, name: str, est, identical: bool, shift: float, replicate_shift: float | None,
+             rule: str) -> dict:
+    passed, decided_by = decide(identical, shift, replicate_shift, rule)
+    where = f"σ={b['sigma']:g}, estimand {name}"
+    if identical:
+        detail = f"{where}: bit-identical to the twin"
+    elif replicate_shift is None:
+        detail = (f"{where}: the arms differ ({_size(est, shift)}) and no replicate of the twin was measured, so "
+                  "nothing proves the kernel path nondeterministic: resume the run to measure it")
+    elif replicate_shift == 0.0:
+        detail = (f"not a no-op: the arms differ at a bin where the intervention claims to do nothing ({where}: "
+                  f"{_size(est, shift)}); the twin's replicate is bit-identical, so the kernel path is deterministic")
+    else:
+        relation = "≤" if shift <= replicate_shift else ">"
+        detail = (f"{where}: the replicate proves the kernel path nondeterministic (twin vs replicate: max relative "
+                  f"difference {replicate_shift:.3e}); intervention vs twin: {_size(est, shift)} {relation} the "
+                  "replicate's" + ("" if rule == "replicate" else "; gate_rule=bit_identical accepts no difference"))
+    return {"sigma": b["sigma"], "estimand": name, "passed": passed, "rule": decided_by, "bit_identical": identical,
+            "max_shift": shift, "replicate_max_shift": replicate_shift, "detail": detail}
+
+
+def gates(run: dict, stores: dict, estimates: dict, inter: str, names: list[str], rule: str, layout: list) -> list[dict]:
+    """One row per gate bin and estimand; estimates: {(bin index, estimand): Estimate} (intervention vs twin)."""
+    rows = []
+    for b in (b for b in run["bins"] if b["gate"]):
+        x, y = stores[inter, b["index"]].sums, stores[TWIN, b["index"]].sums
+        identical = torch.equal(x, y)
+        rep = stores.get((REPLICATE, b["index"]))
+        for name in names:
+            rep_shift = None if rep is None else max_shift(rep.sums, y, layout, name)
+            shift = 0.0 if identical else max_shift(x, y, layout, name)
+            rows.append(gate_row(b, name, estimates[b["index"], name], identical, shift, rep_shift, rule))
+    return rows
+
+
+def replicate_report(run: dict, stores: dict, layout: list) -> dict | None:
+    """The native twin measured twice in one job: bit-identical, or how far apart (per bin)."""
+    bins = [b for b in run["bins"] if (REPLICATE, b["index"]) in stores]
+    if not bins:
+        return None
+    rows = []
+    for b in bins:
+        x, y = stores[REPLICATE, b["index"]].sums, stores[TWIN, b["index"]].sums
+        identical = torch.equal(x, y)
+        rows.append({"sigma": b["sigma"], "bit_identical": identical,
+                     "max_abs_diff": 0.0 if identical else float((x.double() - y.double()).abs().max()),
+                     "max_shift": 0.0 if identical else max_shift(x, y, layout, "all")})
+    differ = sum(not r["bit_identical"] for r in rows)
+    detail = f"{differ} / {len(rows)} tensors differ between the native twin and its replicate"
+    if differ:
+        detail += (f"; max |Δ| = {max(r['max_abs_diff'] for r in rows):.3e}, max relative difference "
+                   f"{max(r['max_shift'] for r in rows):.3e}: this kernel path is nondeterministic")
+    return {"n_tensors": len(rows), "n_differ": differ, "max_abs_diff": max(r["max_abs_diff"] for r in rows),
+            "bins": rows, "detail": detail}

@@ -1,0 +1,133 @@
+"""References: is an earlier run's twin reproduced by today's, and pair estimates across runs.
+
+A reference shares seed, images, draws and folds with today's twin, so the two saw the very same
+samples: any difference between them is the kernel path's (or the model's), not sampling noise,
+and needs no significance test to exist, only a measure of its size. Alive: bit-identical in
+every bin, or, on a kernel path today's replicate proves nondeterministic, no further from the
+twin than the replicate is (max relative difference of the sums). Otherwise dead.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from twinrun.arms import config_diff, for_compute
+from twinrun.checks import PROTOCOL_KEYS, REPLICATE, TWIN, arm_config, arm_stores
+from twinrun.env import kernel_path_diff
+from twinrun.errors import TwinrunError
+from twinrun.estimands import ESTIMANDS, available, grams, max_shift
+from twinrun.estimator import estimate
+
+
+def pair_row(est, **keys) -> dict:
+    """One estimate as a summary row: every number beside its SE, norm² always shown."""
+    return {**keys, "cos": est.cos, "se": est.se, "norm_ratio": est.norm_ratio, "norm_ratio_se": est.norm_ratio_se,
+            "cos_naive": est.cos_naive, "below_noise": est.below_noise, "norm2": est.norm2_a, "norm2_se": est.norm2_a_se,
+            "norm2_base": est.norm2_b, "norm2_base_se": est.norm2_b_se, "t_crit": est.t_crit}
+
+
+def cross_estimates(base: dict, other: dict, alpha: float, names: list[str] | None = None,
+                    chunk_params: int = 1_000_000) -> list[dict]:
+    """other against base bin by bin ({σ: Store} each, same protocol), every available estimand:
+    debiased cos, norm ratio |μ_other| / |μ_base|, bit-identity and max relative difference.
+    `residual` removes base's mean over bins from both."""
+    sigmas = sorted(base)
+    layout = base[sigmas[0]].meta["layout"]
+    names = [n for n in (names or ESTIMANDS) if n in available(layout)]
+    stores = {**{("base", i): base[s] for i, s in enumerate(sigmas)}, **{("other", i): other[s] for i, s in enumerate(sigmas)}}
+    g = grams(["other", "base"], len(sigmas), stores, "base", names, chunk_params)
+    sizes = np.asarray(base[sigmas[0]].meta["fold_sizes"], dtype=np.float64)
+    rows = []
+    for i, sigma in enumerate(sigmas):
+        x, y = other[sigma].sums, base[sigma].sums
+        identical = torch.equal(x, y)
+        for n in names:
+            blocks = g[n][i]
+            est = estimate(blocks[0, :, 1], blocks[0, :, 0], blocks[1, :, 1], sizes, sizes, alpha)
+            rows.append(pair_row(est, sigma=sigma, estimand=n, bit_identical=identical,
+                                 max_shift=0.0 if identical else max_shift(x, y, layout, n)))
+    return rows
+
+
+def protocol_mismatch(a: dict, b: dict) -> list[str]:
+    """Protocol keys that differ between two arms' stores ({σ: Store}); [] when comparable."""
+    if sorted(a) != sorted(b):
+        return [f"sigma grid {sorted(a)} vs {sorted(b)}"]
+    ma, mb = next(iter(a.values())).meta, next(iter(b.values())).meta
+    return [k for k in (*PROTOCOL_KEYS, "image_ids", "seed") if ma.get(k) != mb.get(k)]
+
+
+def replicate_shifts(run: dict, stores: dict, layout: list) -> dict:
+    """{σ: max relative difference twin vs replicate (estimand all)} where a replicate was measured."""
+    return {b["sigma"]: max_shift(stores[REPLICATE, b["index"]].sums, stores[TWIN, b["index"]].sums, layout, "all")
+            for b in run["bins"] if (REPLICATE, b["index"]) in stores}
+
+
+def reproduced(rows: list[dict], rep: dict) -> tuple[bool, str]:
+    """(alive, rule): bit-identical everywhere, or within the replicate where it proves nondeterminism."""
+    if all(r["bit_identical"] for r in rows):
+        return True, "bit-identical in every bin"
+    ok = all(r["bit_identical"] or (rep.get(r["sigma"]) or 0.0) > 0 and r["max_shift"] <= rep[r["sigma"]] for r in rows)
+    return (True, "within the replicate's difference where not bit-identical") if ok else (False, "not reproduced")
+
+
+def cause_fields(run_dir: Path, ref_dir: Path, mine: dict, ref: dict) -> tuple[list[str], list[str]]:
+    """(kernel-path fields, model/data/config fields) that differ between today's twin and the reference."""
+    kp = kernel_path_diff(next(iter(mine.values())).meta.get("kernel_path") or {},
+                          next(iter(ref.values())).meta.get("kernel_path") or {})
+    try:
+        cfg = [d["key"] for d in config_diff(for_compute(arm_config(run_dir, TWIN)), for_compute(arm_config(ref_dir, TWIN)))]
+    except TwinrunError as err:
+        cfg = [f"(reference config unreadable: {err})"]
+    return kp, cfg
+
+
+def _dead_detail(kp: list[str], cfg: list[str], rows: list[dict]) -> str:
+    worst = max(r["max_shift"] for r in rows)
+    text = (f"reference DEAD in this environment: today's native twin does not reproduce it (max relative "
+            f"difference of the sums {worst:.3e}; per bin and estimand below). ")
+    model = [k for k in cfg if k.split(".")[0] == "model"]
+    if model:
+        text += f"The model changed ({', '.join(model)}): this gap is the model's, not the environment's. "
+    if [k for k in cfg if k not in model]:
+        text += f"Config fields that differ: {', '.join(k for k in cfg if k not in model)}. "
+    if kp:
+        text += f"Kernel-path fields that differ: {', '.join(kp)}" + ("." if model else ": this gap is the environment's. ")
+    if not kp and not cfg:
+        text += "No recorded kernel-path or config field differs: the cause is unrecorded (weights file, data). "
+    return text + " Nothing is read against it; read effects against the twin only."
+
+
+def reference_report(run_dir: Path, run: dict, stores: dict, inter: str, ref_dir: Path, alpha: float,
+                     run_ok: bool) -> dict:
+    """Is the reference alive in this environment? Its native arm against today's native twin.
+
+    A reference that cannot be read or was measured under another protocol is reported as
+    unusable: the run's own verdict, checked against its twin, stands either way.
+    """
+    mine = {b["sigma"]: stores[TWIN, b["index"]] for b in run["bins"]}
+    try:
+        _, ref = arm_stores(ref_dir, TWIN)
+        bad = protocol_mismatch(mine, ref)
+    except TwinrunError as err:
+        bad = [str(err)]
+    if bad:
+        return {"path": str(ref_dir), "alive": False, "status": "unusable",
+                "detail": f"reference UNUSABLE: {'; '.join(bad)}. Read effects against the twin only."}
+    layout = next(iter(mine.values())).meta["layout"]
+    rows = cross_estimates(mine, ref, alpha)
+    alive, rule = reproduced(rows, replicate_shifts(run, stores, layout))
+    kp, cfg = cause_fields(run_dir, ref_dir, mine, ref)
+    out = {"path": str(ref_dir), "alive": alive, "status": "alive" if alive else "dead", "rule": rule,
+           "kernel_path_differs_in": kp, "config_differs_in": cfg, "native_vs_reference": rows}
+    if alive:
+        n_identical = len({r["sigma"] for r in rows if r["bit_identical"]})
+        out["detail"] = (f"reference ALIVE in this environment ({rule}: {n_identical} / {len(mine)} bins "
+                         "bit-identical). Comparisons against it are labelled 'vs reference'.")
+        if run_ok:
+            inter_stores = {b["sigma"]: stores[inter, b["index"]] for b in run["bins"]}
+            out["intervention_vs_reference"] = cross_estimates(ref, inter_stores, alpha)
+    else:
+        out["detail"] = _dead_detail(kp, cfg, rows)
+    return out

@@ -125,3 +125,16 @@ def test_fold_groups_pack_equal_folds_whole_and_pad_little():
     assert sorted(i for _, m in groups for i in m) == list(range(len(FOLD_OF_IMAGE)))
     assert all(FOLD_OF_IMAGE[i] == f for f, m in groups for i in m) and all(len(m) <= k for _, m in groups)
     assert sum(k - len(m) for _, m in groups) <= 0.25 * len(FOLD_OF_IMAGE)
+
+
+@pytest.mark.parametrize("folds", [FOLD_OF_IMAGE, EQUAL_FOLDS], ids=["unequal_folds", "equal_folds"])
+@pytest.mark.parametrize(("chunk_images", "chunk_draws"), [(-1, -1), (1, 2)], ids=["whole", "chunked"])
+def test_folds_method_equals_the_loop_and_vmap(setup, expected, folds, chunk_images, chunk_draws):
+    # One plain backward per fold chunk: the same fold sums as the vmapped probe, to float32 rounding.
+    model, images, eps = setup
+    names = probe.select_params(model, ["cond_embed.*", "blocks.1.attn.*", "pos_embed"])
+    args = (model, names, images, eps, SIGMA, torch.tensor(1.2), torch.tensor(folds), N_FOLDS, chunk_images,
+            chunk_draws)
+    plain = probe.fold_sums(*args, method="folds")
+    assert_sums_close(plain, expected(["cond_embed.*", "blocks.1.attn.*", "pos_embed"], 1.2, folds))
+    assert_sums_close(plain, probe.fold_sums(*args, method="vmap"))

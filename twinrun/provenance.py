@@ -30,6 +30,14 @@ def default_compile_cache_dir() -> str:
     return str(Path.home() / ".cache" / "twinrun" / "compile")
 
 
+def probe_arithmetic(probe: dict) -> dict:
+    """The probe settings that change the arithmetic of a store, not what it measures: they join the
+    kernel path (a resume or a reference under other settings is another path). `method` must be
+    resolved (vmap | folds), never `auto`, and so must `device` (cpu | cuda)."""
+    return {"method": probe["method"], "compile": probe.get("compile") or False, "device": probe.get("device"),
+            "chunk_images": probe["chunk_images"], "chunk_draws": probe["chunk_draws"]}
+
+
 def setup_determinism(cfg: dict) -> dict:
     """Apply the run's determinism settings first thing in the job; return the record."""
     d = cfg.get("determinism", {})

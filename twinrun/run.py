@@ -20,7 +20,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from twinrun import draws, probe, provenance
+from twinrun import draws, probe, provenance, trial
 from twinrun.arms import Arm, derive_arms
 from twinrun.determinism import MATMUL_PRECISIONS
 from twinrun.env import fingerprint
@@ -81,9 +81,9 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
         raise ConfigError("determinism.float32_matmul_precision", cfg.determinism.float32_matmul_precision,
                           f"choose one of {', '.join(MATMUL_PRECISIONS)}")
     try:
-        device = torch.device(p.device)
+        device = probe.resolve_device(p.device)
     except RuntimeError:
-        raise ConfigError("probe.device", p.device, "not a torch device; use cpu, cuda or cuda:N") from None
+        raise ConfigError("probe.device", p.device, "not a torch device; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("probe.device", p.device, "CUDA is not available here; use probe.device=cpu")
 
@@ -146,8 +146,11 @@ def plan_run(cfg: DictConfig, run_dir: Path, command: str | None = None) -> dict
     validate(cfg, n_available_images=images.shape[0])
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     intervention.check(grid)
-    check_params(build(OmegaConf.to_container(cfg.model, resolve=True), "model"), cfg)
+    model = build(OmegaConf.to_container(cfg.model, resolve=True), "model")
+    check_params(model, cfg)
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate))
+    trial.smoke_test(model, OmegaConf.to_container(cfg.probe, resolve=True), images, grid[0],
+                     {a.name: build(a.config["intervention"], "intervention") for a in arms})
     run = {
         "format": "twinrun-run/1",
         "status": "planned",
@@ -216,10 +219,8 @@ def _measure(run_dir: Path) -> dict:
     cfg = arms[0].config  # every arm shares everything outside `intervention`
     # Step: pin determinism before any torch work, then read where this job runs.
     determinism = provenance.setup_determinism(cfg)
-    fp = fingerprint()
-    provenance.refuse_straddling(run_dir, run, fp)
     p = cfg["probe"]
-    device = torch.device(p["device"])
+    device = probe.resolve_device(p["device"])
     model = build(cfg["model"], "model").to(device)
     images_all, image_ids_all = build(cfg["data"], "data")
     images = images_all[: p["n_images"]].to(device)
@@ -230,7 +231,12 @@ def _measure(run_dir: Path) -> dict:
     fold_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
     interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
     hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
-    job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(model, device, images.shape[1:]))
+    # Step: resolve probe.method and compile here, before any bin; the cache then holds this job's winners.
+    method, forward, mode = trial.job_trial(model, names, images, run["bins"][0]["sigma"], interventions, p)
+    fp = fingerprint(mode)
+    fp["kernel_path"]["probe"] = provenance.probe_arithmetic({**p, "method": method, "device": device.type})
+    provenance.refuse_straddling(run_dir, run, fp)
+    job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(forward, device, images.shape[1:]))
     record = provenance.bin_record(fp, job["sentinel_start"])
 
     run["status"] = "running"
@@ -253,8 +259,9 @@ def _measure(run_dir: Path) -> dict:
             eps_dev = eps.to(device)
             sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
             try:
-                sums = probe.fold_sums(model, names, images, eps_dev, sigma, sigma_cond.to(device),
-                                       fold_of_image, len(sizes), p["chunk_images"], p["chunk_draws"])
+                sums = trial.as_model_error(arm.name, b, probe.fold_sums, model, names, images, eps_dev, sigma,
+                                            sigma_cond.to(device), fold_of_image, len(sizes), p["chunk_images"],
+                                            p["chunk_draws"], method=method, forward=forward)
                 probe.check_finite(sums, arm.name, b["index"], sigma)
                 meta = {"arm": arm.name, "bin_index": b["index"], "sigma": sigma,
                         "sigma_cond": float(sigma_cond), "n_images": p["n_images"], "n_draws": p["n_draws"],
@@ -266,15 +273,15 @@ def _measure(run_dir: Path) -> dict:
                 entry["status"] = "done"
                 entry["kernel_path_sha256"] = record["kernel_path_sha256"]
                 write_json(run_dir / "run.json", run)
-            except Exception:  # any failure, ours or the model's: record where, keep earlier bins, re-raise
-                _mark_failed(run_dir, run, b, arm.name)
+            except Exception as err:  # any failure, ours or the model's: record where, keep earlier bins, re-raise
+                _mark_failed(run_dir, run, b, arm.name, err)
                 raise
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
             progress.step(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g} {arm.name}")
         progress.log(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
                      f"({time.perf_counter() - t0:.2f}s)")
     progress.close()
-    job["sentinel_end"] = provenance.read_sentinel(model, device, images.shape[1:])["digest"]
+    job["sentinel_end"] = provenance.read_sentinel(forward, device, images.shape[1:])["digest"]
     run["status"] = "measured"
     write_json(run_dir / "run.json", run)
     return run
@@ -323,12 +330,12 @@ def start_job(run_dir: Path, run: dict, fp: dict, determinism: dict, sentinel: d
     return job
 
 
-def _mark_failed(run_dir: Path, run: dict, b: dict, arm: str) -> None:
+def _mark_failed(run_dir: Path, run: dict, b: dict, arm: str, err: BaseException | None = None) -> None:
     """Record which arm and bin failed; best effort (on a full disk run.json may not be writable)."""
     b["stores"][arm]["status"] = "failed"
     run["status"] = "failed"
-    run["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"]}
+    run["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"], **trial.failure_record(err)}
     try:
         write_json(run_dir / "run.json", run)
-    except StoreError as err:
-        print(f"twinrun: could not record the failure in run.json: {err}")
+    except StoreError as write_err:
+        print(f"twinrun: could not record the failure in run.json: {write_err}")

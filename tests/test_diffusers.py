@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, run_twinrun
+from per_sample import loop_sums
 
 from twinrun import probe, trial
 
@@ -22,23 +23,6 @@ SIGMA, SIGMA_COND = 0.5, 1.2
 FOLDS = [0, 1, 1, 0]
 
 
-def loop_sums(model, names, images, eps):
-    """One forward and backward per (image, draw), written independently of twinrun.probe."""
-    sd = model.sigma_data
-    lam = (SIGMA**2 + sd**2) / (SIGMA * sd) ** 2
-    params = dict(model.named_parameters())
-    out = torch.zeros(2, sum(params[n].numel() for n in names), dtype=torch.float64)
-    for i, fold in enumerate(FOLDS):
-        for d in range(eps.shape[1]):
-            model.zero_grad(set_to_none=True)
-            x = images[i : i + 1]
-            denoised = model(x + SIGMA * eps[i, d : d + 1], torch.tensor([SIGMA]), torch.tensor([SIGMA_COND]))
-            lam_loss = lam * ((denoised - x) ** 2).mean()
-            lam_loss.backward()
-            out[fold] += torch.cat([params[n].grad.flatten() for n in names]).double()
-    return out.float()
-
-
 @pytest.mark.parametrize(("build", "method"), [("unet", "folds"), ("dit", "folds"), ("dit", "vmap")])
 def test_fold_sums_equal_the_per_sample_loop(build, method):
     model = getattr(edm_diffusers, build)()
@@ -46,7 +30,7 @@ def test_fold_sums_equal_the_per_sample_loop(build, method):
     images = torch.rand(len(FOLDS), 1, 8, 8, generator=gen) * 2 - 1
     eps = torch.randn(len(FOLDS), 2, 1, 8, 8, generator=gen)
     names = probe.select_params(model, ["*"])
-    want = loop_sums(model, names, images, eps)
+    want = loop_sums(model, names, images, eps, SIGMA, SIGMA_COND, FOLDS)
     got = probe.fold_sums(model, names, images, eps, SIGMA, torch.tensor(SIGMA_COND), torch.tensor(FOLDS), 2,
                           method=method)
     assert (want.abs().sum(1) > 0).all()

@@ -1,7 +1,8 @@
-"""The probe's fold sums against a per-sample loop written here, independently of twinrun.probe."""
+"""The probe's fold sums against a per-sample loop (tests/per_sample.py), independent of twinrun.probe."""
 
 import pytest
 import torch
+from per_sample import loop_sums
 
 from twinrun import probe
 from twinrun.interventions import Native, PinSigma
@@ -45,24 +46,6 @@ def expected(setup):
         return cache[key]
 
     return get
-
-
-def loop_sums(model, names, images, eps, sigma, sigma_cond, folds):
-    """One forward and backward per (image, draw); gradients summed into the image's fold."""
-    sd = model.sigma_data
-    lam = (sigma**2 + sd**2) / (sigma * sd) ** 2  # EDM loss weight
-    params = dict(model.named_parameters())
-    out = torch.zeros(N_FOLDS, sum(params[n].numel() for n in names), dtype=torch.float64)
-    for i, fold in enumerate(folds):
-        for d in range(eps.shape[1]):
-            model.zero_grad(set_to_none=True)
-            x = images[i : i + 1]
-            denoised = model(x + sigma * eps[i, d : d + 1], torch.tensor([sigma]), torch.tensor([sigma_cond]))
-            loss = lam * ((denoised - x) ** 2).mean()
-            loss.backward()
-            out[fold] += torch.cat([params[n].grad.flatten() for n in names]).double()
-    model.zero_grad(set_to_none=True)
-    return out.float()
 
 
 def run_probe(model, names, images, eps, sigma_cond, chunk_images=-1, chunk_draws=-1, folds=FOLD_OF_IMAGE):

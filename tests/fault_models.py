@@ -7,12 +7,13 @@ from twinrun.model import DiTDenoiser
 
 
 def tiny_dit(seed: int = 0) -> DiTDenoiser:
-    """A random DiT for 8x8 digits, away from adaLN-Zero's zero init so every parameter has a gradient."""
+    """A random DiT for 8x8 digits, every parameter drawn from `seed` (the same model in every process;
+    none left at adaLN-Zero's zero init, so every parameter has a gradient)."""
     model = DiTDenoiser(width=16, depth=1, heads=2, mlp_ratio=2, sigma_data=0.5)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
     return model
 
 
@@ -48,6 +49,10 @@ class AlwaysFails(ChannelsLastQuery):
 
 
 # Builders for `model._target_`; `path` is the default model schema's key, unused here.
+def tiny(path=None):
+    return tiny_dit()
+
+
 def channels_last_query(path=None):
     return ChannelsLastQuery()
 

@@ -232,7 +232,8 @@ def _measure(run_dir: Path) -> dict:
     interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
     hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
     # Step: resolve probe.method and compile here, before any bin; the cache then holds this job's winners.
-    method, forward, mode = trial.job_trial(model, names, images, run["bins"][0]["sigma"], interventions, p)
+    method, forward, mode = trial.job_trial(model, names, images, run["bins"][0]["sigma"], interventions, p,
+                                            fold_of_image, len(sizes))
     fp = fingerprint(mode)
     fp["kernel_path"]["probe"] = provenance.probe_arithmetic({**p, "method": method, "device": device.type})
     provenance.refuse_straddling(run_dir, run, fp)

@@ -217,7 +217,7 @@ def _measure(run_dir: Path) -> dict:
     run = read_json(run_dir / "run.json")
     arms = load_arms(run_dir, run)
     cfg = arms[0].config  # every arm shares everything outside `intervention`
-    # Step: pin determinism before any torch work, then read where this job runs.
+    # Step: pin determinism before any torch work.
     determinism = provenance.setup_determinism(cfg)
     p = cfg["probe"]
     device = probe.resolve_device(p["device"])
@@ -231,7 +231,8 @@ def _measure(run_dir: Path) -> dict:
     fold_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
     interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
     hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
-    # Step: resolve probe.method and compile here, before any bin; the cache then holds this job's winners.
+    # Step: resolve probe.method and compile before any bin, then read where this job runs: the compile
+    # cache the fingerprint reads then holds every kernel the bins will use.
     method, forward, mode = trial.job_trial(model, names, images, run["bins"][0]["sigma"], interventions, p,
                                             fold_of_image, len(sizes))
     fp = fingerprint(mode)

@@ -61,11 +61,12 @@ def prepare(model: torch.nn.Module, names: list[str], method: str, mode: str | N
 
 
 def smoke_test(model: torch.nn.Module, p: dict, images: torch.Tensor, sigma: float, interventions: dict) -> str:
-    """Plan time: each arm's model, eager, on the planning host's device; returns the method chosen.
+    """Plan time: each arm's model, eager, on the CPU; returns the method chosen.
 
-    Compiling waits for the job: it must follow determinism, which moves the compile caches."""
-    device = probe.resolve_device(p["device"])
-    model = model.to(device)
+    Nothing here touches a GPU or Inductor: in a local run the job follows in this process, and its
+    determinism must come before CUDA's first use (cuBLAS reads its workspace setting once) and
+    before Inductor binds its cache dirs. The job repeats the trial on its own device, compiling."""
+    device = torch.device("cpu")
     names = probe.select_params(model, list(p["params"]))
     sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(device)
                    for arm, i in interventions.items()}

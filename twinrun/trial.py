@@ -3,7 +3,7 @@
 It decides `probe.method=auto` (vmap when the model runs under vmap, else folds: a rule, not a
 timing, so the same model and torch always take the same path), compiles the model's forward
 for `probe.compile`, and turns a model that cannot run into one line naming the failing op and
-the fix, before a bin is spent. Plan time runs it eagerly on the planning host; the job runs it
+the fix, before a bin is spent. Plan time runs it eagerly on the CPU; the job runs it
 again where it measures (compiling there, after determinism has moved the compile caches).
 """
 

@@ -180,8 +180,6 @@ def as_model_error(arm: str, b: dict, call, *args, **kwargs):
 
 
 def failure_record(err: BaseException | None) -> dict:
-    """run.json's failure fields beyond arm and bin: the model's exception type, message and frame,
-    or the twinrun error that stopped the bin."""
-    if err is None:
-        return {}
-    return getattr(err, "record", None) or {"type": type(err).__name__, "message": first_line(err)}
+    """run.json's failure fields beyond arm and bin when the model raised: its exception's type,
+    message and frame (`as_model_error`); twinrun's own errors name themselves on stderr."""
+    return dict(getattr(err, "record", None) or {})

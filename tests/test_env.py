@@ -197,3 +197,29 @@ def test_apply_determinism_rejects_unknown_precision():
         ConfigError, match="float32_matmul_precision='exact': choose one of highest, high, medium"
     ):
         apply_determinism(True, None, "exact")
+
+
+def test_autotune_winners_join_the_kernel_path_by_content(tmp_path, monkeypatch):
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    (cache / "triton" / "ab").mkdir(parents=True)
+    winner = cache / "triton" / "ab" / "kernel.best_config"
+    winner.write_text('{"XBLOCK": 64, "num_warps": 4}')
+    first = fingerprint("max-autotune")["kernel_path"]["compile"]["autotune_choices"]
+    assert first["files"] == 1
+    winner.write_text('{"XBLOCK": 128, "num_warps": 4}')  # a re-autotune crowned another winner
+    second = fingerprint("max-autotune")["kernel_path"]["compile"]["autotune_choices"]
+    assert second["digest"] != first["digest"]
+    assert "autotune_choices" not in fingerprint()["kernel_path"]["compile"]
+
+
+def test_kernel_path_names_the_versions_of_packages_that_move_numbers():
+    import importlib.metadata
+
+    import torch
+
+    packages = fingerprint()["kernel_path"]["torch"]["packages"]
+    assert packages["torch"] == importlib.metadata.version("torch") and torch.__version__.startswith(
+        packages["torch"].split("+")[0])
+    assert "pytest" not in packages  # test tools move no numbers

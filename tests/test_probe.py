@@ -1,7 +1,8 @@
-"""The probe's fold sums against a per-sample loop written here, independently of twinrun.probe."""
+"""The probe's fold sums against a per-sample loop (tests/per_sample.py), independent of twinrun.probe."""
 
 import pytest
 import torch
+from per_sample import loop_sums
 
 from twinrun import probe
 from twinrun.interventions import Native, PinSigma
@@ -45,24 +46,6 @@ def expected(setup):
         return cache[key]
 
     return get
-
-
-def loop_sums(model, names, images, eps, sigma, sigma_cond, folds):
-    """One forward and backward per (image, draw); gradients summed into the image's fold."""
-    sd = model.sigma_data
-    lam = (sigma**2 + sd**2) / (sigma * sd) ** 2  # EDM loss weight
-    params = dict(model.named_parameters())
-    out = torch.zeros(N_FOLDS, sum(params[n].numel() for n in names), dtype=torch.float64)
-    for i, fold in enumerate(folds):
-        for d in range(eps.shape[1]):
-            model.zero_grad(set_to_none=True)
-            x = images[i : i + 1]
-            denoised = model(x + sigma * eps[i, d : d + 1], torch.tensor([sigma]), torch.tensor([sigma_cond]))
-            loss = lam * ((denoised - x) ** 2).mean()
-            loss.backward()
-            out[fold] += torch.cat([params[n].grad.flatten() for n in names]).double()
-    model.zero_grad(set_to_none=True)
-    return out.float()
 
 
 def run_probe(model, names, images, eps, sigma_cond, chunk_images=-1, chunk_draws=-1, folds=FOLD_OF_IMAGE):
@@ -125,3 +108,16 @@ def test_fold_groups_pack_equal_folds_whole_and_pad_little():
     assert sorted(i for _, m in groups for i in m) == list(range(len(FOLD_OF_IMAGE)))
     assert all(FOLD_OF_IMAGE[i] == f for f, m in groups for i in m) and all(len(m) <= k for _, m in groups)
     assert sum(k - len(m) for _, m in groups) <= 0.25 * len(FOLD_OF_IMAGE)
+
+
+@pytest.mark.parametrize("folds", [FOLD_OF_IMAGE, EQUAL_FOLDS], ids=["unequal_folds", "equal_folds"])
+@pytest.mark.parametrize(("chunk_images", "chunk_draws"), [(-1, -1), (1, 2)], ids=["whole", "chunked"])
+def test_folds_method_equals_the_loop_and_vmap(setup, expected, folds, chunk_images, chunk_draws):
+    # One plain backward per fold chunk: the same fold sums as the vmapped probe, to float32 rounding.
+    model, images, eps = setup
+    names = probe.select_params(model, ["cond_embed.*", "blocks.1.attn.*", "pos_embed"])
+    args = (model, names, images, eps, SIGMA, torch.tensor(1.2), torch.tensor(folds), N_FOLDS, chunk_images,
+            chunk_draws)
+    plain = probe.fold_sums(*args, method="folds")
+    assert_sums_close(plain, expected(["cond_embed.*", "blocks.1.attn.*", "pos_embed"], 1.2, folds))
+    assert_sums_close(plain, probe.fold_sums(*args, method="vmap"))

@@ -88,7 +88,15 @@ class ProbeConfig:
     # Chunking changes the arithmetic order, so it is part of the recorded kernel path.
     chunk_images: int = 120
     chunk_draws: int = 6
-    device: str = "cpu"
+    # auto = the GPU when the measuring process has one (a SLURM job's GPU), else the CPU; or cpu, cuda:N.
+    device: str = "auto"
+    # auto | vmap | folds. vmap batches small folds but needs a vmap rule for every op of the model;
+    # folds runs one plain backward per fold chunk (any nn.Module); auto takes vmap when a trial run
+    # before the first bin succeeds under it, else folds. The chosen method is in the kernel path.
+    method: str = "auto"
+    # false | default | max-autotune: torch.compile mode of the model's forward for the probe (folds
+    # method only). Caches live in determinism.compile_cache_dir; mode and cache are in the kernel path.
+    compile: Any = False
 
 
 @dataclass

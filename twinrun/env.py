@@ -54,6 +54,9 @@ NUMERICS_ENV = (
     "TORCH_BLAS_PREFER_CUBLASLT",
 )
 NUMERICS_ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_")
+# Installed packages (normalised names, prefixes) that choose the kernels a probe runs.
+NUMERICS_PACKAGES = ("torch", "triton", "pytorch-triton", "nvidia-", "cuda-", "diffusers", "xformers", "flash-attn",
+                     "transformers", "accelerate", "numpy", "safetensors", "intel-openmp", "mkl")
 # Inductor exports these itself on first compile; their resolved paths are read separately.
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 ISA_FLAG = re.compile(r"avx|sse|amx|fma|f16c|vnni|bf16|fp16|asimd|sve|neon")
@@ -82,6 +85,7 @@ def fingerprint(compile_mode: str | None = None) -> dict:
     caches = _compile_caches()
     if compile_mode is not None:
         compile_path["caches"] = {name: entry["digest"] for name, entry in caches.items()}
+        compile_path["autotune_choices"] = _autotune_choices(caches)
     kernel_path = {
         "torch": _torch_build(packages),
         "gpus": _gpus(),
@@ -145,6 +149,9 @@ def _torch_build(packages: dict) -> dict:
         # Runtime cuBLAS/Triton come from wheels when torch does; a source build leaves them null.
         "cublas": _first_version(packages, "nvidia-cublas"),
         "triton": _first_version(packages, "triton", "pytorch-triton"),
+        # By name, every installed package whose kernels the probe may run: CUDA libraries from
+        # wheels, compilers, and model libraries (another diffusers release, another attention).
+        "packages": {n: v for n, v in sorted(packages.items()) if n.startswith(NUMERICS_PACKAGES)},
     }
 
 
@@ -301,6 +308,24 @@ def _compile_caches() -> dict:
     else:
         caches["triton"] = {"path": os.path.abspath(triton), **_dir_digest(triton)}
     return caches
+
+
+def _autotune_choices(caches: dict) -> dict:
+    """sha256 over the content of the autotuner's recorded winners (Triton's `*.best_config` files,
+    Inductor's autotune JSON) in the caches: a re-autotune that crowns other winners moves it even
+    where the rest of the cache digest would not tell why."""
+    h, files = hashlib.sha256(), 0
+    for entry in caches.values():
+        root = entry.get("path")
+        if not root or not os.path.isdir(root):
+            continue
+        for path in sorted(Path(root).rglob("*")):
+            if files >= CACHE_WALK_MAX_FILES:
+                break
+            if path.is_file() and not path.is_symlink() and (path.suffix == ".best_config" or "autotune" in path.name):
+                h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+                files += 1
+    return {"digest": h.hexdigest() if files else "none", "files": files}
 
 
 def default_inductor_cache_dir() -> str:

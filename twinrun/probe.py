@@ -1,9 +1,18 @@
 """The probe: per-fold sums of per-sample gradients of the EDM loss, one bin and arm at a time.
 
-A fold's sum of per-sample gradients is the gradient of the fold's summed loss: torch.func's
-grad, vmapped over groups of one fold's images, gives it in one batched forward and backward
-(about the cost of a plain backward over the same samples, not one backward per sample), chunk by
-chunk, streamed into the fold sums, so memory is bounded by the chunk, not by n_images x n_draws.
+A fold's sum of per-sample gradients is the gradient of the fold's summed loss, so no per-sample
+gradient is ever formed. Two methods compute it (`probe.method`):
+
+- `vmap`: the forward is vmapped over groups of one fold's images, each group with its own
+  stride-0 copy of the parameters; one backward gives every group its gradient. Small folds are
+  batched together (about the cost of one plain backward over the same samples), but every op of
+  the model needs a vmap batching rule.
+- `folds`: one plain forward and backward per fold chunk, on the model's own parameters. No vmap:
+  any nn.Module runs (GroupNorm on channels-last views, fused attention, torch.compile), at the
+  price of one launch-bound backward per fold chunk when folds are small.
+
+Chunk by chunk, either streams into float64 fold sums, so memory is bounded by the chunk, not by
+n_images x n_draws.
 """
 
 import fnmatch
@@ -18,12 +27,21 @@ from twinrun.errors import EXIT_GATE, ConfigError, TwinrunError
 # one vmapped call takes CHUNK_IMAGES images x CHUNK_DRAWS draws. -1 = no limit.
 CHUNK_IMAGES = 40
 CHUNK_DRAWS = 6
+# What probe.method accepts; `auto` is resolved to one of the others before any bin (twinrun.trial).
+METHODS = ("auto", "vmap", "folds")
 
 
 class NonFiniteGradient(TwinrunError):
     """The measurement itself failed: the instrument is broken at this bin (exit 1)."""
 
     exit_code = EXIT_GATE
+
+
+def resolve_device(name: str) -> torch.device:
+    """probe.device as a torch device: `auto` is the GPU when this process has one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def select_params(model: torch.nn.Module, patterns: list[str]) -> list[str]:
@@ -88,6 +106,8 @@ def fold_sums(
     n_folds: int,
     chunk_images: int = CHUNK_IMAGES,
     chunk_draws: int = CHUNK_DRAWS,
+    method: str = "vmap",
+    forward: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """[n_folds, P] float32: Σ over the fold's images and draws of ∇ loss(image, draw).
 
@@ -98,7 +118,14 @@ def fold_sums(
     batched matmuls with the FLOPs of a plain backward's. Chunks of ≤ chunk_images images x
     ≤ chunk_draws draws stream into float64 fold sums, so memory is bounded by the chunk, not by
     N x D (-1 = no limit).
+
+    method="folds" runs one plain backward per fold chunk instead (`plain_fold_sums`), through
+    `forward` (the model itself, or its torch.compile'd module) when given.
     """
+    assert method in ("vmap", "folds"), f"method must be resolved before the probe runs, got {method!r}"
+    if method == "folds":
+        return plain_fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, chunk_images,
+                               chunk_draws, forward)
     params = dict(model.named_parameters())
     probed = {n: params[n].detach() for n in names}
     frozen = {n: p.detach() for n, p in params.items() if n not in probed}
@@ -140,6 +167,50 @@ def fold_sums(
                     target += g
                 else:
                     sums[:, lo:hi].index_add_(0, fold_index, g.reshape(len(chunk), -1).double())
+    return sums.float()
+
+
+def plain_fold_sums(
+    model: torch.nn.Module,
+    names: list[str],
+    images: torch.Tensor,
+    eps: torch.Tensor,
+    sigma: float,
+    sigma_cond: torch.Tensor,
+    fold_of_image: torch.Tensor,
+    n_folds: int,
+    chunk_images: int = CHUNK_IMAGES,
+    chunk_draws: int = CHUNK_DRAWS,
+    forward: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """`fold_sums` by one plain forward and backward per (fold group, draw chunk): no vmap.
+
+    Each call sees images of one fold only, so the gradient of its summed loss is that chunk's
+    share of the fold's sum; the model's own parameters are the leaves (its compiled module,
+    `forward`, shares them), and no group is padded.
+    """
+    forward = model if forward is None else forward
+    params = dict(model.named_parameters())
+    leaves = [params[n] for n in names]
+    n_draws = eps.shape[1]
+    _, groups = fold_groups(fold_of_image.tolist(), n_folds, chunk_images)
+    d_chunk = n_draws if chunk_draws < 1 else min(chunk_draws, n_draws)
+    weight = float(edm_weight(torch.tensor(float(sigma), dtype=torch.float64), float(model.sigma_data)))
+    ends = torch.tensor([p.numel() for p in leaves]).cumsum(0).tolist()
+    sums = torch.zeros(n_folds, ends[-1], dtype=torch.float64, device=images.device)
+    with torch.enable_grad():
+        for fold, members in groups:
+            index = torch.tensor(members, device=images.device)
+            for d0 in range(0, n_draws, d_chunk):
+                e = eps[index, d0 : d0 + d_chunk]
+                clean = images[index].unsqueeze(1).expand_as(e).reshape(-1, *images.shape[1:])
+                sig = torch.full((clean.shape[0],), float(sigma), dtype=images.dtype, device=images.device)
+                noisy = clean + sig.view(-1, 1, 1, 1) * e.flatten(0, 1)
+                denoised = forward(noisy, sig, sigma_cond.to(images.dtype).expand_as(sig))
+                loss = weight * (denoised - clean).square().flatten(1).mean(1).sum()
+                grads = torch.autograd.grad(loss, leaves)
+                for lo, hi, g in zip([0, *ends[:-1]], ends, grads):
+                    sums[fold, lo:hi] += g.reshape(-1)
     return sums.float()
 
 

@@ -26,14 +26,16 @@ def kernel_path_sha256(fp: dict) -> str:
     return hashlib.sha256(json.dumps(fp["kernel_path"], sort_keys=True).encode()).hexdigest()
 
 
-def probe_arithmetic(probe: dict) -> dict:
-    """The twinrun settings that change the arithmetic order of the probe (how samples are batched
-    into one call): they enter the kernel-path digest, so different bits never share one digest."""
-    return {"chunk_images": probe["chunk_images"], "chunk_draws": probe["chunk_draws"]}
-
-
 def default_compile_cache_dir() -> str:
     return str(Path.home() / ".cache" / "twinrun" / "compile")
+
+
+def probe_arithmetic(probe: dict) -> dict:
+    """The probe settings that change the arithmetic of a store, not what it measures: they join the
+    kernel path (a resume or a reference under other settings is another path). `method` must be
+    resolved (vmap | folds), never `auto`, and so must `device` (cpu | cuda)."""
+    return {"method": probe["method"], "compile": probe.get("compile") or False, "device": probe.get("device"),
+            "chunk_images": probe["chunk_images"], "chunk_draws": probe["chunk_draws"]}
 
 
 def setup_determinism(cfg: dict) -> dict:

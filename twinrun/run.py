@@ -21,7 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from twinrun import draws, probe, provenance
+from twinrun import draws, probe, provenance, trial
 from twinrun.arms import Arm, derive_arms
 from twinrun.checks import REPLICATE as GATE_REPLICATE
 from twinrun.determinism import MATMUL_PRECISIONS
@@ -97,11 +97,11 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
         raise ConfigError("determinism.float32_matmul_precision", cfg.determinism.float32_matmul_precision,
                           f"choose one of {', '.join(MATMUL_PRECISIONS)}")
     try:
-        device = torch.device(p.device)
+        device = probe.resolve_device(p.device)
     except RuntimeError:
-        raise ConfigError("probe.device", p.device, "not a torch device; use cpu, cuda or cuda:N") from None
+        raise ConfigError("probe.device", p.device, "not a torch device; use auto, cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
-        raise ConfigError("probe.device", p.device, "twinrun measures on cpu or cuda[:N] only")
+        raise ConfigError("probe.device", p.device, "twinrun measures on cpu or cuda[:N] only (or auto)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("probe.device", p.device, "CUDA is not available here; use probe.device=cpu")
     if not 0 <= cfg.seed < 2**63:
@@ -227,6 +227,8 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
     n_params = sum(dict(model.named_parameters())[n].numel() for n in probe.select_params(model, list(cfg.probe.params)))
     check_sizes(cfg, images.shape[1:], n_params, len(arms) + 1, run_dir)  # + 1: the gate replicate
+    trial.smoke_test(model, OmegaConf.to_container(cfg.probe, resolve=True), images, grid[0],
+                     {a.name: build(a.config["intervention"], "intervention") for a in arms})
     run = {
         "format": "twinrun-run/1",
         "status": "planned",
@@ -361,14 +363,10 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
     rd, run = index.run_dir, index.doc
     run_dir = rd.path
     cfg = arms[0].config  # every arm shares everything outside `intervention`
-    # Step: pin determinism before any torch work, then read where this job runs.
+    # Step: pin determinism before any torch work.
     determinism = provenance.setup_determinism(cfg)
-    fp = fingerprint()
-    # twinrun's own batching changes the arithmetic order: it is part of the kernel path.
-    fp["kernel_path"]["probe_arithmetic"] = provenance.probe_arithmetic(cfg["probe"])
-    provenance.refuse_straddling(run_dir, run, fp)
     p = cfg["probe"]
-    device = torch.device(p["device"])
+    device = probe.resolve_device(p["device"])
     model = build(cfg["model"], "model").to(device)
     images_all, image_ids_all = build(cfg["data"], "data")
     images = images_all[: p["n_images"]].to(device)
@@ -380,7 +378,15 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
     interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
     hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
     hashes.setdefault(GATE_REPLICATE, hashes["native"])  # the gate replicate is the twin, measured again
-    job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(model, device, images.shape[1:]))
+    # Step: resolve probe.method and compile before any bin, then read where this job runs: the compile
+    # cache the fingerprint reads then holds every kernel the bins will use.
+    method, forward, mode = trial.job_trial(model, names, images, run["bins"][0]["sigma"], interventions, p,
+                                            fold_of_image, len(sizes))
+    fp = fingerprint(mode)
+    # twinrun's own batching changes the arithmetic order: it is part of the kernel path.
+    fp["kernel_path"]["probe"] = provenance.probe_arithmetic({**p, "method": method, "device": device.type})
+    provenance.refuse_straddling(run_dir, run, fp)
+    job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(forward, device, images.shape[1:]))
     record = provenance.bin_record(fp, job["sentinel_start"])
 
     index.set_status("running")
@@ -403,8 +409,9 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
             try:
                 sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
                 with attached(interventions[arm.name], model):  # its hooks, on this arm only
-                    sums = probe.fold_sums(model, names, images, eps_dev, sigma, sigma_cond.to(device),
-                                           fold_of_image, len(sizes), p["chunk_images"], p["chunk_draws"])
+                    sums = trial.as_model_error(arm.name, b, probe.fold_sums, model, names, images, eps_dev, sigma,
+                                                sigma_cond.to(device), fold_of_image, len(sizes), p["chunk_images"],
+                                                p["chunk_draws"], method=method, forward=forward)
                 probe.check_finite(sums, arm.name, b["index"], sigma)
                 meta = {"arm": arm.name, "bin_index": b["index"], "sigma": sigma,
                         "sigma_cond": float(sigma_cond), "n_images": p["n_images"], "n_draws": p["n_draws"],
@@ -416,7 +423,7 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
             except Interrupted:
                 raise
             except Exception as err:  # any failure, ours or the model's: record where, keep earlier bins
-                index.mark_failed(b, arm.name)
+                index.mark_failed(b, arm.name, trial.failure_record(err))
                 if isinstance(err, TwinrunError):
                     raise
                 cause = (str(err).strip().splitlines() or [""])[0]
@@ -427,7 +434,7 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
         progress.log(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
                      f"({time.perf_counter() - t0:.2f}s)")
     progress.close()
-    job["sentinel_end"] = provenance.read_sentinel(model, device, images.shape[1:])["digest"]
+    job["sentinel_end"] = provenance.read_sentinel(forward, device, images.shape[1:])["digest"]
     index.set_status("measured")
     return run
 

@@ -454,11 +454,12 @@ class RunIndex:
         entry.update(sha256=sha256, status="done", kernel_path_sha256=kernel_path_sha256)
         self.save()
 
-    def mark_failed(self, b: dict, arm: str) -> None:
-        """Record which arm and bin failed; best effort (on a full disk run.json may not be writable)."""
+    def mark_failed(self, b: dict, arm: str, cause: dict | None = None) -> None:
+        """Record which arm and bin failed (and, when the model raised, its exception's type, message
+        and frame); best effort (on a full disk run.json may not be writable)."""
         b["stores"][arm]["status"] = "failed"
         self.doc["status"] = "failed"
-        self.doc["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"]}
+        self.doc["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"], **(cause or {})}
         self._save_best_effort()
 
     def mark_interrupted(self) -> None:

@@ -1,0 +1,65 @@
+"""Small models that misbehave the way real ones do, built through `model._target_` in subprocess tests."""
+
+import torch
+from torch import nn
+
+from twinrun.model import DiTDenoiser
+
+
+def tiny_dit(seed: int = 0) -> DiTDenoiser:
+    """A random DiT for 8x8 digits, every parameter drawn from `seed` (the same model in every process;
+    none left at adaLN-Zero's zero init, so every parameter has a gradient)."""
+    model = DiTDenoiser(width=16, depth=1, heads=2, mlp_ratio=2, sigma_data=0.5)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+class ChannelsLastQuery(nn.Module):
+    """Asks whether its input is channels-last, as diffusers' UNet2DModel does before GroupNorm:
+    vmap has no rule for that query (NYI), a plain forward does."""
+
+    COND_PARAM_PATTERNS = DiTDenoiser.COND_PARAM_PATTERNS
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_dit()
+        self.sigma_data = self.net.sigma_data
+
+    def forward(self, x, sigma, sigma_cond):
+        if x.is_contiguous(memory_format=torch.channels_last):
+            x = x.contiguous()
+        return self.net(x, sigma, sigma_cond)
+
+
+class FailsAboveSigma(ChannelsLastQuery):
+    """Raises inside its forward for σ > 1: a model error mid-run, after earlier bins succeeded."""
+
+    def forward(self, x, sigma, sigma_cond):
+        if float(sigma.reshape(-1)[0]) > 1.0:
+            raise FloatingPointError("overflow in my custom layer")
+        return self.net(x, sigma, sigma_cond)
+
+
+class AlwaysFails(ChannelsLastQuery):
+    def forward(self, x, sigma, sigma_cond):
+        raise NotImplementedError("this model was never finished")
+
+
+# Builders for `model._target_`; `path` is the default model schema's key, unused here.
+def tiny(path=None):
+    return tiny_dit()
+
+
+def channels_last_query(path=None):
+    return ChannelsLastQuery()
+
+
+def fails_above_sigma(path=None):
+    return FailsAboveSigma()
+
+
+def always_fails(path=None):
+    return AlwaysFails()

@@ -1,0 +1,189 @@
+"""The probe's trial run: before any bin, each arm's model runs one tiny probe under the chosen method.
+
+It decides `probe.method=auto` (vmap when the model runs under vmap, else folds: a rule, not a
+timing, so the same model and torch always take the same path), compiles the model's forward
+for `probe.compile`, and turns a model that cannot run into one line naming the failing op and
+the fix, before a bin is spent. Plan time runs it eagerly on the CPU; the job runs it
+again where it measures (compiling there, after determinism has moved the compile caches).
+"""
+
+import logging
+import os
+import traceback
+
+import torch
+
+from twinrun import probe, provenance
+from twinrun.errors import ConfigError, ModelError, TwinrunError
+from twinrun.interventions import Intervention, attached
+
+log = logging.getLogger(__name__)
+
+# What probe.compile accepts (YAML `false` arrives as a bool); torch.compile's own mode names.
+COMPILE_MODES = ("default", "max-autotune")
+# Seed of the trial's draws (the same bits every time).
+TRIAL_SEED = 20251201
+
+
+def compile_mode(value) -> str | None:
+    """probe.compile as torch.compile's mode, None for eager; a one-line error for anything else."""
+    if value in (False, None, "false", "False"):
+        return None
+    if value not in COMPILE_MODES:
+        raise ConfigError("probe.compile", value, f"choose false, {' or '.join(COMPILE_MODES)}")
+    return value
+
+
+def check_method(method: str, mode: str | None) -> None:
+    if method not in probe.METHODS:
+        raise ConfigError("probe.method", method, f"choose one of {', '.join(probe.METHODS)}")
+    if method == "vmap" and mode is not None:
+        raise ConfigError("probe.method", method, "torch.compile runs under the folds method only; set "
+                          "probe.method=folds (or auto), or probe.compile=false")
+
+
+def candidates(method: str, mode: str | None) -> list[str]:
+    """The methods to try, in order: auto prefers vmap (it batches small folds) unless compiling."""
+    if method != "auto":
+        return [method]
+    return ["folds"] if mode is not None else ["vmap", "folds"]
+
+
+def prepare(model: torch.nn.Module, names: list[str], method: str, mode: str | None) -> torch.nn.Module:
+    """What the probe calls: the model, or its compiled module. The folds method differentiates the
+    model's own parameters, so exactly the probed ones require grad there."""
+    if method == "folds":
+        wanted = set(names)
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in wanted)
+    if mode is None:
+        return model
+    return torch.compile(model, mode=mode)
+
+
+def smoke_test(model: torch.nn.Module, p: dict, images: torch.Tensor, sigma: float, interventions: dict) -> str:
+    """Plan time: each arm's model, eager, on the CPU; returns the method chosen.
+
+    Nothing here touches a GPU or Inductor: in a local run the job follows in this process, and its
+    determinism must come before CUDA's first use (cuBLAS reads its workspace setting once) and
+    before Inductor binds its cache dirs. The job repeats the trial on its own device, compiling."""
+    device = torch.device("cpu")
+    names = probe.select_params(model, list(p["params"]))
+    sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(device)
+                   for arm, i in interventions.items()}
+    mode = compile_mode(p.get("compile"))
+    check_method(p["method"], mode)
+    method, _ = run_trial(model, names, images[:4].to(device), sigma, sigma_conds, p["method"],
+                          interventions=interventions)
+    if p["method"] == "auto":
+        print(f"twinrun: probe.method=auto chose {method} (trial run on {device} before any bin)", flush=True)
+    return method
+
+
+def job_trial(model, names, images, sigma: float, interventions: dict, p: dict, fold_of_image, n_folds: int):
+    """The job, before its first bin: (method, forward to probe with, compile mode or None)."""
+    mode = compile_mode(p.get("compile"))
+    sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(images.device)
+                   for arm, i in interventions.items()}
+    method, forward = run_trial(model, names, images, sigma, sigma_conds, p["method"], mode, interventions)
+    if mode is not None:
+        warm_up(model, forward, names, images, sigma, next(iter(sigma_conds.values())), p, fold_of_image, n_folds)
+    log.info("probe method %s, compile %s", method, mode or "off")
+    return method, forward, mode
+
+
+def warm_up(model, forward, names, images, sigma, sigma_cond, p: dict, fold_of_image, n_folds: int) -> None:
+    """Compile every shape the bins and the sentinel will run (one bin's worth of calls, seeded
+    draws), so the cache the fingerprint then reads is the cache the whole run uses: a resume on
+    the same cache finds the same digest instead of the entries the first job's bins added."""
+    gen = torch.Generator().manual_seed(TRIAL_SEED)
+    eps = torch.randn((images.shape[0], p["n_draws"], *images.shape[1:]), generator=gen).to(images.device)
+    probe.fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, p["chunk_images"],
+                    p["chunk_draws"], method="folds", forward=forward)
+    provenance.model_sentinel_fn(forward, images.device, tuple(images.shape[1:]))()
+
+
+def run_trial(
+    model: torch.nn.Module,
+    names: list[str],
+    images: torch.Tensor,  # [N ≥ 2, C, H, W] on the device
+    sigma: float,
+    sigma_conds: dict[str, torch.Tensor],  # arm -> 0-d σ_cond at this σ
+    method: str,
+    mode: str | None = None,
+    interventions: dict | None = None,  # arm -> Intervention: its hooks are on during its trial
+) -> tuple[str, torch.nn.Module]:
+    """(the method chosen, the forward to probe with); ConfigError (exit 2) if none can run."""
+    check_method(method, mode)
+    tried = []
+    for candidate in candidates(method, mode):
+        forward = prepare(model, names, candidate, mode if candidate == "folds" else None)
+        try:
+            for arm, sigma_cond in sigma_conds.items():
+                with attached((interventions or {}).get(arm, Intervention()), model):
+                    tiny_probe(model, forward, names, images, sigma, sigma_cond, candidate)
+        except Exception as err:  # noqa: BLE001 — any failure of user code is reported, not raised as is
+            tried.append((candidate, err))
+            continue
+        return candidate, forward
+    raise ConfigError("probe.method", method, cannot_run(tried, mode))
+
+
+def tiny_probe(model, forward, names, images, sigma, sigma_cond, method) -> None:
+    """Four images in two folds, two draws each: batches of more than one sample per group, since
+    some ops take other paths at size 1 (diffusers' UNet runs under vmap with one image per group
+    and fails with two)."""
+    gen = torch.Generator().manual_seed(TRIAL_SEED)
+    x = images[torch.arange(4, device=images.device) % images.shape[0]]
+    eps = torch.randn((4, 2, *images.shape[1:]), generator=gen).to(images.device)
+    folds = torch.tensor([0, 0, 1, 1], device=images.device)
+    probe.fold_sums(model, names, x, eps, sigma, sigma_cond, folds, 2, method=method, forward=forward)
+
+
+def cannot_run(tried: list[tuple[str, BaseException]], mode: str | None) -> str:
+    """One line: what failed under which method, where in the model, and the fix."""
+    parts = [f"under {m} the model raised {type(e).__name__}: {first_line(e)} (at {failing_frame(e)})"
+             for m, e in tried]
+    last = tried[-1][0]
+    if last == "vmap":
+        fix = "set probe.method=folds (one plain backward per fold chunk: no vmap, any nn.Module)"
+    elif mode is not None:
+        fix = "set probe.compile=false, or make the model compile"
+    else:
+        fix = "the model fails a plain forward and backward: fix it, or probe other parameters"
+    return f"{'; '.join(parts)}; {fix}"
+
+
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
+
+
+def failing_frame(err: BaseException) -> str:
+    """The innermost frame outside torch: the model code that made the failing call."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)]
+    if not frames:
+        return "inside torch"
+    f = frames[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}: {(f.line or '').strip()[:80]}"
+
+
+def as_model_error(arm: str, b: dict, call, *args, **kwargs):
+    """call(*args, **kwargs); anything the model raises becomes a ModelError (exit 4) naming arm and bin."""
+    try:
+        return call(*args, **kwargs)
+    except TwinrunError:
+        raise
+    except Exception as err:  # user code may raise anything: named, recorded, exit 4
+        where = f"arm {arm}, bin {b['index']} (σ={b['sigma']:g})"
+        model_error = ModelError(f"{where}: the model raised {type(err).__name__}: {first_line(err)} "
+                                 f"(at {failing_frame(err)}); earlier bins are kept, resume after fixing it")
+        model_error.record = {"type": type(err).__name__, "message": first_line(err), "at": failing_frame(err)}
+        log.error("%s", model_error)
+        raise model_error from err
+
+
+def failure_record(err: BaseException | None) -> dict:
+    """run.json's failure fields beyond arm and bin when the model raised: its exception's type,
+    message and frame (`as_model_error`); twinrun's own errors name themselves on stderr."""
+    return dict(getattr(err, "record", None) or {})

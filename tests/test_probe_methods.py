@@ -12,7 +12,7 @@ from fault_models import always_fails, channels_last_query, tiny_dit
 
 from twinrun import probe, provenance, trial
 from twinrun.errors import EXIT_MODEL, EXIT_USAGE, ConfigError, ModelError
-from twinrun.run import _mark_failed
+from twinrun.rundir import RunDir, RunIndex
 
 TESTS = Path(__file__).resolve().parent
 IMAGES = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -92,7 +92,7 @@ def test_failure_record_lands_in_run_json(tmp_path):
     run = {"bins": [{"index": 0, "sigma": 0.2, "stores": {"a": {"status": "pending"}}}]}
     err = ModelError("x")
     err.record = {"type": "FloatingPointError", "message": "overflow", "at": "m.py:3 in forward"}
-    _mark_failed(tmp_path, run, run["bins"][0], "a", err)
+    RunIndex(RunDir(tmp_path), run).mark_failed(run["bins"][0], "a", trial.failure_record(err))
     failure = json.loads((tmp_path / "run.json").read_text())["failure"]
     assert failure == {"arm": "a", "bin_index": 0, "sigma": 0.2, "type": "FloatingPointError",
                        "message": "overflow", "at": "m.py:3 in forward"}

@@ -19,7 +19,7 @@ import submitit
 from submitit.core.utils import UncompletedJobError
 
 from twinrun import status
-from twinrun.errors import EXIT_GATE, EXIT_USAGE, ConfigError, TwinrunError
+from twinrun.errors import EXIT_GATE, EXIT_MODEL, EXIT_USAGE, ConfigError, TwinrunError
 from twinrun.run import run_job
 from twinrun.rundir import RunDir, RunIndex
 from twinrun.store import read_json, write_json
@@ -448,6 +448,8 @@ def _report(run_dir: Path, job, state: str, tail: list[str]) -> int:
     for line in tail:
         print(f"  | {line}", file=sys.stderr)
     print(f"  logs: {job.paths.stderr}", file=sys.stderr, flush=True)
+    if failure and failure.get("type"):  # the model raised (run.json records its exception): exit 4
+        return EXIT_MODEL
     return EXIT_GATE if failure else EXIT_USAGE
 
 

@@ -509,11 +509,23 @@ def main(argv=None) -> int:
     p.add_argument("--determinism", choices=("on", "off"), default="on",
                    help="as a run with determinism.enabled=true (default) or false: the switches are part "
                    "of the kernel path, so the digest differs")
+    p.add_argument("--method", choices=("vmap", "folds"), default="vmap",
+                   help="the probe method a run resolved (its log says which; the default model takes vmap)")
     args = p.parse_args(argv)
     # A run pins determinism before it fingerprints (run._measure); do the same, or the switches
     # (deterministic algorithms, cuDNN, CUBLAS_WORKSPACE_CONFIG) read here would not be the run's.
     determinism = setup_determinism({"determinism": {"enabled": args.determinism == "on"}})
     fp = fingerprint()
+    # A run adds its probe's arithmetic settings (run._measure); take the default probe config's.
+    from dataclasses import asdict
+
+    from twinrun.config import ProbeConfig
+    from twinrun.probe import resolve_device
+    from twinrun.provenance import probe_arithmetic
+
+    probe = asdict(ProbeConfig())
+    fp["kernel_path"]["probe"] = probe_arithmetic({**probe, "method": args.method,
+                                                   "device": resolve_device(probe["device"]).type})
     sha = kernel_path_sha256(fp)
     out = {"kernel_path_sha256": sha, "kernel_path_file": f"env/kernel_path-{sha[:12]}.json",
            "determinism": determinism, **fp}

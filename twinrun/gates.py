@@ -43,7 +43,8 @@ def gate_row(b: dict, name: str, est, identical: bool, shift: float, replicate_s
         detail = f"{where}: bit-identical to the twin"
     elif replicate_shift is None:
         detail = (f"{where}: the arms differ ({_size(est, shift)}) and no replicate of the twin was measured, so "
-                  "nothing proves the kernel path nondeterministic: resume the run to measure it")
+                  "nothing proves the kernel path nondeterministic (a run planned before gate replicates existed: "
+                  "measure it again into a new run directory)")
     elif replicate_shift == 0.0:
         detail = (f"not a no-op: the arms differ at a bin where the intervention claims to do nothing ({where}: "
                   f"{_size(est, shift)}); the twin's replicate is bit-identical, so the kernel path is deterministic")

@@ -31,7 +31,6 @@ from twinrun.errors import (
     EXIT_TERMINATED,
     ConfigError,
     Interrupted,
-    ModelError,
     StoreError,
     TwinrunError,
 )
@@ -422,13 +421,12 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
                 index.mark_done(b, arm.name, sha, record["kernel_path_sha256"])
             except Interrupted:
                 raise
-            except Exception as err:  # any failure, ours or the model's: record where, keep earlier bins
-                index.mark_failed(b, arm.name, trial.failure_record(err))
-                if isinstance(err, TwinrunError):
+            except Exception as err:  # any failure, ours or user code's: record where, keep earlier bins
+                failure = err if isinstance(err, TwinrunError) else trial.to_model_error(arm.name, b, err)
+                index.mark_failed(b, arm.name, trial.failure_record(failure))
+                if failure is err:
                     raise
-                cause = (str(err).strip().splitlines() or [""])[0]
-                raise ModelError(f"arm {arm.name}, bin {b['index']} (σ={sigma:g}) raised {type(err).__name__}: "
-                                 f"{cause}; earlier bins are kept") from err
+                raise failure from err
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
             progress.step(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g} {arm.name}")
         progress.log(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "

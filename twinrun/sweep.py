@@ -68,7 +68,9 @@ def _point(run_dir: Path) -> dict:
     if rd.summary_json.exists():
         summary = read_json(rd.summary_json)
         point["valid"] = summary["valid"]
-        point["gates_passed"] = all(g["passed"] for g in summary["gates"]) and bool(summary["gates"])
+        # `passed`: every check and gate, the machinery arm's included (an intervention with a no-op
+        # setting may have no gate bin at all).
+        point["gates_passed"] = summary.get("passed", all(g["passed"] for g in summary["gates"]) and bool(summary["gates"]))
         point["effects"] = summary["effects"]
         point["gate_sigmas"] = sorted({g["sigma"] for g in summary["gates"]})  # boxed on the heatmap
         point["status"] = "reduced"

@@ -61,6 +61,15 @@ def prepare(model: torch.nn.Module, names: list[str], method: str, mode: str | N
     return torch.compile(model, mode=mode)
 
 
+def refuse_compiled_hooks(mode: str | None, interventions: dict) -> None:
+    """torch.compile does not see forward hooks added after compiling (dynamo skips hook guards on
+    nn.Modules), so an intervention that acts through hooks would silently do nothing compiled."""
+    hooked = [arm for arm, i in interventions.items() if type(i).attach is not Intervention.attach]
+    if mode is not None and hooked:
+        raise ConfigError("probe.compile", mode, f"arm {hooked[0]} acts through forward hooks, which a compiled "
+                          "model does not see; set probe.compile=false for this intervention")
+
+
 def smoke_test(model: torch.nn.Module, p: dict, images: torch.Tensor, sigma: float, interventions: dict) -> str:
     """Plan time: each arm's model, eager, on the CPU; returns the method chosen.
 
@@ -73,6 +82,7 @@ def smoke_test(model: torch.nn.Module, p: dict, images: torch.Tensor, sigma: flo
                    for arm, i in interventions.items()}
     mode = compile_mode(p.get("compile"))
     check_method(p["method"], mode)
+    refuse_compiled_hooks(mode, interventions)
     method, _ = run_trial(model, names, images[:4].to(device), sigma, sigma_conds, p["method"],
                           interventions=interventions)
     if p["method"] == "auto":
@@ -175,12 +185,17 @@ def as_model_error(arm: str, b: dict, call, *args, **kwargs):
     except TwinrunError:
         raise
     except Exception as err:  # user code may raise anything: named, recorded, exit 4
-        where = f"arm {arm}, bin {b['index']} (σ={b['sigma']:g})"
-        model_error = ModelError(f"{where}: the model raised {type(err).__name__}: {first_line(err)} "
-                                 f"(at {failing_frame(err)}); earlier bins are kept, resume after fixing it")
-        model_error.record = {"type": type(err).__name__, "message": first_line(err), "at": failing_frame(err)}
-        log.error("%s", model_error)
-        raise model_error from err
+        raise to_model_error(arm, b, err) from err
+
+
+def to_model_error(arm: str, b: dict, err: BaseException) -> ModelError:
+    """User code's exception as a ModelError (exit 4) naming arm, bin, type, message and frame."""
+    where = f"arm {arm}, bin {b['index']} (σ={b['sigma']:g})"
+    model_error = ModelError(f"{where}: user code raised {type(err).__name__}: {first_line(err)} "
+                             f"(at {failing_frame(err)}); earlier bins are kept, resume after fixing it")
+    model_error.record = {"type": type(err).__name__, "message": first_line(err), "at": failing_frame(err)}
+    log.error("%s", model_error)
+    return model_error
 
 
 def failure_record(err: BaseException | None) -> dict:

@@ -150,3 +150,16 @@ def _pythonpath(tmp_path) -> str:
     import os
 
     return os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+
+
+def test_compiling_a_hook_intervention_is_refused():
+    # A compiled graph does not see forward hooks added after compiling: the arm would silently be
+    # the twin. σ-only interventions compile as before.
+    from twinrun.errors import ConfigError
+    from twinrun.interventions import PinSigma
+    from twinrun.trial import refuse_compiled_hooks
+
+    with pytest.raises(ConfigError, match="probe.compile='default'.*forward hooks"):
+        refuse_compiled_hooks("default", {"scale_module": ScaleModule("blocks.1.attn", 0.5)})
+    refuse_compiled_hooks(None, {"scale_module": ScaleModule("blocks.1.attn", 0.5)})
+    refuse_compiled_hooks("default", {"pin_sigma": PinSigma(0.5)})

@@ -251,7 +251,7 @@ def test_failing_arm_is_reported_with_its_bin_and_exit_1(tmp_path, model_args, c
     assert "arm pin_sigma failed at bin 2 (σ=1.2)" in err and "NonFiniteGradient" in err
     run = json.loads((run_dir / "run.json").read_text())
     assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "bin_index": 2, "sigma": 1.2}
-    assert len(store_sums(run_dir)) == 2 * 2  # bins 0 and 1 of both arms stay valid
+    assert len(store_sums(run_dir)) == 2 * 2 + 1  # bins 0 and 1 of both arms (+ the gate replicate) stay valid
 
 
 def _children(pid: int) -> list[int]:

@@ -174,7 +174,7 @@ def test_failing_arm_ends_the_job_failed_and_names_arm_and_bin(tmp_path, slurm_a
     assert final_state(job_id) == "FAILED 1:0"
     run = read_json(run_dir / "run.json")
     assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "bin_index": 2, "sigma": 1.2}
-    assert len(store_sums(run_dir)) == 2 * 2  # bins 0 and 1 of both arms stay valid
+    assert len(store_sums(run_dir)) == 2 * 2 + 1  # bins 0 and 1 of both arms (+ the gate replicate) stay valid
 
 
 def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_args, model_args, capsys):

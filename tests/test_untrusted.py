@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from twinrun import compare, diff, reduce, resume, status
 from twinrun.errors import StoreError
 from twinrun.run import config_hash
+from twinrun.store import read_json
 
 pytestmark = pytest.mark.slow
 
@@ -111,9 +112,11 @@ def test_a_forged_reference_claim_in_summary_json_is_refused(run_copy, made_run)
     summary = json.loads((run_copy / "summary.json").read_text())
     summary["reference"] = {"alive": True, "path": str(made_run)}
     (run_copy / "summary.json").write_text(json.dumps(summary))
-    # compare asks whether A vouches for B only across kernel paths; the claim itself is refused
+    # compare asks whether A vouches for B only across kernel paths; it recomputes the verdict from the
+    # stores (A's run.json names no reference), so the forged claim counts for nothing
+    assert compare.vouched(run_copy, made_run) is False
     with pytest.raises(StoreError, match=r"summary.json: field reference.path"):
-        compare.vouched(run_copy, made_run)
+        read_json(run_copy / "summary.json")  # and every reader refuses the forged document itself
 
 
 # ----------------------------------------------------------------------------- containment

@@ -255,7 +255,10 @@ def discard_unplanned(run_dir: Path, own_files=(".hydra/config.yaml", ".hydra/hy
     logs = [p for p in rd.path.glob("*.log") if p.is_file() and p.stat().st_size == 0]
     for path in hydra_files + logs:
         path.unlink(missing_ok=True)
-    for folder in (rd.path / ".hydra", rd.path, rd.path.parent):
+    # The date folder of Hydra's default layout (outputs/runs/DATE/) goes too when empty; a parent the
+    # user chose (hydra.run.dir=SOMEWHERE/NAME) is theirs and stays.
+    dated = rd.path.parent.parent.name in ("runs", "sweeps")
+    for folder in (rd.path / ".hydra", rd.path, *([rd.path.parent] if dated else [])):
         if not folder.exists():
             continue
         try:

@@ -219,11 +219,11 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     validate(cfg, n_available_images=images.shape[0])
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     intervention.check(grid)
-    check_measures_something(intervention, grid)
     model = build(OmegaConf.to_container(cfg.model, resolve=True), "model")
     check_params(model, cfg)
-    intervention.check_model(model)
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
+    check_measures_something(intervention, grid)  # after derive_arms: "no intervention declared" comes first
+    intervention.check_model(model)
     n_params = sum(dict(model.named_parameters())[n].numel() for n in probe.select_params(model, list(cfg.probe.params)))
     check_sizes(cfg, images.shape[1:], n_params, len(arms) + 1, run_dir)  # + 1: the gate replicate
     trial.smoke_test(model, OmegaConf.to_container(cfg.probe, resolve=True), images, grid[0],
@@ -249,7 +249,8 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     rd = RunDir(run_dir)
     if rd.run_json.exists():
         return _resume_plan(rd, run)
-    rd.arm_dir(GATE_REPLICATE).mkdir(parents=True, exist_ok=True)
+    if any(GATE_REPLICATE in b["stores"] for b in run["bins"]):
+        rd.arm_dir(GATE_REPLICATE).mkdir(parents=True, exist_ok=True)
     for arm in arms:
         rd.arm_dir(arm.name).mkdir(parents=True, exist_ok=True)
         atomic_write(rd.arm_config(arm.name), yaml.safe_dump(arm.config, sort_keys=False).encode())

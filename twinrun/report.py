@@ -4,6 +4,7 @@ Order is part of the contract: verdict, validity checks, gates (with the rule th
 and only then effects, never effects when a check or gate failed. Every number has its SE.
 """
 
+import io
 import json
 import shlex
 from pathlib import Path
@@ -64,8 +65,16 @@ def plot_effect(summary: dict, path: Path) -> Path:
     ax_cos.set_title("intervention vs native twin")
     ax_cos.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     return path
+
+
+def save_figure(fig, path: Path) -> None:
+    """PNG bytes written atomically: a full disk or a read-only directory is one StoreError line
+    naming the file (exit 2), and a half-written plot never replaces a whole one."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write(Path(path), buf.getvalue())
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
@@ -296,8 +305,10 @@ def plot_sweep(sweep_summary: dict, path: Path, estimand: str = "all") -> Path |
         handles.append(plt.Rectangle((0, 0), 1, 1, fill=False, ec="tab:orange", lw=2.5, label="no-op gate bin"))
     fig.legend(handles=handles, loc="lower center", fontsize=7, frameon=False, ncol=1)
     fig.tight_layout(rect=(0, 0.05 + 0.045 * len(handles), 1, 1))
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -105,6 +106,25 @@ def validate(cfg: DictConfig, n_available_images: int) -> None:
         raise ConfigError("probe.device", p.device, "CUDA is not available here; use probe.device=cpu")
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError("seed", cfg.seed, "must be in [0, 2^63): it keys every noise stream")
+
+
+def check_paths(cfg: DictConfig, run_dir: Path | None) -> None:
+    """Paths a run will write to: its directory's name must be UTF-8 (it is written into run.json and
+    every report), and a compile cache directory the user chose must be writable."""
+    if run_dir is not None:
+        try:
+            str(run_dir).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError("hydra.run.dir", str(run_dir).encode("utf-8", "replace").decode(),
+                              "is not valid UTF-8; choose a directory name of UTF-8 characters") from None
+    cache = cfg.determinism.compile_cache_dir
+    if cache is not None:
+        path = Path(cache).expanduser()
+        probe_dir = next((q for q in (path, *path.parents) if q.exists()), None)
+        if probe_dir is None or not probe_dir.is_dir() or not os.access(probe_dir, os.W_OK | os.X_OK):
+            raise ConfigError("determinism.compile_cache_dir", cache,
+                              "cannot be created or written here; choose a writable directory (or null for "
+                              "~/.cache/twinrun/compile)")
 
 
 def check_sizes(cfg: DictConfig, image_shape, n_params: int, n_arms: int, run_dir: Path | None) -> None:
@@ -223,6 +243,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     check_params(model, cfg)
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
     check_measures_something(intervention, grid)  # after derive_arms: "no intervention declared" comes first
+    check_paths(cfg, run_dir)
     intervention.check_model(model)
     n_params = sum(dict(model.named_parameters())[n].numel() for n in probe.select_params(model, list(cfg.probe.params)))
     check_sizes(cfg, images.shape[1:], n_params, len(arms) + 1, run_dir)  # + 1: the gate replicate

@@ -371,10 +371,13 @@ def test_status_tells_a_killed_run_from_a_running_one(run_copy, capsys):
 
 
 def test_a_rejected_config_leaves_nothing_on_disk(tmp_path):
-    run_dir = tmp_path / "outputs" / "day" / "run"
+    run_dir = tmp_path / "outputs" / "runs" / "day" / "run"  # Hydra's default layout: its date folder goes too
     proc = run_twinrun(["+experiment=pin_sigma", "probe.n_images=1", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 2 and "probe.n_images" in proc.stderr
     assert not run_dir.exists() and not run_dir.parent.exists()
+    mine = tmp_path / "mine"  # a folder the user chose stays, even empty
+    proc = run_twinrun(["+experiment=pin_sigma", "probe.n_images=1", f"hydra.run.dir={mine / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2 and not (mine / "run").exists() and mine.is_dir()
 
 
 RAISES_AT_HIGH_SIGMA = """

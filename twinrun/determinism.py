@@ -3,7 +3,7 @@
 This makes results repeatable within one kernel path. It cannot choose which path a fresh
 environment takes: autotuner winners, library versions, GPU model and SM count, and thread count
 all decide that, and a reboot, a wiped cache or another node may pick a different one. That is why
-twinrun reads effects only against a twin measured on the same path (see DESIGN.md).
+twinrun reads effects only against a twin measured on the same path (see docs/kernel-paths.md).
 
 Call `apply_determinism` first thing, before any CUDA work (cuBLAS reads CUBLAS_WORKSPACE_CONFIG
 once, when it first sets up) and before torch.compile (it binds its cache dirs on import).

@@ -33,3 +33,14 @@ def test_an_unwritable_compile_cache_and_a_non_utf8_run_dir_are_refused_at_plan_
     with pytest.raises(ConfigError, match="hydra.run.dir.*not valid UTF-8"):
         check_paths(cfg, tmp_path / bad)
     check_paths(cfg, tmp_path / "run")  # a plain one passes
+
+
+def test_a_fifo_in_place_of_an_arm_config_is_refused_not_waited_on(tmp_path):
+    import os
+
+    from twinrun.checks import arm_config
+
+    (tmp_path / "arms" / "native").mkdir(parents=True)
+    os.mkfifo(tmp_path / "arms" / "native" / "config.yaml")
+    with pytest.raises(StoreError, match="config.yaml"):
+        arm_config(tmp_path, "native")  # before: path.read_text() blocked forever on the FIFO

@@ -10,13 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import yaml
 
 from twinrun import arms as arms_mod
 from twinrun.config import ReduceConfig
 from twinrun.errors import StoreError
 from twinrun.rundir import GATE_REPLICATE, RunDir
-from twinrun.store import read_json, read_store
+from twinrun.store import read_config, read_json, read_store
 
 TWIN, REPLICATE = "native", GATE_REPLICATE
 # Store metadata that must agree across every store of a run (the protocol).
@@ -80,14 +79,7 @@ def load_run(run_dir: Path) -> tuple[dict, dict]:
 
 
 def arm_config(run_dir: Path, arm: str) -> dict:
-    path = run_dir / "arms" / arm / "config.yaml"
-    try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise StoreError(path, f"unreadable arm config ({getattr(err, 'strerror', None) or err})") from None
-    if not isinstance(config, dict):
-        raise StoreError(path, "not a resolved twinrun config")
-    return config
+    return read_config(RunDir(run_dir).arm_config(arm))
 
 
 def arm_stores(run_dir: Path, arm: str) -> tuple[dict, dict]:

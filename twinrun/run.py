@@ -40,13 +40,12 @@ from twinrun.gates import GATE_RULES
 from twinrun.interventions import Intervention, Native, attached
 from twinrun.lock import run_lock
 from twinrun.rundir import RunDir, RunIndex
-from twinrun.store import atomic_write, max_store_bytes, read_regular, store_name, write_json, write_store
+from twinrun.store import atomic_write, max_store_bytes, read_config, store_name, write_json, write_store
 
 # The builders a run directory may name without the user vouching for them: twinrun's own
 # model, data and interventions. Anything else must come from a config the user composed (its
 # `_target_`s are passed in as `trusted`) or a module named on the command line.
 BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions")
-MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
 def config_hash(config: dict) -> str:
@@ -205,11 +204,9 @@ def check_reference(reference: str | None, mine: dict) -> str | None:
     try:
         index = RunIndex.load(path)
         twin = index.arm("twin")["name"]
-        theirs = yaml.safe_load(read_regular(index.run_dir.arm_config(twin), MAX_CONFIG_BYTES, "config").decode())
+        theirs = read_config(index.run_dir.arm_config(twin))
     except StoreError as err:
         raise ConfigError("reference", reference, f"must be an earlier, intact twinrun run directory ({err})") from None
-    except (UnicodeDecodeError, yaml.YAMLError) as err:
-        raise ConfigError("reference", reference, f"its twin's config.yaml is unreadable ({err})") from None
     if not isinstance(theirs, dict):
         raise ConfigError("reference", reference, "its twin's config.yaml is not a config")
     differ = [k for k in PROTOCOL_CONFIG if theirs.get(k) != mine.get(k)]
@@ -331,11 +328,8 @@ def load_arms(index: RunIndex, trusted=()) -> list[Arm]:
     arms = []
     for entry in index.doc["arms"]:
         path = index.run_dir.arm_config(entry["name"])
-        try:
-            config = yaml.safe_load(read_regular(path, MAX_CONFIG_BYTES, "config").decode())
-        except (UnicodeDecodeError, yaml.YAMLError) as err:
-            raise StoreError(path, f"unreadable arm config ({str(err).splitlines()[0]})") from None
-        if not isinstance(config, dict) or config_hash(config) != entry["config_hash"]:
+        config = read_config(path)
+        if config_hash(config) != entry["config_hash"]:
             raise StoreError(path, f"does not match the config_hash {entry['config_hash']} run.json records "
                              "for it (edited after planning?); restore it or start a new run directory")
         foreign = [t for t in targets(config) if not _allowed(t, trusted)]

@@ -253,3 +253,20 @@ def _check_meta(path: Path, sums: torch.Tensor, meta: dict) -> None:
                          f"[{len(meta['fold_sizes'])}, {n_params}]")
     if not bool(torch.isfinite(sums).all()):
         raise StoreError(path, "'sums' holds NaN or inf (twinrun never writes such a store): damaged or forged")
+
+
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+def read_config(path: Path) -> dict:
+    """A resolved arm config (config.yaml) from a regular file of plausible size: one StoreError line
+    naming the file if it is not one, never a hang on a FIFO."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(read_regular(Path(path), MAX_CONFIG_BYTES, "config").decode())
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise StoreError(path, f"unreadable arm config ({str(err).splitlines()[0]})") from None
+    if not isinstance(config, dict):
+        raise StoreError(path, "not a resolved twinrun config")
+    return config

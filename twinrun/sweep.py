@@ -20,7 +20,7 @@ import yaml
 from twinrun.errors import EXIT_GATE, EXIT_OK, EXIT_USAGE, StoreError, TwinrunError, fail
 from twinrun.report import HEATMAP_PNG, plot_sweep, sweep_caption, swept_variables
 from twinrun.rundir import RunDir, RunIndex
-from twinrun.store import atomic_write, read_json, read_regular, write_json
+from twinrun.store import atomic_write, read_config, read_json, read_regular, write_json
 
 MULTIRUN_YAML = "multirun.yaml"
 MAX_YAML_BYTES = 16 * 1024 * 1024
@@ -80,11 +80,8 @@ def _point(run_dir: Path) -> dict:
 def _intervention(index: RunIndex) -> dict:
     """The intervention arm's `intervention` node (its sweep axis), as planned."""
     path = index.run_dir.arm_config(index.arm("intervention")["name"])
-    try:
-        config = yaml.safe_load(read_regular(path, MAX_YAML_BYTES, "config").decode())
-    except (UnicodeDecodeError, yaml.YAMLError):
-        config = None
-    if not isinstance(config, dict) or not isinstance(config.get("intervention"), dict):
+    config = read_config(path)
+    if not isinstance(config.get("intervention"), dict):
         raise StoreError(path, "field intervention: missing or not a config node")
     return config["intervention"]
 

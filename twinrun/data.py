@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+from functools import cache
+from pathlib import Path
+
+import numpy as np
 import torch
 
 # The digits set stores pixel intensities as integers 0..16; dividing by half of that maps them to [0, 2].
@@ -10,11 +16,27 @@ DIGITS_PIXEL_HALF_RANGE = 8.0
 N_HELDOUT = 297
 
 
+def _digits_csv() -> Path:
+    """scikit-learn's bundled digits.csv.gz, found without importing sklearn (its import costs
+    more CPU than the whole default probe of a small grid)."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the default data set ships with scikit-learn: pip install scikit-learn")
+    return Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+
+
+@cache
+def _digits_pixels() -> np.ndarray:
+    """[N, 64] pixel intensities 0..16 (the last CSV column is the label), exactly as
+    sklearn.datasets.load_digits reads them; read once per process (plan and job both need it)."""
+    with gzip.open(_digits_csv(), "rt") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1]
+
+
 def load_digits_images() -> torch.Tensor:
     """All 1797 digits as float32 [N, 1, 8, 8], scaled to [-1, 1]."""
-    from sklearn.datasets import load_digits  # imported lazily: sklearn is slow to import
-
-    images_u8 = torch.as_tensor(load_digits().images, dtype=torch.float32)
+    images_u8 = torch.as_tensor(_digits_pixels().reshape(-1, 8, 8), dtype=torch.float32)
     return (images_u8 / DIGITS_PIXEL_HALF_RANGE - 1.0).unsqueeze(1).contiguous()
 
 

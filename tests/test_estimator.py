@@ -1,11 +1,20 @@
 """The estimator against synthetic data with a known truth (calibration: tests/test_calibration.py)."""
 
 import itertools
+import json
 
 import numpy as np
 import pytest
+from conftest import run_twinrun
 
-from twinrun.estimator import debiased_inner, estimate, jackknife_se, leave_one_out_inner
+from twinrun.estimator import (
+    debiased_inner,
+    estimate,
+    fold_pair_variance,
+    jackknife_se,
+    leave_one_out_inner,
+    pair_corrected_se,
+)
 
 ALPHA = 0.05
 
@@ -134,3 +143,45 @@ def test_unequal_folds_are_weighted_by_their_size():
     assert np.mean(cos) == pytest.approx(0.5, abs=0.03)
     assert np.mean(norm2) == pytest.approx(9.0, rel=0.03)
     assert np.mean(ratio) == pytest.approx(2.0, rel=0.03)
+
+
+def test_fold_pair_variance_recovers_the_known_hoeffding_parts():
+    """Fold means m_f = μ + e_f (P dims, per-coordinate noise s²); the kernel h_fg = m_f · m_g has
+    ζ1 = |μ|²·s² (one fold's noise against μ) and ζ2 = P·s⁴ (noise against noise). The jackknife
+    variance must average 4ζ1/F + 4ζ2/(F(F−2)) (it counts ζ2 about twice), the ζ2 estimate ζ2."""
+    rng = np.random.default_rng(8)
+    f, p, s = 8, 50, 0.5
+    mu = np.full(p, 0.2)
+    zeta1, zeta2 = mu @ mu * s**2, p * s**4
+    jack, z2 = [], []
+    for _ in range(4000):
+        m = mu + s * rng.standard_normal((f, p))
+        v, z = fold_pair_variance(m @ m.T)
+        jack.append(v)
+        z2.append(z)
+    assert np.mean(jack) == pytest.approx(4 * zeta1 / f + 4 * zeta2 / (f * (f - 2)), rel=0.04)
+    assert np.mean(z2) == pytest.approx(zeta2, rel=0.05)
+
+
+def test_pair_corrected_se_removes_half_the_excess_and_never_more_than_half_of_zeta2():
+    rng = np.random.default_rng(9)
+    m = 0.3 + rng.standard_normal((6, 40))
+    g = m @ m.T
+    jack, zeta2 = fold_pair_variance(g)
+    f = 6
+    excess = (4 / (f * (f - 2)) - 2 / (f * (f - 1))) * zeta2
+    most = jack * (1 - (f - 2) / (2 * (f - 1)))
+    se = pair_corrected_se([np.zeros_like(g), g, np.zeros_like(g)], np.array([0.0, 1.0, 0.0]))
+    assert se**2 == pytest.approx(jack - min(excess, most) / 2, rel=1e-12)
+    assert jack * (1 - most / jack / 2) <= se**2 < jack
+
+
+@pytest.mark.slow
+def test_the_default_run_is_readable(tmp_path):
+    """Issue 11 point 7: the default protocol leaves no effect below noise and no cosine SE above 0.1."""
+    proc = run_twinrun(["+experiment=pin_sigma"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads(next(tmp_path.glob("outputs/runs/*/*/summary.json")).read_text())
+    effects = [e for e in summary["effects"] if not e["gate"]]
+    assert effects and not [(e["sigma"], e["estimand"]) for e in effects if e["below_noise"]]
+    assert max(e["se"] for e in effects) <= 0.1

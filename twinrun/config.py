@@ -70,21 +70,24 @@ class ScaleInputConfig:
 class ProbeConfig:
     # Images carry the variance here, not draws: on the committed model the twin's mean gradient
     # is small (it sits near its optimum) and varies from image to image, while extra draws of one
-    # image barely move it. Measured (docs/estimator.md): 40 x 12 (10 folds) leaves 17 of 21
-    # effects below noise; 160 x 3: 11; 290 x 2 (10 folds): 5; 290 x 2 in 20 folds: 1 of 21, in
-    # about 2x the old default's time. The held-out split has 297 images.
-    n_images: int = 290
-    n_draws: int = 2  # noise draws per image and bin
+    # image barely move it. So the default takes every held-out image (297) and enough draws that
+    # no effect of the default run (pin_sigma on the edm6 grid) is below noise: measured
+    # (docs/estimator.md), 297 x 8 in 20 folds gives 15 of 15 effects with cos SE ≤ 0.093; 297 x 4
+    # leaves one below noise; 8 → 16 draws does not lower the largest SE. A draw costs little
+    # beside the run's fixed start-up: 1.6x the CPU time of the old 40 x 12 default.
+    n_images: int = 297
+    n_draws: int = 8  # noise draws per image and bin
     # Folds are disjoint groups of images; all draws of an image stay in one fold. The store is
     # n_folds x n_params float32 per arm and bin, so n_folds sets disk use linearly. 20 folds leave
     # 19 jackknife degrees of freedom (t_19 = 2.09 vs t_9 = 2.26) and a steadier SE of |μ|², which
-    # decides "below noise"; the default run directory stays near 60 MB.
+    # decides "below noise"; the default run directory stays near 50 MB.
     n_folds: int = 20
     # fnmatch patterns over model.named_parameters() names; the gradient is taken w.r.t. these.
     params: list = field(default_factory=lambda: ["*"])
     # One probe call takes ≤ chunk_images images x ≤ chunk_draws draws (-1 = all): peak memory is set
     # by the chunk, not by n_images x n_draws. 240 samples per call measured fastest among the
-    # chunks whose peak RSS stays flat from 12 to 192 draws (benchmarks/README.md): 120 x 2 here.
+    # chunks whose peak RSS stays flat from 12 to 192 draws (benchmarks/README.md): 120 x 2 at the
+    # old 2 draws; at 8 draws a call takes 6, then 2 (not re-measured).
     # Chunking changes the arithmetic order, so it is part of the recorded kernel path.
     chunk_images: int = 120
     chunk_draws: int = 6

@@ -36,7 +36,7 @@ from twinrun.interventions import Native, PinSigma
 from twinrun.model import DEFAULT_ARCH, DEFAULT_WEIGHTS_PATH, DiTDenoiser, load_pretrained
 from twinrun.run import fold_sizes
 
-N_IMAGES, N_DRAWS, N_FOLDS = 40, 12, 10  # the default probe (conf/probe/default.yaml)
+N_IMAGES, N_DRAWS, N_FOLDS = 40, 12, 10  # the first default probe (today: conf/probe/default.yaml)
 SIGMA, SIGMA_PIN, SEED = 0.5, 1.2, 0  # a bin of the default grid; σ_pin off the gate, so the arms differ
 RSS_DRAWS = (12, 48, 192)
 _SYNC = {"fn": lambda: None}  # torch.cuda.synchronize when timing on a GPU (--device cuda)

@@ -11,6 +11,7 @@ from conftest import TINY, run_twinrun
 from fault_models import always_fails, channels_last_query, tiny_dit
 
 from twinrun import probe, provenance, trial
+from twinrun.config import ProbeConfig
 from twinrun.errors import EXIT_MODEL, EXIT_USAGE, ConfigError, ModelError
 from twinrun.rundir import RunDir, RunIndex
 
@@ -82,9 +83,10 @@ def test_a_model_error_mid_run_becomes_exit_4_with_its_record():
 
 
 def test_probe_arithmetic_moves_the_kernel_path():
-    p = {"method": "vmap", "compile": False, "chunk_images": 40, "chunk_draws": 6}
-    fps = [{"kernel_path": {"probe": provenance.probe_arithmetic(q)}}
-           for q in (p, {**p, "method": "folds"}, {**p, "compile": "default"})]
+    p = ProbeConfig(chunk_images=40, chunk_draws=6)
+    fps = [{"kernel_path": {"probe": provenance.probe_arithmetic(q, method, "cpu")}}
+           for q, method in ((p, "vmap"), (p, "folds"), (ProbeConfig(chunk_images=40, chunk_draws=6,
+                                                                      compile="default"), "vmap"))]
     assert len({provenance.kernel_path_sha256(fp) for fp in fps}) == 3
 
 

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from twinrun.errors import StoreError
 
 # ----------------------------------------------------------------------------- components built
 # through one level of `_target_` (model, data, intervention): a user's own config may point
@@ -193,6 +196,41 @@ class TwinrunConfig:
     reference: str | None = None
     # One seed for every random stream (draws are keyed by (seed, bin σ, image, draw)).
     seed: int = 0
+
+
+# ----------------------------------------------------------------------------- the protocol
+# What a measurement is, defined once: two runs (a run and its reference) measure the same thing
+# only if these keys of their resolved configs are equal. Chunking, device and method change the
+# arithmetic, not what is measured (they are in the kernel path instead). The model config is not
+# part of it: weights move between paths and machines, and the parameter layout, which is, is
+# checked store by store.
+PROTOCOL_KEYS = ("data", "sigma_grid", "seed", "probe.n_images", "probe.n_draws", "probe.n_folds", "probe.params")
+# The same protocol as each store's metadata records it (n_folds and params become the fold sizes
+# and the parameter layout): every store of a run must agree on these (checks.py, references.py).
+STORE_PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
+
+
+def _at(config: dict, dotted: str):
+    """The value at a dotted key of a plain config (None where any part is missing)."""
+    node = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def protocol_differences(a: dict, b: dict) -> list[str]:
+    """The protocol keys at which two resolved configs differ (empty: they measure the same thing)."""
+    return [k for k in PROTOCOL_KEYS if _at(a, k) != _at(b, k)]
+
+
+def typed(schema: type, node: dict, where) -> Any:
+    """A plain config node (an arm's resolved config.yaml part) as its schema's dataclass: keys it
+    lacks take the schema's defaults, so no reader restates a default. `where` names the file in the
+    one-line error a node of the wrong shape gives (exit 2)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    except OmegaConfBaseException as err:
+        raise StoreError(where, f"does not fit the {schema.__name__} schema ({str(err).splitlines()[0]})") from None
 
 
 def register_configs() -> None:

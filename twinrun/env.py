@@ -517,15 +517,12 @@ def main(argv=None) -> int:
     determinism = setup_determinism({"determinism": {"enabled": args.determinism == "on"}})
     fp = fingerprint()
     # A run adds its probe's arithmetic settings (run._measure); take the default probe config's.
-    from dataclasses import asdict
-
     from twinrun.config import ProbeConfig
     from twinrun.probe import resolve_device
     from twinrun.provenance import probe_arithmetic
 
-    probe = asdict(ProbeConfig())
-    fp["kernel_path"]["probe"] = probe_arithmetic({**probe, "method": args.method,
-                                                   "device": resolve_device(probe["device"]).type})
+    probe = ProbeConfig()
+    fp["kernel_path"]["probe"] = probe_arithmetic(probe, args.method, resolve_device(probe.device).type)
     sha = kernel_path_sha256(fp)
     out = {"kernel_path_sha256": sha, "kernel_path_file": f"env/kernel_path-{sha[:12]}.json",
            "determinism": determinism, **fp}

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import torch
 
+from twinrun.config import DeterminismConfig, ProbeConfig, typed
 from twinrun.determinism import apply_determinism
 from twinrun.env import kernel_path_diff
-from twinrun.errors import EXIT_REFUSED, TwinrunError
+from twinrun.errors import EXIT_REFUSED, StoreError, TwinrunError
+from twinrun.rundir import RunIndex
 from twinrun.sentinel import sentinel
+from twinrun.store import read_json
 
 
 class KernelPathRefused(TwinrunError):
@@ -30,19 +33,20 @@ def default_compile_cache_dir() -> str:
     return str(Path.home() / ".cache" / "twinrun" / "compile")
 
 
-def probe_arithmetic(probe: dict) -> dict:
+def probe_arithmetic(p: ProbeConfig, method: str, device: str) -> dict:
     """The probe settings that change the arithmetic of a store, not what it measures: they join the
-    kernel path (a resume or a reference under other settings is another path). `method` must be
-    resolved (vmap | folds), never `auto`, and so must `device` (cpu | cuda)."""
-    return {"method": probe["method"], "compile": probe.get("compile") or False, "device": probe.get("device"),
-            "chunk_images": probe["chunk_images"], "chunk_draws": probe["chunk_draws"]}
+    kernel path (a resume or a reference under other settings is another path). `method` is the
+    resolved one (vmap | folds), never `auto`, and so is `device` (cpu | cuda)."""
+    return {"method": method, "compile": p.compile or False, "device": device,  # null compile is eager
+            "chunk_images": p.chunk_images, "chunk_draws": p.chunk_draws}
 
 
 def setup_determinism(cfg: dict) -> dict:
-    """Apply the run's determinism settings first thing in the job; return the record."""
-    d = cfg.get("determinism", {})
-    return apply_determinism(bool(d.get("enabled", True)), d.get("compile_cache_dir") or default_compile_cache_dir(),
-                             d.get("float32_matmul_precision", "highest"))
+    """Apply the run's determinism settings first thing in the job; return the record. Keys the
+    config lacks take the schema's defaults (twinrun.config.DeterminismConfig)."""
+    d = typed(DeterminismConfig, cfg["determinism"], "determinism")
+    return apply_determinism(d.enabled, d.compile_cache_dir or default_compile_cache_dir(),
+                             d.float32_matmul_precision)
 
 
 def model_sentinel_fn(model: torch.nn.Module, device: torch.device, image_shape: tuple):
@@ -82,21 +86,27 @@ def bin_record(fp: dict, sentinel_digest: str) -> dict:
     }
 
 
-def refuse_straddling(run_dir: Path, run: dict, fp: dict) -> None:
+def refuse_straddling(index: RunIndex, fp: dict, todo: list[dict]) -> None:
     """A resume on another kernel path than the finished bins is refused: twins must not straddle.
 
-    Judged on the bins actually finished (each run.json store entry records its kernel path), not on
-    whichever job came first: a job that finished nothing commits the run to nothing.
+    Judged on the whole bins (every arm's store recorded done: each entry records its kernel path),
+    not on whichever job came first or on a bin cut short: a job that finished nothing commits the
+    run to nothing. A job with no bin to measure (`todo` empty) measures nothing, so refuses nothing.
     """
+    if not todo:
+        return
     mine = kernel_path_sha256(fp)
-    others = {e.get("kernel_path_sha256") for b in run["bins"] for e in b["stores"].values()
-              if e.get("status") == "done"} - {mine, None}
+    others = {e.get("kernel_path_sha256") for b in index.whole_bins(verify=False)
+              for e in b["stores"].values()} - {mine, None}
     if not others:
         return
-    path = run_dir / "env" / f"kernel_path-{min(others)[:12]}.json"
-    fields = kernel_path_diff(json.loads(path.read_text()), fp) if path.is_file() else ["(unrecorded)"]
+    path = index.run_dir.kernel_path_env(min(others))
+    try:
+        fields = kernel_path_diff(read_json(path), fp)
+    except StoreError:  # missing or damaged: the refusal stands, its detail is unknown
+        fields = ["(unrecorded)"]
     raise KernelPathRefused(
-        f"{run_dir}: its finished bins were measured on another kernel path (differs in "
+        f"{index.run_dir.path}: its finished bins were measured on another kernel path (differs in "
         f"{', '.join(fields) or 'kernel_path'}); twins must not straddle environments: resume it where it "
         "started, or start a new run directory"
     )

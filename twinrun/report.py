@@ -5,7 +5,6 @@ and only then effects, never effects when a check or gate failed. Every number h
 """
 
 import io
-import json
 import shlex
 from pathlib import Path
 
@@ -13,11 +12,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
+from twinrun.errors import StoreError
 from twinrun.estimands import ESTIMANDS
 from twinrun.render import noise_note, pm
-from twinrun.store import atomic_write
+from twinrun.rundir import RunDir
+from twinrun.store import atomic_write, read_json
 
 EFFECT_PNG = "effect.png"
+REPORT_MD = "report.md"
 HEATMAP_PNG = "sweep_effect.png"
 
 
@@ -125,25 +127,29 @@ def reference_lines(ref: dict, effects: list[dict]) -> list[str]:
                                   "ratio"), "intervention's effect: 1 − cos; norm ratio"], rows)
 
 
-def env_summary(run_dir: Path, run: dict) -> list[str]:
-    """A few lines on where the run was measured, from the jobs' recorded fingerprints."""
+def env_summary(rd: RunDir, run: dict) -> list[str]:
+    """A few lines on where the run was measured, from the jobs' recorded fingerprints (a job file
+    that is missing or damaged is left out: the report is prose, the validity checks read the record)."""
     lines = []
     for job in run.get("jobs", []):
-        path = Path(run_dir) / "env" / f"job{job['index']:03d}.json"
-        if not path.is_file():
+        try:
+            rec = read_json(rd.job_env(job["index"]))
+            lines.append(_job_line(job, rec["fingerprint"], rec.get("determinism") or {}))
+        except (StoreError, KeyError, TypeError, AttributeError):
             continue
-        rec = json.loads(path.read_text())
-        fp, det = rec["fingerprint"], rec.get("determinism", {})
-        kp, info = fp["kernel_path"], fp["info"]
-        device = ", ".join(g.get("name", "?") for g in kp.get("gpus") or []) or f"CPU {kp['cpu'].get('model')}"
-        slurm = info.get("slurm") or {}
-        where = f"SLURM job {slurm.get('SLURM_JOB_ID')}" if slurm.get("SLURM_JOB_ID") else "local process"
-        lines.append(f"job {job['index']}: {where} on {info.get('hostname')} (boot {str(info.get('boot_id'))[:8]}), "
-                     f"{device}, torch {kp['torch'].get('version')}, {kp['threads'].get('intra_op')} threads, "
-                     f"determinism {'on' if det.get('enabled') else 'off'}, kernel path "
-                     f"{job['kernel_path_sha256'][:12]}, twinrun git {str((info.get('git') or {}).get('commit'))[:10]}"
-                     f"{' (dirty)' if (info.get('git') or {}).get('dirty') else ''}")
     return lines
+
+
+def _job_line(job: dict, fp: dict, det: dict) -> str:
+    kp, info = fp["kernel_path"], fp["info"]
+    device = ", ".join(g.get("name", "?") for g in kp.get("gpus") or []) or f"CPU {kp['cpu'].get('model')}"
+    slurm = info.get("slurm") or {}
+    where = f"SLURM job {slurm.get('SLURM_JOB_ID')}" if slurm.get("SLURM_JOB_ID") else "local process"
+    return (f"job {job['index']}: {where} on {info.get('hostname')} (boot {str(info.get('boot_id'))[:8]}), "
+            f"{device}, torch {kp['torch'].get('version')}, {kp['threads'].get('intra_op')} threads, "
+            f"determinism {'on' if det.get('enabled') else 'off'}, kernel path "
+            f"{job['kernel_path_sha256'][:12]}, twinrun git {str((info.get('git') or {}).get('commit'))[:10]}"
+            f"{' (dirty)' if (info.get('git') or {}).get('dirty') else ''}")
 
 
 def _header(out_dir: Path, summary: dict) -> list[str]:
@@ -178,14 +184,14 @@ def write_report(out_dir: Path, summary: dict, run: dict, run_dir: Path | None =
         lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", ""] + effect_table(summary["effects"])
     if summary.get("reference"):
         lines += reference_lines(summary["reference"], summary["effects"])
-    env_lines = env_summary(run_dir, run)
+    env_lines = env_summary(RunDir(run_dir), run)
     if env_lines:
         lines += ["", "## Environment", "", "Full fingerprints: `env/job*.json`.", ""] + [f"- {x}" for x in env_lines]
     if run.get("command"):
         lines += ["", "## Reproduce", "", "Measure afresh, into a new run directory:", "", "```bash", run["command"],
                   "```", "", "Resume this run in place (verified bins are kept, the rest measured):", "", "```bash",
                   f"python -m twinrun.resume {shlex.quote(str(run_dir))}", "```"]
-    path = out_dir / "report.md"
+    path = out_dir / REPORT_MD
     atomic_write(path, ("\n".join(lines) + "\n").encode())
     return path
 

@@ -14,6 +14,8 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -25,6 +27,7 @@ from tqdm import tqdm
 from twinrun import draws, probe, provenance, trial
 from twinrun.arms import Arm, derive_arms
 from twinrun.checks import REPLICATE as GATE_REPLICATE
+from twinrun.config import ProbeConfig, protocol_differences, typed
 from twinrun.determinism import MATMUL_PRECISIONS
 from twinrun.env import fingerprint
 from twinrun.errors import (
@@ -176,21 +179,14 @@ def check_measures_something(intervention, grid: list[float]) -> None:
                           "every bin); choose settings that change something (e.g. gamma ≠ 1, factor ≠ 1)")
 
 
-def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
-    """probe.params must match parameters, and `cond` needs conditioning ones among them."""
-    names = probe.select_params(model, list(cfg.probe.params))
-    if [e for e in cfg.reduce.estimands if e not in available(probe.layout(model, names, probe.cond_patterns(model)))]:
+def check_params(c: "Components", cfg: DictConfig) -> None:
+    """`cond` needs conditioning parameters among probe.params (which the builder matched)."""
+    model = c.model
+    if [e for e in cfg.reduce.estimands if e not in available(c.layout)]:
         raise ConfigError("reduce.estimands", list(cfg.reduce.estimands),
                           f"`cond` needs conditioning parameters among probe.params={list(cfg.probe.params)} "
                           f"(the model's are {probe.cond_patterns(model) or 'not declared'}); drop `cond` "
                           "or probe them")
-
-
-# The protocol a reference must share with the run (chunking and device do not change what is
-# measured). The model config is not part of it: weights move between paths and machines, and the
-# parameter layout, which is, is checked store by store when the reference is read.
-PROTOCOL_CONFIG = ("data", "sigma_grid", "seed")
-PROTOCOL_PROBE = ("n_images", "n_draws", "n_folds", "params")
 
 
 def check_reference(reference: str | None, mine: dict) -> str | None:
@@ -209,8 +205,7 @@ def check_reference(reference: str | None, mine: dict) -> str | None:
         raise ConfigError("reference", reference, f"must be an earlier, intact twinrun run directory ({err})") from None
     if not isinstance(theirs, dict):
         raise ConfigError("reference", reference, "its twin's config.yaml is not a config")
-    differ = [k for k in PROTOCOL_CONFIG if theirs.get(k) != mine.get(k)]
-    differ += [f"probe.{k}" for k in PROTOCOL_PROBE if (theirs.get("probe") or {}).get(k) != mine["probe"].get(k)]
+    differ = protocol_differences(theirs, mine)  # the protocol: twinrun.config.PROTOCOL_KEYS
     if differ:
         raise ConfigError("reference", reference, f"was measured under another protocol ({', '.join(differ)} "
                           "differ); a reference must share data, grid, seed, images, draws, folds and probed parameters")
@@ -221,6 +216,44 @@ def fold_sizes(n_images: int, n_folds: int) -> list[int]:
     """Contiguous folds of the probe's images, as equal as possible."""
     base, extra = divmod(n_images, n_folds)
     return [base + (1 if f < extra else 0) for f in range(n_folds)]
+
+
+# ----------------------------------------------------------------------------- components
+
+
+@dataclass
+class Components:
+    """What a resolved config builds, the same way for planning and for the job: the probe's inputs."""
+
+    model: torch.nn.Module  # on `device`
+    images: torch.Tensor  # [n_images, C, H, W]: the data's first probe.n_images, on `device`
+    image_ids: list[int]  # each image's id: it keys the image's noise draws
+    interventions: dict[str, Intervention]  # arm name -> its intervention (hooks attached per arm)
+    names: list[str]  # the probed parameters (probe.params matched against the model)
+    layout: list[dict]  # the stores' columns: each probed parameter's offset, size, conditioning flag
+    fold_sizes: list[int]  # images per fold (contiguous folds)
+    fold_of_image: torch.Tensor  # [n_images] int64: each image's fold, on `device`
+    device: torch.device
+
+
+def build_components(config: dict, p: ProbeConfig, arms: list[Arm], device: torch.device) -> Components:
+    """Model, data and each arm's intervention from the arms' shared resolved config (one level of
+    instantiate each), and the probe's parameter selection, layout and folds (`p`: config's probe, typed)."""
+    model = build(config["model"], "model").to(device)
+    images, image_ids = build(config["data"], "data")
+    names = probe.select_params(model, list(p.params))
+    sizes = fold_sizes(p.n_images, p.n_folds)
+    return Components(
+        model=model,
+        images=images[: p.n_images].to(device),
+        image_ids=list(image_ids[: p.n_images]),
+        interventions={a.name: build(a.config["intervention"], "intervention") for a in arms},
+        names=names,
+        layout=probe.layout(model, names, probe.cond_patterns(model)),
+        fold_sizes=sizes,
+        fold_of_image=torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device),
+        device=device,
+    )
 
 
 # ----------------------------------------------------------------------------- plan
@@ -236,16 +269,16 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     validate(cfg, n_available_images=images.shape[0])
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     intervention.check(grid)
-    model = build(OmegaConf.to_container(cfg.model, resolve=True), "model")
-    check_params(model, cfg)
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
+    p = typed(ProbeConfig, arms[0].config["probe"], "probe")
+    c = build_components(arms[0].config, p, arms, torch.device("cpu"))  # what the job builds, on the CPU here
+    check_params(c, cfg)
     check_measures_something(intervention, grid)  # after derive_arms: "no intervention declared" comes first
     check_paths(cfg, run_dir)
-    intervention.check_model(model)
-    n_params = sum(dict(model.named_parameters())[n].numel() for n in probe.select_params(model, list(cfg.probe.params)))
+    intervention.check_model(c.model)
+    n_params = sum(group["numel"] for group in c.layout)
     check_sizes(cfg, images.shape[1:], n_params, len(arms) + 1, run_dir)  # + 1: the gate replicate
-    trial.smoke_test(model, OmegaConf.to_container(cfg.probe, resolve=True), images, grid[0],
-                     {a.name: build(a.config["intervention"], "intervention") for a in arms})
+    trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
     run = {
         "format": "twinrun-run/1",
         "status": "planned",
@@ -343,10 +376,12 @@ def load_arms(index: RunIndex, trusted=()) -> list[Arm]:
     return arms
 
 
-def run_job(run_dir: str | Path, trusted=()) -> dict:
+def run_job(run_dir: str | Path, trusted=(), bins: list[int] | None = None) -> dict:
     """Measure every pending bin, all arms back to back on the same draws; one writer at a time.
 
     `trusted`: builders (`_target_`s or module names) beyond twinrun's own that the arms may name.
+    `bins`: measure only these bin indices; None = every pending bin. The run reads "measured" only
+    once every bin is whole.
     """
     rd = RunDir(run_dir)
     with run_lock(rd.path):
@@ -354,7 +389,7 @@ def run_job(run_dir: str | Path, trusted=()) -> dict:
             stale.unlink()
         index = RunIndex.load(rd)
         try:
-            return _measure(index, load_arms(index, trusted))
+            return _measure(index, load_arms(index, trusted), bins)
         except (KeyboardInterrupt, Interrupted) as err:
             index.mark_interrupted()
             if isinstance(err, KeyboardInterrupt):
@@ -374,83 +409,106 @@ def raise_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise)
 
 
-def _measure(index: RunIndex, arms: list[Arm]) -> dict:
-    rd, run = index.run_dir, index.doc
-    run_dir = rd.path
-    cfg = arms[0].config  # every arm shares everything outside `intervention`
-    # Step: pin determinism before any torch work.
-    determinism = provenance.setup_determinism(cfg)
-    p = cfg["probe"]
-    device = probe.resolve_device(p["device"])
-    model = build(cfg["model"], "model").to(device)
-    images_all, image_ids_all = build(cfg["data"], "data")
-    images = images_all[: p["n_images"]].to(device)
-    image_ids = list(image_ids_all[: p["n_images"]])
-    names = probe.select_params(model, list(p["params"]))
-    layout = probe.layout(model, names, probe.cond_patterns(model))
-    sizes = fold_sizes(p["n_images"], p["n_folds"])
-    fold_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
-    interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
-    hashes = {a["name"]: a["config_hash"] for a in run["arms"]}
-    hashes.setdefault(GATE_REPLICATE, hashes["native"])  # the gate replicate is the twin, measured again
-    # Step: resolve probe.method and compile before any bin, then read where this job runs: the compile
-    # cache the fingerprint reads then holds every kernel the bins will use.
-    method, forward, mode = trial.job_trial(model, names, images, run["bins"][0]["sigma"], interventions, p,
-                                            fold_of_image, len(sizes))
-    fp = fingerprint(mode)
-    # twinrun's own batching changes the arithmetic order: it is part of the kernel path.
-    fp["kernel_path"]["probe"] = provenance.probe_arithmetic({**p, "method": method, "device": device.type})
-    provenance.refuse_straddling(run_dir, run, fp)
-    job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(forward, device, images.shape[1:]))
-    record = provenance.bin_record(fp, job["sentinel_start"])
+def _measure(index: RunIndex, arms: list[Arm], bins: list[int] | None = None) -> dict:
+    """The job's setup: determinism first, then what planning built, typed, on this job's device."""
+    config = arms[0].config  # every arm shares everything outside `intervention`
+    determinism = provenance.setup_determinism(config)  # before any torch work
+    p = typed(ProbeConfig, config["probe"], index.run_dir.arm_config(arms[0].name))
+    c = build_components(config, p, arms, probe.resolve_device(p.device))
+    return measure(index, arms, c, p, seed=config["seed"], determinism=determinism, todo=pending_bins(index, bins))
 
-    index.set_status("running")
-    # The bin is the unit of twin validity: if any arm of it is missing, measure all of its arms
-    # again, back to back in this process, rather than pair stores from two processes.
+
+def pending_bins(index: RunIndex, bins: list[int] | None) -> list[dict]:
+    """The bins to measure: every bin not whole on disk (among `bins`, if given). The bin is the unit
+    of twin validity: if any arm of it is missing, all of its arms are measured again, back to back
+    in this process, rather than pair stores from two processes."""
     whole = [b["index"] for b in index.whole_bins()]
-    todo = [b for b in run["bins"] if b["index"] not in whole]
-    if len(todo) < len(run["bins"]):
-        print(f"twinrun: resuming: {len(run['bins']) - len(todo)} of {len(run['bins'])} bins already measured",
-              flush=True)
+    if whole:
+        print(f"twinrun: resuming: {len(whole)} of {len(index.bins)} bins already measured", flush=True)
+    return [b for b in index.bins if b["index"] not in whole and (bins is None or b["index"] in bins)]
+
+
+def measure(
+    index: RunIndex,  # run.json: read for the bins and arms, updated as each store lands
+    arms: list[Arm],  # measured in this order in every bin, on the same draws
+    c: Components,  # model, images and ids, interventions, probed parameters, layout, folds, device
+    p: ProbeConfig,  # the probe's settings, typed (draws per image, chunks, method, compile)
+    seed: int,  # keys every noise stream, with (bin σ, image id, draw)
+    determinism: dict,  # what setup_determinism applied: recorded with this job
+    todo: list[dict],  # run.json bins this job measures, in grid order
+) -> dict:
+    """Measure `todo`, bin by bin; every arm of a bin back to back on one set of draws. Returns run.json."""
+    hashes = {a["name"]: a["config_hash"] for a in index.doc["arms"]}
+    hashes.setdefault(GATE_REPLICATE, index.arm("twin")["config_hash"])  # the twin, measured again
+    image_shape = tuple(c.images.shape[1:])
+    n_bins = len(index.bins)
+
+    # Step: resolve probe.method and compile before any bin, so that the compile cache the
+    # fingerprint reads next holds every kernel the bins will use.
+    method, forward, mode = trial.job_trial(c.model, c.names, c.images, index.bins[0]["sigma"], c.interventions, p,
+                                            c.fold_of_image, len(c.fold_sizes))
+
+    # Step: fingerprint where this job runs; twinrun's own batching changes the arithmetic order,
+    # so it joins the kernel path. A job may not add bins on another path than the whole ones.
+    fp = fingerprint(mode)
+    fp["kernel_path"]["probe"] = provenance.probe_arithmetic(p, method, c.device.type)
+    provenance.refuse_straddling(index, fp, todo)
+    job = start_job(index, fp, determinism, provenance.read_sentinel(forward, c.device, image_shape))
+    record = provenance.bin_record(fp, job["sentinel_start"])
+    index.set_status("running")
+
     progress = Progress(sum(len(b["stores"]) for b in todo))
     for b in todo:
-        sigma = b["sigma"]
-        t0 = time.perf_counter()
-        eps = draws.noise(cfg["seed"], sigma, image_ids, p["n_draws"], tuple(images.shape[1:]))
+        sigma, t_bin = b["sigma"], time.perf_counter()
+        # Step: this bin's draws, keyed by (seed, σ, image id, draw): the same for every arm.
+        eps = draws.noise(seed, sigma, c.image_ids, p.n_draws, image_shape)
         timings = []
         for arm in (a for a in arms if a.name in b["stores"]):
             t_arm = time.perf_counter()
-            eps_dev = eps.to(device)
-            try:
-                sigma_cond = interventions[arm.name].sigma_cond(torch.tensor(sigma, dtype=torch.float32))
-                with attached(interventions[arm.name], model):  # its hooks, on this arm only
-                    sums = trial.as_model_error(arm.name, b, probe.fold_sums, model, names, images, eps_dev, sigma,
-                                                sigma_cond.to(device), fold_of_image, len(sizes), p["chunk_images"],
-                                                p["chunk_draws"], method=method, forward=forward)
+            eps_dev = eps.to(c.device)
+            with failure_recorded(index, b, arm.name):
+                # Step: probe this arm: its σ_cond, its hooks on (and off again after).
+                intervention = c.interventions[arm.name]
+                sigma_cond = intervention.sigma_cond(torch.tensor(sigma, dtype=torch.float32))
+                with attached(intervention, c.model):
+                    sums = trial.as_model_error(arm.name, b, probe.fold_sums, c.model, c.names, c.images, eps_dev,
+                                                sigma, sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
+                                                p.chunk_images, p.chunk_draws, method=method, forward=forward)
                 probe.check_finite(sums, arm.name, b["index"], sigma)
+                # Step: store the sums with what they are (written atomically), then mark them done.
                 meta = {"arm": arm.name, "bin_index": b["index"], "sigma": sigma,
-                        "sigma_cond": float(sigma_cond), "n_images": p["n_images"], "n_draws": p["n_draws"],
-                        "fold_sizes": sizes, "image_ids": image_ids, "seed": cfg["seed"],
+                        "sigma_cond": float(sigma_cond), "n_images": p.n_images, "n_draws": p.n_draws,
+                        "fold_sizes": c.fold_sizes, "image_ids": c.image_ids, "seed": seed,
                         "draws_digest": draws.digest(eps_dev, sigma), "config_hash": hashes[arm.name],
-                        "layout": layout, "env": record, "kernel_path": fp["kernel_path"]}
+                        "layout": c.layout, "env": record, "kernel_path": fp["kernel_path"]}
                 sha = write_store(index.store_path(b, arm.name), sums, meta)
                 index.mark_done(b, arm.name, sha, record["kernel_path_sha256"])
-            except Interrupted:
-                raise
-            except Exception as err:  # any failure, ours or user code's: record where, keep earlier bins
-                failure = err if isinstance(err, TwinrunError) else trial.to_model_error(arm.name, b, err)
-                index.mark_failed(b, arm.name, trial.failure_record(failure))
-                if failure is err:
-                    raise
-                raise failure from err
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
-            progress.step(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g} {arm.name}")
-        progress.log(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
-                     f"({time.perf_counter() - t0:.2f}s)")
+            progress.step(f"bin {b['index'] + 1}/{n_bins} σ={sigma:g} {arm.name}")
+        progress.log(f"bin {b['index'] + 1}/{n_bins} σ={sigma:g}: {', '.join(timings)} "
+                     f"({time.perf_counter() - t_bin:.2f}s)")
     progress.close()
-    job["sentinel_end"] = provenance.read_sentinel(forward, device, images.shape[1:])["digest"]
-    index.set_status("measured")
-    return run
+
+    # Step: close the job: the sentinel read again; the run is "measured" once every bin is whole.
+    index.end_job(job["index"], provenance.read_sentinel(forward, c.device, image_shape)["digest"])
+    index.finish_measuring()
+    return index.doc
+
+
+@contextmanager
+def failure_recorded(index: RunIndex, b: dict, arm: str):
+    """Any failure measuring one arm of a bin, ours or user code's, is recorded in run.json (which
+    arm, which bin, and the model's exception) before it propagates; earlier bins stay valid."""
+    try:
+        yield
+    except Interrupted:
+        raise
+    except Exception as err:  # user code may raise anything: recorded, then exit 4 (ours keep their code)
+        failure = err if isinstance(err, TwinrunError) else trial.to_model_error(arm, b, err)
+        index.mark_failed(b, arm, trial.failure_record(failure))
+        if failure is err:
+            raise
+        raise failure from err
 
 
 class Progress:
@@ -479,19 +537,16 @@ class Progress:
             self.bar.close()
 
 
-def start_job(run_dir: Path, run: dict, fp: dict, determinism: dict, sentinel: dict) -> dict:
+def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict) -> dict:
     """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/."""
-    rd = RunDir(run_dir)
+    rd = index.run_dir
     rd.env_dir.mkdir(exist_ok=True)
     sha = provenance.kernel_path_sha256(fp)
     if not rd.kernel_path_env(sha).is_file():
         write_json(rd.kernel_path_env(sha), fp)
-    jobs = run.setdefault("jobs", [])
-    job = {"index": len(jobs), "kernel_path_sha256": provenance.kernel_path_sha256(fp),
-           "hostname": fp["info"].get("hostname"), "boot_id": fp["info"].get("boot_id"),
+    job = {"kernel_path_sha256": sha, "hostname": fp["info"].get("hostname"), "boot_id": fp["info"].get("boot_id"),
            "slurm_job_id": (fp["info"].get("slurm") or {}).get("SLURM_JOB_ID"),
            "sentinel_start": sentinel["digest"], "sentinel_end": None}
-    write_json(rd.job_env(job["index"]),
-               {"fingerprint": fp, "determinism": determinism, "sentinel": sentinel})
-    jobs.append(job)
+    index.add_job(job)
+    write_json(rd.job_env(job["index"]), {"fingerprint": fp, "determinism": determinism, "sentinel": sentinel})
     return job

@@ -9,7 +9,10 @@ the file and the field (exit 2), never a traceback or a number.
 import math
 import os
 import re
+import types
+import typing
 from pathlib import Path
+from typing import Annotated, Literal, NotRequired, TypedDict
 
 from twinrun.errors import StoreError
 
@@ -175,101 +178,206 @@ def _show(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def validate_run(path: Path, run: dict) -> dict:
-    """run.json checked field by field (extra keys allowed: later versions and other tools add some)."""
+# ----------------------------------------------------------------------------- run.json, typed
+# The types below are run.json's one description: readers annotate with them, and validate_run
+# checks a document against them field by field (a field typed `X | None` may be null or absent,
+# NotRequired[X] may be absent). Annotated marks add what a Python type cannot say; the few rules
+# across fields (roles, positions, store sets) follow in validate_run.
+HexDigest = Annotated[str, "hex digest"]
+SafeName = Annotated[str, "safe name"]
+Sigma = Annotated[float, "positive"]  # finite and > 0
+RunStatus = Literal["planned", "running", "measured", "failed", "interrupted"]
+StoreStatus = Literal["pending", "done", "failed"]
+Role = Literal["intervention", "twin", "replicate", "machinery"]
+
+
+class ArmEntry(TypedDict):
+    name: SafeName  # its directory under arms/
+    role: Role
+    config_hash: HexDigest  # of its resolved config.yaml (run.config_hash)
+
+
+class StoreEntry(TypedDict):
+    file: SafeName  # in arms/<arm>/
+    status: StoreStatus
+    sha256: NotRequired[HexDigest | None]  # of the whole file; present once done
+    kernel_path_sha256: NotRequired[HexDigest | None]  # the kernel path it was measured on
+
+
+class BinEntry(TypedDict):
+    index: int  # its position in `bins`
+    sigma: Sigma  # noising σ
+    gate: bool  # a no-op gate bin of the intervention
+    stores: dict[str, StoreEntry]  # arm name -> its store (every arm, plus the gate replicate's)
+
+
+class Registered(TypedDict):
+    """The analysis registered at plan time (`reduce` with other settings is a post-hoc view)."""
+
+    estimands: list[str]  # names from the registry (twinrun/estimands.py)
+    gate_rule: str
+    signal_alpha: Annotated[float, "positive"]  # in (0, 1)
+
+
+class JobRecord(TypedDict):
+    index: int  # its position in `jobs`
+    kernel_path_sha256: HexDigest
+    sentinel_start: str
+    sentinel_end: str | None  # None while the job runs (or if it died)
+    hostname: str | None
+    boot_id: str | None
+    slurm_job_id: str | None
+
+
+class Failure(TypedDict):
+    """Where the run failed (plus, when the model raised, its exception's type, message, frame)."""
+
+    arm: str
+    bin_index: int
+    sigma: Sigma
+
+
+class RunRecord(TypedDict):
+    format: str  # RUN_FORMAT
+    status: RunStatus
+    command: str | None  # the command that planned it (the report's Reproduce section)
+    reference: str | None  # an earlier run directory whose twin is this run's reference
+    arms: list[ArmEntry]
+    registered: NotRequired[Registered]  # absent in runs planned before registration
+    bins: list[BinEntry]
+    jobs: NotRequired[list[JobRecord]]
+    failure: NotRequired[Failure | None]
+
+
+assert set(typing.get_args(RunStatus)) == set(RUN_STATUSES) and set(typing.get_args(Role)) == set(ROLES)
+assert set(typing.get_args(StoreStatus)) == set(STORE_STATUSES)
+
+
+def check_typed(c: "_Check", obj, schema: type, field: str):
+    """`obj` checked against a TypedDict, field by field (extra keys allowed)."""
+    if not isinstance(obj, dict):
+        c.fail(field, f"{_show(obj)} is not an object")
+    hints = typing.get_type_hints(schema, include_extras=True)
+    for key, hint in hints.items():
+        _check_field(c, obj, key, f"{field}.{key}" if field else key, hint, key in schema.__required_keys__)
+    return obj
+
+
+def _check_field(c: "_Check", obj: dict, key: str, field: str, hint, required: bool) -> None:
+    hint, nullable = _without_none(hint)
+    base, marks = (hint.__origin__, hint.__metadata__) if typing.get_origin(hint) is Annotated else (hint, ())
+    origin = typing.get_origin(base)
+    if key not in obj and not (required and not nullable):
+        return
+    if origin is Literal:
+        c.one_of(obj, key, field, typing.get_args(base))
+        return
+    value = c.get(obj, key, field, _python_types(base), optional=nullable)
+    if value is None:
+        return
+    for mark in marks:
+        _check_mark(c, value, field, mark)
+    if origin is list:
+        for i, item in enumerate(value):
+            _check_item(c, item, f"{field}[{i}]", typing.get_args(base)[0])
+    elif origin is dict:
+        for k, item in value.items():
+            _check_item(c, item, f"{field}.{k}", typing.get_args(base)[1])
+    elif typing.is_typeddict(base):
+        check_typed(c, value, base, field)
+
+
+def _check_item(c: "_Check", item, field: str, hint) -> None:
+    """One element of a list or dict field, checked as a field of its own."""
+    _check_field(c, {"item": item}, "item", field, hint, True)
+
+
+def _without_none(hint):
+    """(the hint without None (and without NotRequired, which __required_keys__ says), whether None is allowed)."""
+    if typing.get_origin(hint) is NotRequired:
+        hint = typing.get_args(hint)[0]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _python_types(base) -> tuple:
+    if typing.is_typeddict(base):
+        return (dict,)
+    origin = typing.get_origin(base) or base
+    return (int, float) if origin is float else (origin,)
+
+
+def _check_mark(c: "_Check", value, field: str, mark: str) -> None:
+    if mark == "hex digest" and not HEX.fullmatch(value):
+        c.fail(field, f"{_show(value)} is not a hex digest")
+    elif mark == "positive" and not (math.isfinite(value) and value > 0):
+        c.fail(field, f"{_show(value)} must be finite and > 0")
+    elif mark == "safe name":
+        safe_name(value, field, c.path)
+
+
+def validate_run(path: Path, run: dict) -> RunRecord:
+    """run.json checked against RunRecord field by field (extra keys allowed: later versions and other
+    tools add some), then the rules across fields."""
     c = _Check(Path(path))
     if run.get("format") != RUN_FORMAT:
         c.fail("format", f"{_show(run.get('format'))} is not {RUN_FORMAT!r} (not a twinrun run index)")
-    c.one_of(run, "status", "status", RUN_STATUSES)
-    c.get(run, "command", "command", str, optional=True)
-    c.get(run, "reference", "reference", str, optional=True)
-    arms = c.get(run, "arms", "arms", list)
-    names = [_validate_arm(c, a, i) for i, a in enumerate(arms)]
-    roles = [a["role"] for a in arms]
+    if "registered" not in run and "estimands" in run:
+        _validate_unregistered(c, run)
+    elif "registered" not in run:
+        c.fail("registered", "missing")
+    check_typed(c, run, RunRecord, "")
+    names = [a["name"] for a in run["arms"]]
+    roles = [a["role"] for a in run["arms"]]
     if roles.count("intervention") != 1 or roles.count("twin") != 1 or len(set(names)) != len(names):
         c.fail("arms", f"roles {roles} with names {names}: need exactly one intervention and one twin, "
                "names unique")
-    _validate_registered(c, run)
-    bins = c.get(run, "bins", "bins", list)
-    if not bins:
+    if "registered" in run:
+        _validate_registered(c, run["registered"])
+    if not run["bins"]:
         c.fail("bins", "empty: a run has at least one bin")
-    for i, b in enumerate(bins):
+    for i, b in enumerate(run["bins"]):
         _validate_bin(c, b, i, names)
-    _contained(c, names, bins)
-    for i, job in enumerate(c.get(run, "jobs", "jobs", list) if "jobs" in run else []):
-        _validate_job(c, job, i)
-    failure = c.get(run, "failure", "failure", dict, optional=True)
-    if failure is not None:
-        c.get(failure, "arm", "failure.arm", str)
-        c.get(failure, "bin_index", "failure.bin_index", int)
-        c.number(failure, "sigma", "failure.sigma", low=0)
+    _contained(c, names, run["bins"])
+    for i, job in enumerate(run.get("jobs", [])):
+        if job["index"] != i:
+            c.fail(f"jobs[{i}].index", f"{job['index']!r} must equal its position {i}")
     return run
 
 
-def _validate_registered(c: _Check, run: dict) -> None:
-    """The analysis registered at plan time (runs planned before registration: estimands and a
-    gate threshold at the top level)."""
-    reg = c.get(run, "registered", "registered", dict) if "registered" in run or "estimands" not in run else None
-    where, holder = ("registered.", reg) if reg is not None else ("", run)
-    estimands = c.get(holder, "estimands", f"{where}estimands", list)
+def _validate_unregistered(c: _Check, run: dict) -> None:
+    """Runs planned before registration: estimands and a gate threshold at the top level."""
+    c.get(run, "estimands", "estimands", list)
+    _non_empty_names(c, run["estimands"], "estimands")
+    threshold = c.number(run, "gate_threshold", "gate_threshold", low=0)
+    if threshold > 1:
+        c.fail("gate_threshold", f"{threshold!r} must be in (0, 1]")
+
+
+def _validate_registered(c: _Check, reg: Registered) -> None:
+    _non_empty_names(c, reg["estimands"], "registered.estimands")
+    if not 0 < reg["signal_alpha"] < 1:
+        c.fail("registered.signal_alpha", f"{reg['signal_alpha']!r} must be in (0, 1)")
+
+
+def _non_empty_names(c: _Check, estimands, field: str) -> None:
     if not estimands or not all(isinstance(e, str) and SAFE_NAME.fullmatch(e) for e in estimands):
-        c.fail(f"{where}estimands", f"{_show(estimands)} must be a non-empty list of names")
-    if reg is None:
-        threshold = c.number(run, "gate_threshold", "gate_threshold", low=0)
-        if threshold > 1:
-            c.fail("gate_threshold", f"{threshold!r} must be in (0, 1]")
-        return
-    c.get(reg, "gate_rule", "registered.gate_rule", str)
-    alpha = c.number(reg, "signal_alpha", "registered.signal_alpha", low=0)
-    if not 0 < alpha < 1:
-        c.fail("registered.signal_alpha", f"{alpha!r} must be in (0, 1)")
+        c.fail(field, f"{_show(estimands)} must be a non-empty list of names")
 
 
-def _validate_job(c: _Check, job, i: int) -> None:
-    field = f"jobs[{i}]"
-    if not isinstance(job, dict):
-        c.fail(field, f"{_show(job)} is not an object")
-    if c.get(job, "index", f"{field}.index", int) != i:
-        c.fail(f"{field}.index", f"{job['index']!r} must equal its position {i}")
-    c.hex_digest(job, "kernel_path_sha256", f"{field}.kernel_path_sha256")
-    c.get(job, "sentinel_start", f"{field}.sentinel_start", str)
-    c.get(job, "sentinel_end", f"{field}.sentinel_end", str, optional=True)
-    for key in ("hostname", "boot_id", "slurm_job_id"):
-        c.get(job, key, f"{field}.{key}", str, optional=True)
-
-
-def _validate_arm(c: _Check, arm, i: int) -> str:
-    field = f"arms[{i}]"
-    if not isinstance(arm, dict):
-        c.fail(field, f"{_show(arm)} is not an object")
-    name = c.get(arm, "name", f"{field}.name", str)
-    safe_name(name, f"{field}.name", c.path)
-    c.one_of(arm, "role", f"{field}.role", ROLES)
-    c.hex_digest(arm, "config_hash", f"{field}.config_hash")
-    return name
-
-
-def _validate_bin(c: _Check, b, i: int, names: list[str]) -> None:
+def _validate_bin(c: _Check, b: BinEntry, i: int, names: list[str]) -> None:
     field = f"bins[{i}]"
-    if not isinstance(b, dict):
-        c.fail(field, f"{_show(b)} is not an object")
-    if c.get(b, "index", f"{field}.index", int) != i:
+    if b["index"] != i:
         c.fail(f"{field}.index", f"{b['index']!r} must equal its position {i}")
-    c.number(b, "sigma", f"{field}.sigma", low=0)
-    c.get(b, "gate", f"{field}.gate", bool)
-    stores = c.get(b, "stores", f"{field}.stores", dict)
     # Every arm has a store in every bin; the twin's gate replicate (measured only where the gate
     # rule needs it) may add one more.
-    if not set(names) <= set(stores) <= set(names) | {GATE_REPLICATE}:
-        c.fail(f"{field}.stores", f"arms {sorted(stores)} are not the run's arms {sorted(names)}")
-    for arm, entry in stores.items():
-        where = f"{field}.stores.{arm}"
-        if not isinstance(entry, dict):
-            c.fail(where, f"{_show(entry)} is not an object")
-        safe_name(c.get(entry, "file", f"{where}.file", str), f"{where}.file", c.path)
-        status = c.one_of(entry, "status", f"{where}.status", STORE_STATUSES)
-        c.hex_digest(entry, "sha256", f"{where}.sha256", optional=status != "done")
-        c.hex_digest(entry, "kernel_path_sha256", f"{where}.kernel_path_sha256", optional=True)
+    if not set(names) <= set(b["stores"]) <= set(names) | {GATE_REPLICATE}:
+        c.fail(f"{field}.stores", f"arms {sorted(b['stores'])} are not the run's arms {sorted(names)}")
+    for arm, entry in b["stores"].items():
+        if entry["status"] == "done" and entry.get("sha256") is None:
+            c.fail(f"{field}.stores.{arm}.sha256", "missing (the store is recorded done)")
 
 
 def _contained(c: _Check, names: list[str], bins: list[dict]) -> None:
@@ -373,11 +481,11 @@ SCHEMAS = {RUN_JSON: validate_run, SUMMARY_JSON: validate_summary, LAUNCH_JSON: 
 class RunIndex:
     """run.json, validated, with the questions and updates every module asks of it.
 
-    `doc` is the plain JSON document (what is written back); readers that only need the data may
-    use it directly, but every change goes through a method here and is saved atomically.
+    `doc` is the plain JSON document, typed RunRecord (what is written back); readers that only need
+    the data may use it directly, but every change goes through a method here and is saved atomically.
     """
 
-    def __init__(self, run_dir: RunDir, doc: dict):
+    def __init__(self, run_dir: RunDir, doc: RunRecord):
         self.run_dir, self.doc = run_dir, doc
 
     @classmethod
@@ -399,28 +507,28 @@ class RunIndex:
         return self.doc["status"]
 
     @property
-    def bins(self) -> list[dict]:
+    def bins(self) -> list[BinEntry]:
         return self.doc["bins"]
 
     @property
     def arm_names(self) -> list[str]:
         return [a["name"] for a in self.doc["arms"]]
 
-    def arm(self, role: str) -> dict:
+    def arm(self, role: Role) -> ArmEntry:
         """The arm entry with this role (intervention, twin, replicate, machinery)."""
         found = [a for a in self.doc["arms"] if a["role"] == role]
         if not found:
             raise StoreError(self.run_dir.run_json, f"no arm with role {role!r}")
         return found[0]
 
-    def store_path(self, b: dict, arm: str) -> Path:
+    def store_path(self, b: BinEntry, arm: str) -> Path:
         return self.run_dir.store(arm, b["stores"][arm]["file"])
 
-    def marked_done(self, b: dict) -> bool:
+    def marked_done(self, b: BinEntry) -> bool:
         """Every store of the bin is recorded done (no file is read)."""
         return all(entry["status"] == "done" for entry in b["stores"].values())
 
-    def is_done(self, b: dict, arm: str) -> bool:
+    def is_done(self, b: BinEntry, arm: str) -> bool:
         """The store is recorded done, exists, and verifies against its sha256 in run.json."""
         from twinrun.store import read_store
 
@@ -434,7 +542,7 @@ class RunIndex:
             return False
         return True
 
-    def whole_bins(self, verify: bool = True) -> list[dict]:
+    def whole_bins(self, verify: bool = True) -> list[BinEntry]:
         """The bins whose every arm is done (verified on disk unless verify=False)."""
         if not verify:
             return [b for b in self.bins if self.marked_done(b)]
@@ -447,6 +555,25 @@ class RunIndex:
         self.doc["status"] = status
         if status == "running":
             self.doc.pop("failure", None)
+        self.save()
+
+    def add_job(self, job: JobRecord) -> int:
+        """Append this job's record to run.json's `jobs`; its index is its position there."""
+        jobs = self.doc.setdefault("jobs", [])
+        job["index"] = len(jobs)
+        jobs.append({"index": job["index"], **job})
+        self.save()
+        return job["index"]
+
+    def end_job(self, index: int, sentinel_end: str) -> None:
+        self.doc["jobs"][index]["sentinel_end"] = sentinel_end
+        self.save()
+
+    def finish_measuring(self) -> None:
+        """The run is "measured" once every bin is whole; until then its status stays as it is (a job
+        given some bins only, or another job still measuring)."""
+        if all(self.marked_done(b) for b in self.bins):
+            self.doc["status"] = "measured"
         self.save()
 
     def mark_done(self, b: dict, arm: str, sha256: str, kernel_path_sha256: str) -> None:

@@ -14,6 +14,7 @@ import traceback
 import torch
 
 from twinrun import probe, provenance
+from twinrun.config import ProbeConfig
 from twinrun.errors import ConfigError, ModelError, TwinrunError
 from twinrun.interventions import Intervention, attached
 
@@ -70,46 +71,47 @@ def refuse_compiled_hooks(mode: str | None, interventions: dict) -> None:
                           "model does not see; set probe.compile=false for this intervention")
 
 
-def smoke_test(model: torch.nn.Module, p: dict, images: torch.Tensor, sigma: float, interventions: dict) -> str:
+def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images: torch.Tensor, sigma: float,
+               interventions: dict) -> str:
     """Plan time: each arm's model, eager, on the CPU; returns the method chosen.
 
     Nothing here touches a GPU or Inductor: in a local run the job follows in this process, and its
     determinism must come before CUDA's first use (cuBLAS reads its workspace setting once) and
     before Inductor binds its cache dirs. The job repeats the trial on its own device, compiling."""
     device = torch.device("cpu")
-    names = probe.select_params(model, list(p["params"]))
     sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(device)
                    for arm, i in interventions.items()}
-    mode = compile_mode(p.get("compile"))
-    check_method(p["method"], mode)
+    mode = compile_mode(p.compile)
+    check_method(p.method, mode)
     refuse_compiled_hooks(mode, interventions)
-    method, _ = run_trial(model, names, images[:4].to(device), sigma, sigma_conds, p["method"],
+    method, _ = run_trial(model, names, images[:4].to(device), sigma, sigma_conds, p.method,
                           interventions=interventions)
-    if p["method"] == "auto":
+    if p.method == "auto":
         print(f"twinrun: probe.method=auto chose {method} (trial run on {device} before any bin)", flush=True)
     return method
 
 
-def job_trial(model, names, images, sigma: float, interventions: dict, p: dict, fold_of_image, n_folds: int):
+def job_trial(model, names, images, sigma: float, interventions: dict, p: ProbeConfig, fold_of_image,
+              n_folds: int):
     """The job, before its first bin: (method, forward to probe with, compile mode or None)."""
-    mode = compile_mode(p.get("compile"))
+    mode = compile_mode(p.compile)
     sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(images.device)
                    for arm, i in interventions.items()}
-    method, forward = run_trial(model, names, images, sigma, sigma_conds, p["method"], mode, interventions)
+    method, forward = run_trial(model, names, images, sigma, sigma_conds, p.method, mode, interventions)
     if mode is not None:
         warm_up(model, forward, names, images, sigma, next(iter(sigma_conds.values())), p, fold_of_image, n_folds)
     log.info("probe method %s, compile %s", method, mode or "off")
     return method, forward, mode
 
 
-def warm_up(model, forward, names, images, sigma, sigma_cond, p: dict, fold_of_image, n_folds: int) -> None:
+def warm_up(model, forward, names, images, sigma, sigma_cond, p: ProbeConfig, fold_of_image, n_folds: int) -> None:
     """Compile every shape the bins and the sentinel will run (one bin's worth of calls, seeded
     draws), so the cache the fingerprint then reads is the cache the whole run uses: a resume on
     the same cache finds the same digest instead of the entries the first job's bins added."""
     gen = torch.Generator().manual_seed(TRIAL_SEED)
-    eps = torch.randn((images.shape[0], p["n_draws"], *images.shape[1:]), generator=gen).to(images.device)
-    probe.fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, p["chunk_images"],
-                    p["chunk_draws"], method="folds", forward=forward)
+    eps = torch.randn((images.shape[0], p.n_draws, *images.shape[1:]), generator=gen).to(images.device)
+    probe.fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, p.chunk_images,
+                    p.chunk_draws, method="folds", forward=forward)
     provenance.model_sentinel_fn(forward, images.device, tuple(images.shape[1:]))()
 
 

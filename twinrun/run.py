@@ -343,18 +343,21 @@ def load_arms(index: RunIndex, trusted=()) -> list[Arm]:
     return arms
 
 
-def run_job(run_dir: str | Path, trusted=()) -> dict:
+def run_job(run_dir: str | Path, trusted=(), bins: list[int] | None = None) -> dict:
     """Measure every pending bin, all arms back to back on the same draws; one writer at a time.
 
     `trusted`: builders (`_target_`s or module names) beyond twinrun's own that the arms may name.
+    `bins`: measure only these bin indices (one array element of launcher.split=bins, holding only
+    their locks); None = every pending bin.
     """
     rd = RunDir(run_dir)
-    with run_lock(rd.path):
-        for stale in rd.tmp_files():  # a write cut short by a kill: never read
-            stale.unlink()
+    with run_lock(rd.path, bins):
+        if bins is None:  # with bins, another element may be writing: its temp files are not stale
+            for stale in rd.tmp_files():  # a write cut short by a kill: never read
+                stale.unlink()
         index = RunIndex.load(rd)
         try:
-            return _measure(index, load_arms(index, trusted))
+            return _measure(index, load_arms(index, trusted), bins)
         except (KeyboardInterrupt, Interrupted) as err:
             index.mark_interrupted()
             if isinstance(err, KeyboardInterrupt):
@@ -374,7 +377,7 @@ def raise_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise)
 
 
-def _measure(index: RunIndex, arms: list[Arm]) -> dict:
+def _measure(index: RunIndex, arms: list[Arm], bins: list[int] | None = None) -> dict:
     rd, run = index.run_dir, index.doc
     run_dir = rd.path
     cfg = arms[0].config  # every arm shares everything outside `intervention`
@@ -404,11 +407,11 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
     job = start_job(run_dir, run, fp, determinism, provenance.read_sentinel(forward, device, images.shape[1:]))
     record = provenance.bin_record(fp, job["sentinel_start"])
 
-    index.set_status("running")
+    index.set_status("running", bins)
     # The bin is the unit of twin validity: if any arm of it is missing, measure all of its arms
     # again, back to back in this process, rather than pair stores from two processes.
     whole = [b["index"] for b in index.whole_bins()]
-    todo = [b for b in run["bins"] if b["index"] not in whole]
+    todo = [b for b in run["bins"] if b["index"] not in whole and (bins is None or b["index"] in bins)]
     if len(todo) < len(run["bins"]):
         print(f"twinrun: resuming: {len(run['bins']) - len(todo)} of {len(run['bins'])} bins already measured",
               flush=True)
@@ -448,8 +451,8 @@ def _measure(index: RunIndex, arms: list[Arm]) -> dict:
         progress.log(f"bin {b['index'] + 1}/{len(run['bins'])} σ={sigma:g}: {', '.join(timings)} "
                      f"({time.perf_counter() - t0:.2f}s)")
     progress.close()
-    job["sentinel_end"] = provenance.read_sentinel(forward, device, images.shape[1:])["digest"]
-    index.set_status("measured")
+    index.end_job(job["index"], provenance.read_sentinel(forward, device, images.shape[1:])["digest"])
+    index.finish_measuring()  # "measured" once every bin is whole (other array elements may be measuring)
     return run
 
 
@@ -486,12 +489,11 @@ def start_job(run_dir: Path, run: dict, fp: dict, determinism: dict, sentinel: d
     sha = provenance.kernel_path_sha256(fp)
     if not rd.kernel_path_env(sha).is_file():
         write_json(rd.kernel_path_env(sha), fp)
-    jobs = run.setdefault("jobs", [])
-    job = {"index": len(jobs), "kernel_path_sha256": provenance.kernel_path_sha256(fp),
+    job = {"kernel_path_sha256": provenance.kernel_path_sha256(fp),
            "hostname": fp["info"].get("hostname"), "boot_id": fp["info"].get("boot_id"),
            "slurm_job_id": (fp["info"].get("slurm") or {}).get("SLURM_JOB_ID"),
            "sentinel_start": sentinel["digest"], "sentinel_end": None}
+    RunIndex(rd, run).add_job(job)  # under run.json's lock: concurrent array elements each get an index
     write_json(rd.job_env(job["index"]),
                {"fingerprint": fp, "determinism": determinism, "sentinel": sentinel})
-    jobs.append(job)
     return job

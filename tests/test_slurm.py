@@ -16,7 +16,7 @@ import submitit
 from conftest import TINY, run_twinrun
 from test_launch import launcher, store_sums, write_failing_module
 
-from twinrun import launch, status
+from twinrun import launch
 from twinrun.errors import ConfigError, StoreError
 from twinrun.store import read_json, read_store
 
@@ -45,8 +45,8 @@ def final_state(job_id: str, timeout_s: float = 30) -> str:
     """sacct's state once the job has ended (sacct lags squeue by a moment)."""
     deadline = time.time() + timeout_s
     while True:
-        state = status.sacct_state(job_id) or "UNKNOWN"
-        if state.split()[0] in status.SLURM_ENDED or time.time() > deadline:
+        state = launch.sacct_state(job_id) or "UNKNOWN"
+        if state.split()[0] in launch.SLURM_ENDED or time.time() > deadline:
             return state
         time.sleep(0.5)
 
@@ -130,7 +130,7 @@ def test_preempted_job_requeues_and_resumes_without_recomputing(tmp_path, slurm_
     popen = {"cwd": tmp_path, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     twinrun = [sys.executable, "-m", "twinrun", *common]
     job = subprocess.Popen([*twinrun, *slurm_args, f"hydra.run.dir={job_dir}"], **popen)
-    deadline = time.time() + 60
+    deadline = time.time() + 240  # queueing, start-up and two bins on a loaded 2-core machine
     while len(whole_bins(job_dir)) < 2:
         assert time.time() < deadline and job.poll() is None, "the job did not finish two bins in time"
         time.sleep(0.05)
@@ -193,7 +193,7 @@ def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_
     # a job gone without a result pickle: waiting must end, not hang
     job = submitit.SlurmJob(folder=launched["folder"], job_id=launched["job_id"])
     t0 = time.time()
-    assert launch.wait([run_dir], [job], launched["launcher"]) == {run_dir: 2}
+    assert launch.wait([launch.Element(run_dir, None, job)], launched["launcher"]) == {run_dir: 2}
     assert time.time() - t0 < 30
     err = capsys.readouterr().err
     assert f"job {launched['job_id']} CANCELLED" in err and "without a result" in err

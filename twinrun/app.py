@@ -85,15 +85,14 @@ def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
     trusted = trusted_targets(cfg)  # the user composed this config: its builders may run
     _state["trusted"] |= set(trusted)
     launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
-    if launcher["name"] != "local":
-        launch.check(launcher)  # bad cluster settings fail before a run directory is written
+    launch.check(launcher)  # bad launcher settings fail before a run directory is written
     if sweeping and _state["launcher"] not in (None, launcher):
         raise TwinrunError("launcher.*: a sweep is submitted as one job array, so every point must share "
                            "one launcher config; sweep the experiment, not the launcher")
     _state["launcher"] = launcher
     plan_run(cfg, run_dir, command=reproduce_command())
     print(f"twinrun: run directory {run_dir}", flush=True)
-    if launcher["name"] == "local":
+    if launch.LAUNCHERS[launcher["name"]].in_process:
         run_job(run_dir, trusted)
         return reduce_and_report(run_dir)
     if sweeping:
@@ -106,14 +105,14 @@ def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, 
     """Submit the runs (one job, or one array), wait unless told not to, reduce each."""
     from twinrun import launch
 
-    jobs = launch.submit(run_dirs, launcher, folder_root, trusted)
+    elements = launch.submit(run_dirs, launcher, folder_root, trusted)
     if not launcher["wait"]:
         where = run_dirs[0] if len(run_dirs) == 1 else folder_root
         print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`, "
               "then reduce each run with `python -m twinrun.reduce RUN_DIR`")
         return EXIT_OK
-    failed = launch.wait(run_dirs, jobs, launcher)
-    codes = [reduce_and_report(r) if r not in failed else failed[r] for r in run_dirs]
+    failed = launch.wait(elements, launcher)
+    codes = [failed.get(Path(r).resolve()) or reduce_and_report(r) for r in run_dirs]
     return max(codes)
 
 
@@ -233,9 +232,7 @@ def check_sweep(sweep_dir: Path) -> None:
         try:
             refuse_unknown_additions(list(overrides), set(HydraConfig.get().runtime.choices))
             cfg = compose(config_name="config", overrides=list(overrides))
-            launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
-            if launcher["name"] != "local":
-                launch.check(launcher)
+            launch.check(OmegaConf.to_container(cfg.launcher, resolve=True))
             plan_run(cfg, None, dry_run=True)
         except TwinrunError as err:
             raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): {err}; nothing was run") from None

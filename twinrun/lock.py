@@ -70,9 +70,10 @@ def holder_alive(holder: dict | None) -> bool | None:
     return type(pid) is int and pid > 0 and pid_alive(pid)
 
 
-def read_holder(run_dir) -> dict | None:
-    """The holder recorded in RUN_DIR/.lock (None if empty, absent or not a holder record)."""
-    path = RunDir(run_dir).lock
+def read_holder(run_dir, path: Path | None = None) -> dict | None:
+    """The holder recorded in RUN_DIR/.lock, or in the lock file `path` (a bin's) of it (None if empty,
+    absent or not a holder record)."""
+    path = RunDir(run_dir).lock if path is None else path
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:

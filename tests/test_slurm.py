@@ -297,6 +297,10 @@ def test_split_bins_a_cancelled_element_is_measured_on_resume(tmp_path, slurm_ar
     # a pending element cancelled before it ran may be unknown to sacct: squeue's word, or GONE
     assert re.search(r"bin 1 (CANCELLED|GONE)", shown.stdout), shown.stdout
     # resume submits the missing bin only, as one element, and the run reduces to the pair's bits
+    # (with the launcher launch.json recorded: drop this test's hold and no-wait from it first)
+    launch_json = read_json(run_dir / "launch.json")
+    launch_json["launcher"].update(wait=True, additional_parameters={})
+    (run_dir / "launch.json").write_text(json.dumps(launch_json))
     resumed = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume", timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = read_json(run_dir / "launch.json")

@@ -29,8 +29,6 @@ MAX_YAML_BYTES = 16 * 1024 * 1024
 
 def sweep_points(sweep_dir: Path) -> list[list[str]] | None:
     """Each point's overrides, in job order, expanded from Hydra's multirun.yaml (None without it)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     path = Path(sweep_dir) / MULTIRUN_YAML
@@ -38,10 +36,17 @@ def sweep_points(sweep_dir: Path) -> list[list[str]] | None:
         return None
     try:
         task = yaml.safe_load(read_regular(path, MAX_YAML_BYTES, "Hydra multirun record").decode())
-        task = task["hydra"]["overrides"]["task"]
-        return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(list(task)), None)[0]
+        return expand(list(task["hydra"]["overrides"]["task"]))
     except (UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, HydraException) as err:
         raise StoreError(path, f"field hydra.overrides.task unreadable ({str(err).splitlines()[0]})") from None
+
+
+def expand(task: list[str]) -> list[list[str]]:
+    """A sweep's command-line overrides expanded into each point's, in job order (Hydra's basic sweeper)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)[0]
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:

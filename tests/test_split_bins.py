@@ -12,6 +12,7 @@ import pytest
 from conftest import TINY
 from test_launch import store_sums
 
+from twinrun import launch
 from twinrun.errors import StoreError
 from twinrun.lock import run_lock
 from twinrun.run import plan_run, run_job
@@ -113,3 +114,23 @@ def test_a_failure_at_another_elements_bin_is_kept(tmp_path, compose_cfg, model_
     assert run.status == "measured" and "failure" not in run.doc
 
 
+
+
+class _Job:
+    job_id = "7_2"
+
+    class paths:
+        stderr = "/logs/7_2_log.err"
+
+
+def test_a_failed_element_is_reported_with_its_bin_and_never_with_anothers(tmp_path, capsys):
+    doc = _run_json(3)
+    doc.update(status="failed", failure={"arm": "pin_sigma", "bin_index": 2, "sigma": 0.3})
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    assert launch._report(launch.Element(tmp_path, [2], _Job), "FAILED 1:0", ["NonFiniteGradient"]) == 1
+    assert launch._report(launch.Element(tmp_path, [0], _Job), "CANCELLED", []) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"twinrun: error: {tmp_path} bin 2: job 7_2 FAILED 1:0: arm pin_sigma failed at "
+                             "bin 2 (σ=0.3)") and err[1] == "  | NonFiniteGradient"
+    # the element of bin 0 did not fail at bin 2: it says its own job failed, not another's arm
+    assert err[3].startswith(f"twinrun: error: {tmp_path} bin 0: job 7_2 CANCELLED: the job failed;")

@@ -134,3 +134,14 @@ def test_a_failed_element_is_reported_with_its_bin_and_never_with_anothers(tmp_p
                              "bin 2 (σ=0.3)") and err[1] == "  | NonFiniteGradient"
     # the element of bin 0 did not fail at bin 2: it says its own job failed, not another's arm
     assert err[3].startswith(f"twinrun: error: {tmp_path} bin 0: job 7_2 CANCELLED: the job failed;")
+
+
+def test_a_forged_element_in_launch_json_is_refused_naming_the_field(tmp_path):
+    from twinrun.store import read_json
+
+    job = {"job_id": "7_0", "result": "r", "stdout": "o", "stderr": "e"}
+    launch_json = {"cluster": "slurm", **job, "folder": "f", "launcher": {},
+                   "elements": [{"bins": [0], **job}, {"bins": [1], **job, "job_id": "7_1,--help"}]}
+    (tmp_path / "launch.json").write_text(json.dumps(launch_json))
+    with pytest.raises(StoreError, match=r"field elements\[1\]\.job_id: '7_1,--help' is not a job id"):
+        read_json(tmp_path / "launch.json")

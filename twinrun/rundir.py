@@ -363,13 +363,26 @@ def validate_launch(path: Path, launch: dict) -> dict:
     """launch.json: the job a run was submitted as (its id reaches squeue/sacct as an argument)."""
     c = _Check(Path(path))
     c.one_of(launch, "cluster", "cluster", ("local", "slurm"))
-    job_id = c.get(launch, "job_id", "job_id", str)
-    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
-        c.fail("job_id", f"{_show(job_id)} is not a job id")
-    for key in ("result", "stdout", "stderr", "folder"):
-        c.get(launch, key, key, str)
+    _validate_job_record(c, launch, "")
+    c.get(launch, "folder", "folder", str)
     c.get(launch, "launcher", "launcher", dict)
+    # launcher.split=bins: every element's job (its bins, id and logs)
+    for i, element in enumerate(c.get(launch, "elements", "elements", list, optional=True) or []):
+        if not isinstance(element, dict):
+            c.fail(f"elements[{i}]", f"{_show(element)} is not an object")
+        bins = c.get(element, "bins", f"elements[{i}].bins", list)
+        if not all(type(k) is int and k >= 0 for k in bins):
+            c.fail(f"elements[{i}].bins", f"{_show(bins)} is not a list of bin indices")
+        _validate_job_record(c, element, f"elements[{i}].")
     return launch
+
+
+def _validate_job_record(c: _Check, record: dict, where: str) -> None:
+    job_id = c.get(record, "job_id", f"{where}job_id", str)
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
+        c.fail(f"{where}job_id", f"{_show(job_id)} is not a job id")
+    for key in ("result", "stdout", "stderr"):
+        c.get(record, key, f"{where}{key}", str)
 
 
 # The documents read_json validates, by file name.

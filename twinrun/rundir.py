@@ -472,7 +472,8 @@ class RunIndex:
         from twinrun.store import read_json, write_json
 
         with update_lock(self.run_dir.index_lock):
-            doc = read_json(self.run_dir.run_json)
+            # A run.json not written yet has no other writer: the document in memory is the record.
+            doc = read_json(self.run_dir.run_json) if os.path.lexists(self.run_dir.run_json) else self.doc
             change(doc)
             write_json(self.run_dir.run_json, doc)
         self.doc.clear()

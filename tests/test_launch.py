@@ -94,6 +94,8 @@ def test_zero_gpus_and_no_memory_are_not_requested(tmp_path):
 
 @pytest.mark.parametrize("knobs, key", [
     ({"name": "pbs"}, "launcher.name"),
+    ({"name": "slurm", "split": "arms"}, "launcher.split"),
+    ({"name": "local", "split": "bins"}, "launcher.split"),  # in-process: nothing to split across
     ({"name": "slurm", "nodes": 2}, "launcher.nodes"),
     ({"name": "slurm", "cpus_per_task": 0}, "launcher.cpus_per_task"),
     ({"name": "slurm", "gpus_per_node": -1}, "launcher.gpus_per_node"),
@@ -245,8 +247,8 @@ def test_failing_arm_is_reported_with_its_bin_and_exit_1(tmp_path, model_args, c
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))  # the job's interpreter
     run_dir = tmp_path / "run"
     knobs = planned(compose_cfg, run_dir, *model_args, "intervention._target_=tw_failing.NaNAbove")
-    jobs = launch.submit([run_dir], knobs, run_dir, trusted=["tw_failing"])  # the user vouches for it
-    assert launch.wait([run_dir], jobs, knobs) == {run_dir: 1}
+    elements = launch.submit([run_dir], knobs, run_dir, trusted=["tw_failing"])  # the user vouches for it
+    assert launch.wait(elements, knobs) == {run_dir: 1}
     err = capsys.readouterr().err
     assert "arm pin_sigma failed at bin 2 (σ=1.2)" in err and "NonFiniteGradient" in err
     run = json.loads((run_dir / "run.json").read_text())
@@ -264,7 +266,8 @@ def test_a_job_killed_without_result_ends_the_wait(tmp_path, model_args, compose
     run_dir = tmp_path / "run"
     knobs = planned(compose_cfg, run_dir, *model_args, "sigma_grid.sigmas=[0.1,0.2,0.35,0.5,0.8,1.2,2.0]",
                     "intervention.sigma_pin=0.5", "probe.n_images=40", "probe.n_draws=12", "probe.n_folds=4")
-    (job,) = launch.submit([run_dir], knobs, run_dir)
+    (element,) = launch.submit([run_dir], knobs, run_dir)
+    job = element.job
 
     def kill_when_running():  # SIGKILL the job's python (the controller's child) once it measures
         deadline = time.time() + 60
@@ -278,7 +281,7 @@ def test_a_job_killed_without_result_ends_the_wait(tmp_path, model_args, compose
     killer = threading.Thread(target=kill_when_running)
     killer.start()
     t0 = time.time()
-    assert launch.wait([run_dir], [job], knobs) == {run_dir: 2}
+    assert launch.wait([element], knobs) == {run_dir: 2}
     killer.join()
     assert time.time() - t0 < 60
     assert "without a result" in capsys.readouterr().err
@@ -317,7 +320,7 @@ def test_a_job_pending_for_a_reason_waiting_cannot_resolve_is_cancelled(tmp_path
     monkeypatch.setattr(launch, "_outcome", lambda *a: None)
     monkeypatch.setattr(launch.status, "describe", lambda *a: "line")
     monkeypatch.setattr(launch.status, "progress", lambda *a, **k: {})
-    failed = launch.wait([run_dir], [job], launcher(name="slurm", poll_s=0.03))
+    failed = launch.wait([launch.Element(run_dir, None, job)], launcher(name="slurm", poll_s=0.03))
     if resolves:
         assert failed == {} and not job.cancelled
         return

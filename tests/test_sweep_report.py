@@ -1,11 +1,13 @@
 """The sweep heatmap and report: axes are the swept variables, every cell's state is distinct and captioned."""
 
+import sys
+
 import matplotlib.pyplot as plt
 import pytest
 
 from twinrun import report
 from twinrun.report import plot_sweep, sweep_caption, sweep_grid
-from twinrun.sweep import write_sweep_report
+from twinrun.sweep import sweep_axis, write_sweep_report
 
 
 def _effect(sigma, cos, se, estimand="all"):
@@ -107,3 +109,30 @@ def test_sweep_report_words_plurals_and_flags(tmp_path):
     assert "2 points;" in text and "Swept: `x`." in text
     assert not any(word in text for word in ("True", "False", "None"))
     assert "| yes | yes |" in text and "| – | – |" in text
+
+
+def _scale(job, factor, overrides, effects):
+    point = _point(job, overrides, effects, target="ScaleModule")
+    point["intervention"] = {"_target_": "twinrun.interventions.ScaleModule", "module": "blocks.1.attn",
+                             "factor": factor}
+    return point
+
+
+def test_rows_follow_the_interventions_declared_axis_whatever_the_overrides_say():
+    # Points named by experiment files, not by the knob: the declared axis (factor) orders and labels the rows.
+    points = [_scale(0, 0.5, ["+experiment=half"], [_effect(0.2, 0.9, 0.01)]),
+              _scale(1, 0.0, ["+experiment=ablate"], [_effect(0.2, 0.4, 0.01)])]
+    for p in points:
+        p["axis"] = sweep_axis(p["intervention"])
+    g = sweep_grid(_summary(*points))
+    assert g["row_axis"] == "intervention.factor" and g["rows"] == ["0.0", "0.5"]
+    assert g["effect"][0, 0] == pytest.approx(0.6) and "ScaleModule" in g["intervention"]
+
+
+def test_the_axis_is_read_from_twinruns_classes_never_imported_from_a_run_directory():
+    assert sweep_axis({"_target_": "twinrun.interventions.PinSigma", "sigma_pin": 1.2}) == \
+        {"key": "intervention.sigma_pin", "value": 1.2}
+    assert sweep_axis({"_target_": "twinrun.interventions.ScaleInput", "factor": 2.0})["key"] == "intervention.factor"
+    # a module nobody imported is not imported to find out (it would run code named by a file)
+    assert sweep_axis({"_target_": "tw_never_imported_module.Evil", "x": 1}) is None
+    assert "tw_never_imported_module" not in sys.modules

@@ -4,6 +4,7 @@ Each run (each sweep point) is planned here: validated, its twin derived, its co
 With launcher=local it is then measured and reduced in this process; with submitit_local/slurm
 it is submitted (a sweep as one job array), waited for, and reduced here. The process exits
 with the reducer's code (0 ok, 1 a gate/check failed, 2 bad input), the worst over a sweep.
+A sweep's state lives in its Hydra callback (SweepCallback, registered in conf/hydra/callbacks/).
 """
 
 import contextlib
@@ -14,9 +15,11 @@ import secrets
 import shlex
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,10 +38,18 @@ def _conf_dir() -> Path:
 
 CONF_DIR = _conf_dir()
 
-# What the Hydra task leaves for main(): whether it started (to tell Hydra's config errors from
-# ours), each point's exit code, the points a sweep defers for one array submission.
-_state = {"task_started": False, "codes": [], "deferred": [], "launcher": None, "sweep_dir": None,
-          "trusted": set(), "sweep_checked": False}
+# Whether the Hydra task started (to tell Hydra's own config errors from ours) and the stderr held
+# until then: the process's, not a sweep's (a sweep's state is its SweepCallback's).
+_state = {"task_started": False, "held_stderr": None}
+
+
+class Point(NamedTuple):
+    """What one sweep point's task hands its SweepCallback: its exit code, or None when it waits to be
+    submitted with the others as one array."""
+    run_dir: Path
+    code: int | None
+    launcher: dict | None
+    trusted: tuple
 
 
 @functools.cache
@@ -77,78 +88,125 @@ def reduce_and_report(run_dir: Path) -> int:
     return code
 
 
-def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int | None:
-    """Plan one run, then measure and reduce it (local), submit it, or defer it to the array."""
+def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Point:
+    """Plan one run, then measure and reduce it (local), submit it, or defer it to the sweep's array."""
     from twinrun import launch
     from twinrun.run import plan_run, run_job, trusted_targets
 
-    trusted = trusted_targets(cfg)  # the user composed this config: its builders may run
-    _state["trusted"] |= set(trusted)
+    trusted = tuple(trusted_targets(cfg))  # the user composed this config: its builders may run
     launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
-    if launcher["name"] != "local":
-        launch.check(launcher)  # bad cluster settings fail before a run directory is written
-    if sweeping and _state["launcher"] not in (None, launcher):
-        raise TwinrunError("launcher.*: a sweep is submitted as one job array, so every point must share "
-                           "one launcher config; sweep the experiment, not the launcher")
-    _state["launcher"] = launcher
+    launch.check(launcher)  # bad launcher settings fail before a run directory is written
     plan_run(cfg, run_dir, command=reproduce_command())
     print(f"twinrun: run directory {run_dir}", flush=True)
-    if launcher["name"] == "local":
+    if launch.LAUNCHERS[launcher["name"]].in_process:
         run_job(run_dir, trusted)
-        return reduce_and_report(run_dir)
+        return Point(run_dir, reduce_and_report(run_dir), launcher, trusted)
     if sweeping:
-        _state["deferred"].append(run_dir)
-        return None
-    return submit_and_collect([run_dir], launcher, run_dir, trusted)
+        return Point(run_dir, None, launcher, trusted)
+    return Point(run_dir, submit_and_collect([run_dir], launcher, run_dir, trusted), launcher, trusted)
 
 
 def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> int:
     """Submit the runs (one job, or one array), wait unless told not to, reduce each."""
     from twinrun import launch
 
-    jobs = launch.submit(run_dirs, launcher, folder_root, trusted)
+    elements = launch.submit(run_dirs, launcher, folder_root, trusted)
     if not launcher["wait"]:
         where = run_dirs[0] if len(run_dirs) == 1 else folder_root
         print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`, "
               "then reduce each run with `python -m twinrun.reduce RUN_DIR`")
         return EXIT_OK
-    failed = launch.wait(run_dirs, jobs, launcher)
-    codes = [reduce_and_report(r) if r not in failed else failed[r] for r in run_dirs]
+    failed = launch.wait(elements, launcher)
+    codes = [failed.get(Path(r).resolve()) or reduce_and_report(r) for r in run_dirs]
     return max(codes)
 
 
-def _task(cfg: DictConfig) -> int | None:
-    _state["task_started"] = True
-    if _state.get("held_stderr") is not None:
-        _state.pop("held_stderr").release()
+def _task(cfg: DictConfig) -> Point:
+    _release_stderr()
     hc = HydraConfig.get()
     sweeping = hc.mode == RunMode.MULTIRUN
-    if sweeping:
-        _state["sweep_dir"] = Path(hc.sweep.dir)
     run_dir = Path(hc.runtime.output_dir)
-    if sweeping and not _state["sweep_checked"]:
-        _state["sweep_checked"] = True
-        try:
-            check_sweep(Path(hc.sweep.dir))
-        except TwinrunError as err:
-            discard_unplanned(run_dir)
-            discard_unplanned(Path(hc.sweep.dir), own_files=("multirun.yaml",))
-            fail(err)
     try:
         refuse_unknown_additions(list(hc.overrides.task), set(hc.runtime.choices))
         with tee_output(run_dir / f"{hc.job.name}.log"):
-            code = run_point(cfg, run_dir, sweeping)
+            point = run_point(cfg, run_dir, sweeping)
     except TwinrunError as err:
         discard_unplanned(run_dir)
         if not sweeping:
             fail(err)
         print(f"twinrun: error: {run_dir}: {err}", file=sys.stderr)
-        code = err.exit_code
+        point = Point(run_dir, err.exit_code, None, ())
     if not sweeping:
-        raise SystemExit(code)
-    if code is not None:
-        _state["codes"].append(code)
-    return code
+        raise SystemExit(point.code)
+    return point
+
+
+def _release_stderr() -> None:
+    _state["task_started"] = True
+    if _state["held_stderr"] is not None:
+        _state["held_stderr"].release()
+        _state["held_stderr"] = None
+
+
+def _loud(method):
+    """Hydra turns an exception in a callback into a warning and carries on: an unexpected one must
+    instead end the process as an uncaught exception would (its traceback, exit 1)."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except Exception:  # noqa: BLE001 — re-raised as the exit below, after the traceback
+            import traceback
+
+            traceback.print_exc()
+            raise SystemExit(1) from None
+
+    return wrapper
+
+
+class SweepCallback(Callback):
+    """One sweep (`python -m twinrun -m ...`), held by Hydra for its duration: every point validated
+    before the first runs; the points a submitit launcher defers go out as one job array at the end;
+    then the sweep summary, and the process exits with the worst point's code."""
+
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.deferred: list[Point] = []
+
+    @_loud
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from twinrun.sweep import expand
+
+        _release_stderr()
+        try:
+            check_sweep(expand(list(config.hydra.overrides.task)), set(config.hydra.runtime.choices))
+        except TwinrunError as err:
+            fail(err)  # nothing was written yet: Hydra makes the sweep directory when the jobs start
+
+    @_loud
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        point = job_return.return_value  # a point's task never raises in a sweep (errors become codes)
+        if point.code is None:
+            self.deferred.append(point)
+        else:
+            self.codes.append(point.code)
+
+    @_loud
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from twinrun.sweep import write_sweep_summary
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        launcher = self.deferred[0].launcher if self.deferred else None
+        if self.deferred:
+            trusted = sorted({t for p in self.deferred for t in p.trusted})
+            try:
+                self.codes.append(submit_and_collect([p.run_dir for p in self.deferred], launcher, sweep_dir,
+                                                     trusted))
+            except TwinrunError as err:
+                fail(err)
+        if launcher is None or launcher["wait"]:
+            write_sweep_summary(sweep_dir)
+        raise SystemExit(max(self.codes or [EXIT_OK]))
 
 
 def refuse_unknown_additions(overrides: list[str], groups: set[str]) -> None:
@@ -219,26 +277,29 @@ class _Tee:
         return getattr(self.stream, name)
 
 
-def check_sweep(sweep_dir: Path) -> None:
+def check_sweep(points: list[list[str]], choices: set[str]) -> None:
     """Every point of the sweep validated (planned dry) before the first one runs: a bad point is
-    one line naming its overrides, and nothing has been measured."""
+    one line naming its overrides, and nothing has been measured. The points share one launcher
+    config: a submitit sweep goes out as one job array."""
     from hydra import compose
 
     from twinrun import launch
     from twinrun.run import plan_run
-    from twinrun.sweep import sweep_points
 
-    points = sweep_points(sweep_dir) or []
+    launchers = []
     for number, overrides in enumerate(points):
         try:
-            refuse_unknown_additions(list(overrides), set(HydraConfig.get().runtime.choices))
+            refuse_unknown_additions(list(overrides), choices)
             cfg = compose(config_name="config", overrides=list(overrides))
-            launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
-            if launcher["name"] != "local":
-                launch.check(launcher)
+            launchers.append(OmegaConf.to_container(cfg.launcher, resolve=True))
+            launch.check(launchers[-1])
             plan_run(cfg, None, dry_run=True)
         except TwinrunError as err:
             raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): {err}; nothing was run") from None
+        if launchers[-1] != launchers[0]:
+            raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): launcher.*: a sweep is submitted "
+                               "as one job array, so every point must share one launcher config; sweep the "
+                               "experiment, not the launcher; nothing was run")
     if points:
         print(f"twinrun: all {len(points)} sweep points validated", flush=True)
 
@@ -265,22 +326,6 @@ def discard_unplanned(run_dir: Path, own_files=(".hydra/config.yaml", ".hydra/hy
             folder.rmdir()  # only if empty: anything else stays
         except OSError:
             return
-
-
-def _finish_sweep() -> int:
-    """After Hydra's sweep: submit deferred points as one array, then write the sweep summary."""
-    from twinrun.sweep import write_sweep_summary
-
-    sweep_dir = _state["sweep_dir"]
-    if _state["deferred"]:
-        try:
-            _state["codes"].append(submit_and_collect(_state["deferred"], _state["launcher"], sweep_dir,
-                                                      sorted(_state["trusted"])))
-        except TwinrunError as err:
-            fail(err)
-    if _state["launcher"] is None or _state["launcher"]["wait"]:
-        write_sweep_summary(sweep_dir)
-    return max(_state["codes"] or [EXIT_OK])
 
 
 class _HeldStderr:
@@ -339,5 +384,3 @@ def main() -> None:
             print(f"twinrun: error: {held.one_line()}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
         raise
-    if _state["sweep_dir"] is not None:
-        raise SystemExit(_finish_sweep())

@@ -138,6 +138,9 @@ class LauncherConfig:
     # SLURM runs) | slurm: one SLURM job per pair (a job array for a sweep), both arms inside.
     name: str = "local"
     wait: bool = True  # false: return after submission; `python -m twinrun.status RUN_DIR` later
+    # pair: one job per run (every bin in one process) | bins: one job per bin, as a job array (both
+    # arms of a bin in one process); pin the GPU type with `constraint` (docs/slurm.md).
+    split: str = "pair"
     # SLURM knobs (submitit's names; units in the names). None = the cluster's default.
     partition: str | None = None
     account: str | None = None

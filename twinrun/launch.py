@@ -1,9 +1,13 @@
-"""Submit planned runs as submitit jobs (SLURM, or submitit's local executor) and wait on them.
+"""The launchers (LAUNCHERS: local, submitit_local, slurm): check settings, submit runs as submitit jobs,
+ask the scheduler how they stand, and wait on them.
 
-One run is one job whose single process measures both arms bin by bin (`PairJob`); the runs of a
-sweep go out as one SLURM job array. On SLURM's preemption or time-limit signal (USR2) the job
-requeues itself and the next start resumes from the finished bins. `wait` follows each job through
-its run directory (progress) and the scheduler (state), never through submitit's cached state alone.
+launcher.split=pair: one run is one job whose single process measures every arm bin by bin.
+launcher.split=bins: each pending bin of a run is its own job (both arms and the gate replicate
+inside: the bin is the unit of twin validity). Everything submitted at once (a sweep's points, or
+points × bins) goes out as one SLURM job array. On SLURM's preemption or time-limit signal (USR2) a
+job requeues itself and the next start resumes from its finished bins. `wait` follows each job
+through its run directory (progress) and the scheduler (state), never submitit's cached state alone.
+Adding a launcher is one entry in LAUNCHERS.
 """
 
 import datetime
@@ -13,7 +17,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import submitit
 from submitit.core.utils import UncompletedJobError
@@ -24,8 +31,14 @@ from twinrun.run import run_job
 from twinrun.rundir import RunDir, RunIndex
 from twinrun.store import read_json, write_json
 
-CLUSTERS = {"submitit_local": "local", "slurm": "slurm"}  # launcher.name -> submitit's cluster
 LAUNCH_FORMAT = "twinrun-launch/1"
+SPLITS = ("pair", "bins")  # launcher.split: one job per run, or one job per bin
+# SLURM job states after which the job will not run again (squeue/sacct spelling).
+SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
+               "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
+GONE = "GONE"  # the scheduler no longer knows the job (accounting off, or past MinJobAge)
+ACTIVE = ("RUNNING", "PENDING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED")
+SCHEDULER_TIMEOUT_S = 20
 # After USR2 the job needs this long to checkpoint, requeue itself and exit before SLURM kills it.
 CHECKPOINT_MARGIN_S = 30
 TAIL_LINES = 8
@@ -66,22 +79,25 @@ SBATCH_KNOBS = (
 
 
 class PairJob(submitit.helpers.Checkpointable):
-    """The job: measure every pending (arm, bin) of one planned run directory.
+    """The job: measure every pending (arm, bin) of one planned run directory, or of its `bins` only
+    (one array element of launcher.split=bins).
 
     Its only state is the run directory. On USR2 submitit calls `checkpoint`, which requeues this
     same object; the next start runs `run_job` again, which skips every bin whose arms' stores all
     exist and verify (a half-measured bin is measured again, whole), so no finished bin is recomputed.
     """
 
-    def __init__(self, run_dir: str | Path, trusted=()):
+    def __init__(self, run_dir: str | Path, trusted=(), bins: list[int] | None = None):
         self.run_dir = str(Path(run_dir).resolve())
         self.trusted = list(trusted)  # builders the submitting user composed or named (see run.load_arms)
+        self.bins = None if bins is None else list(bins)
 
     def __call__(self) -> str:
-        run_dir = Path(self.run_dir)
-        print(f"twinrun: {_where()}: {run_dir}; {_stores_done(run_dir)}", flush=True)
+        run_dir, bins = Path(self.run_dir), getattr(self, "bins", None)
+        which = "" if bins is None else f" (bins {', '.join(map(str, bins))})"
+        print(f"twinrun: {_where()}: {run_dir}{which}; {_stores_done(run_dir)}", flush=True)
         try:
-            return run_job(run_dir, getattr(self, "trusted", ()))["status"]
+            return run_job(run_dir, getattr(self, "trusted", ()), bins)["status"]
         except TwinrunError as err:
             # One readable line before submitit's traceback; re-raised, so the job ends FAILED.
             print(f"twinrun: error: {err}", file=sys.stderr, flush=True)
@@ -118,13 +134,24 @@ def _stores_done(run_dir: Path) -> str:
 def check(launcher: dict) -> None:
     """Refuse launcher settings that cannot work, naming the knob (ConfigError: exit 2).
 
-    Asks SLURM (sinfo) about the partition and its GPUs; call it before planning to fail early.
+    For SLURM, asks sinfo about the partition and its GPUs; call it before planning to fail early.
     """
     name = launcher["name"]
-    if name == "local":
-        return
-    if name not in CLUSTERS:
-        raise ConfigError("launcher.name", name, "choose local, submitit_local or slurm")
+    if name not in LAUNCHERS:
+        raise ConfigError("launcher.name", name, f"choose one of {', '.join(LAUNCHERS)}")
+    split = launcher.get("split", "pair")
+    if split not in SPLITS:
+        raise ConfigError("launcher.split", split, "choose pair (one job per run) or bins (one job per bin)")
+    LAUNCHERS[name].check(launcher)
+
+
+def _check_in_process(launcher: dict) -> None:
+    if launcher.get("split", "pair") != "pair":
+        raise ConfigError("launcher.split", launcher["split"], "launcher=local measures in this process, bin "
+                          "after bin; split=bins needs launcher=slurm (or submitit_local)")
+
+
+def _check_submitit(launcher: dict) -> None:
     if launcher["nodes"] != 1:
         raise ConfigError("launcher.nodes", launcher["nodes"], "must be 1: both arms of a pair run in one "
                           "process, so more nodes would idle (a sweep runs its points as a job array)")
@@ -137,11 +164,10 @@ def check(launcher: dict) -> None:
                           "must be > 0, or null for the cluster's default")
     if not launcher["poll_s"] > 0:
         raise ConfigError("launcher.poll_s", launcher["poll_s"], "must be > 0 seconds")
-    if name == "slurm":
-        _check_slurm(launcher)
 
 
 def _check_slurm(launcher: dict) -> None:
+    _check_submitit(launcher)
     if shutil.which("sbatch") is None:
         raise ConfigError("launcher", "slurm", "sbatch is not on PATH: run where SLURM is installed (a local "
                           "test cluster: `bash launch/slurm-up.sh`), or use launcher=local or submitit_local")
@@ -213,7 +239,7 @@ def _sinfo() -> dict[str, list[dict]]:
     """{partition (the default marked '*'): its node kinds (gres, cpus, mem_mb, limit_min)} from sinfo."""
     try:
         out = subprocess.run(["sinfo", "-h", "-o", "%P|%G|%c|%m|%l"], check=False, capture_output=True, text=True,
-                             timeout=status.SCHEDULER_TIMEOUT_S)
+                             timeout=SCHEDULER_TIMEOUT_S)
         reason = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
     except (OSError, subprocess.TimeoutExpired) as err:
         out, reason = None, str(err)
@@ -265,7 +291,7 @@ def executor_parameters(launcher: dict, cluster: str, job_name: str) -> dict:
 
 
 def make_executor(launcher: dict, folder_root: Path, job_name: str) -> submitit.AutoExecutor:
-    cluster = CLUSTERS[launcher["name"]]
+    cluster = LAUNCHERS[launcher["name"]].cluster
     # max_num_timeout is a constructor argument, not an update_parameters one
     executor = submitit.AutoExecutor(folder=Path(folder_root).resolve() / launcher["folder"] / "%j",
                                      cluster=cluster,
@@ -274,89 +300,125 @@ def make_executor(launcher: dict, folder_root: Path, job_name: str) -> submitit.
     return executor
 
 
-def submit(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> list:
-    """One job per planned run directory, all in one submission (one SLURM job array if several).
+class Element(NamedTuple):
+    """One submitted job: the run directory it measures, its bins (None: every pending bin), the job."""
+    run_dir: Path
+    bins: list[int] | None
+    job: object
 
-    Writes RUN_DIR/launch.json (job id, cluster, log paths, time) and prints each job id.
+
+def plan_elements(run_dirs: list[Path], split: str) -> list[tuple[Path, list[int] | None]]:
+    """What each job will measure: a whole run (split=pair), or one pending bin of it (split=bins).
+
+    A run whose every bin is already whole gets one whole-run job, which only marks it measured."""
+    if split == "pair":
+        return [(r, None) for r in run_dirs]
+    out = []
+    for run_dir in run_dirs:
+        index = RunIndex.load(run_dir)
+        whole = {b["index"] for b in index.whole_bins()}
+        pending = [[b["index"]] for b in index.bins if b["index"] not in whole]
+        out += [(run_dir, bins) for bins in pending] or [(run_dir, None)]
+    return out
+
+
+def submit(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> list[Element]:
+    """One job per planned run directory (split=pair) or per pending bin (split=bins), all in one
+    submission (one SLURM job array if several).
+
+    Writes RUN_DIR/launch.json (job ids, cluster, log paths, time) and prints each job id.
     """
     check(launcher)
-    run_dirs = [Path(r).resolve() for r in run_dirs]
+    planned = plan_elements([Path(r).resolve() for r in run_dirs], launcher.get("split", "pair"))
     folder_root = Path(folder_root)
     executor = make_executor(launcher, folder_root, f"twinrun-{folder_root.name}")
     with submitit.helpers.clean_env():  # submitting from inside an allocation must not inherit it
         try:
             with executor.batch():
-                jobs = [executor.submit(PairJob(run_dir, trusted)) for run_dir in run_dirs]
+                jobs = [executor.submit(PairJob(run_dir, trusted, bins)) for run_dir, bins in planned]
         except UncompletedJobError as err:  # sbatch refused the job
             raise _sbatch_refused(err, launcher) from None
-    cluster = CLUSTERS[launcher["name"]]
+    elements = [Element(run_dir, bins, job) for (run_dir, bins), job in zip(planned, jobs)]
+    cluster = LAUNCHERS[launcher["name"]].cluster
     submitted = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    for run_dir, job in zip(run_dirs, jobs):
-        _write_launch(run_dir, job, cluster, launcher, submitted)
+    for run_dir in dict.fromkeys(e.run_dir for e in elements):
+        _write_launch(run_dir, [e for e in elements if e.run_dir == run_dir], cluster, launcher, submitted)
     kind = "SLURM" if cluster == "slurm" else "submitit local"
     if len(jobs) > 1 and cluster == "slurm":
-        print(f"twinrun: submitted {kind} job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} runs; "
-              f"logs in {folder_root / launcher['folder']})", flush=True)
-    for run_dir, job in zip(run_dirs, jobs):
-        print(f"twinrun: submitted {kind} job {job.job_id} for {run_dir}", flush=True)
-    return jobs
+        print(f"twinrun: submitted {kind} job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} "
+              f"{'runs' if len(jobs) == len(run_dirs) else 'jobs'}; logs in {folder_root / launcher['folder']})",
+              flush=True)
+    for e in elements:
+        which = "" if e.bins is None else f" bin {', '.join(map(str, e.bins))} of"
+        print(f"twinrun: submitted {kind} job {e.job.job_id} for{which} {e.run_dir}", flush=True)
+    return elements
 
 
-def _write_launch(run_dir: Path, job, cluster: str, launcher: dict, submitted: str) -> None:
+def _write_launch(run_dir: Path, elements: list[Element], cluster: str, launcher: dict, submitted: str) -> None:
+    """launch.json: the run's job (split=pair), or its first with every element listed (split=bins)."""
     path = RunDir(run_dir).launch_json
     earlier = []
     if path.is_file():  # a resubmission into the same run directory: keep the history
         old = read_json(path)
         earlier = old.pop("earlier", []) + [old]
+    job = elements[0].job
     array_id, _, task = job.job_id.partition("_")
-    write_json(path, {
+    record = {
         "format": LAUNCH_FORMAT,
         "cluster": cluster,
-        "job_id": job.job_id,
+        **_job_record(job),
         "array_job_id": array_id if task else None,
         "array_task_id": int(task) if task else None,
         "submitted": submitted,
         "folder": str(job.paths.folder),
-        "stdout": str(job.paths.stdout),
-        "stderr": str(job.paths.stderr),
-        "result": str(job.paths.result_pickle),
         "launcher": launcher,
         "earlier": earlier,
-    })
+    }
+    if elements[0].bins is not None:
+        record["elements"] = [{"bins": e.bins, **_job_record(e.job)} for e in elements]
+    write_json(path, record)
+
+
+def _job_record(job) -> dict:
+    return {"job_id": job.job_id, "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr),
+            "result": str(job.paths.result_pickle)}
 
 
 # ----------------------------------------------------------------------------- wait
 
 
-def wait(run_dirs: list[Path], jobs: list, launcher: dict) -> dict[Path, int]:
+def wait(elements: list[Element], launcher: dict) -> dict[Path, int]:
     """Block until every job has ended, printing state and bins done as they change.
 
-    Returns {run_dir: exit code} for the runs that failed (1: an arm raised, run.json names it;
-    2: the job died or failed otherwise), after printing the error's tail; the rest measured.
+    Returns {run_dir: exit code} for the runs with a failed job (the worst of its elements; 1: an arm
+    failed, run.json names it; 4: the model raised; 2: the job died or failed otherwise), after
+    printing the error's tail, named by run and bin; the rest measured.
     """
-    pending = {Path(r): job for r, job in zip(run_dirs, jobs)}
-    keys = dict(zip(pending, run_dirs))  # report under the caller's own Path objects
-    shown: dict[Path, str] = {}
+    pending = dict(enumerate(elements))
+    shown: dict[int, str] = {}
     failed: dict[Path, int] = {}
-    stuck_since: dict[Path, float] = {}
+    stuck_since: dict[int, float] = {}
     try:
         while pending:
-            for run_dir, (ended, state) in _poll(pending).items():
-                if _stuck(run_dir, state, stuck_since):
-                    failed[keys[run_dir]] = _cancel_stuck(run_dir, pending.pop(run_dir), state)
+            for key, (ended, state) in _poll({k: e.job for k, e in pending.items()}).items():
+                e = pending[key]
+                if _stuck(key, state, stuck_since):
+                    pending.pop(key)
+                    _fail(failed, e.run_dir, _cancel_stuck(_label(e), e.job, state))
                     continue
-                line = status.describe(run_dir, status.progress(run_dir), state)
-                if shown.get(run_dir) != line:
+                line = status.describe(e.run_dir, status.progress(e.run_dir), state)
+                line = line if e.bins is None else f"bin {', '.join(map(str, e.bins))}: {line}"
+                if shown.get(key) != line:
                     print(f"twinrun: {line}", flush=True)
-                    shown[run_dir] = line
+                    shown[key] = line
                 if ended:
-                    code = _outcome(run_dir, pending.pop(run_dir), state)
+                    code = _outcome(pending.pop(key), state)
                     if code is not None:
-                        failed[keys[run_dir]] = code
+                        _fail(failed, e.run_dir, code)
             if pending:
                 time.sleep(launcher["poll_s"])
     except KeyboardInterrupt:
-        where = " ".join(str(r) for r in pending)
+        where = " ".join(str(r) for r in dict.fromkeys(e.run_dir for e in pending.values()))
         print(f"\ntwinrun: stopped waiting; the jobs keep running. Follow them with "
               f"`python -m twinrun.status {where}`, then reduce with `python -m twinrun.reduce RUN_DIR`",
               file=sys.stderr, flush=True)
@@ -364,61 +426,71 @@ def wait(run_dirs: list[Path], jobs: list, launcher: dict) -> dict[Path, int]:
     return failed
 
 
-def _stuck(run_dir: Path, state: str, since: dict) -> bool:
+def _fail(failed: dict, run_dir: Path, code: int) -> None:
+    failed[run_dir] = max(code, failed.get(run_dir, code))
+
+
+def _label(e: Element) -> str:
+    return str(e.run_dir) if e.bins is None else f"{e.run_dir} bin {', '.join(map(str, e.bins))}"
+
+
+def _stuck(key, state: str, since: dict) -> bool:
     """Pending, for longer than the grace, for a reason no amount of waiting resolves."""
     reason = state.partition("(")[2].rstrip(")").split(",")[0].strip() if state.startswith("PENDING") else ""
     if reason not in UNRESOLVABLE:
-        since.pop(run_dir, None)
+        since.pop(key, None)
         return False
-    return time.monotonic() - since.setdefault(run_dir, time.monotonic()) > UNRESOLVABLE_GRACE_S
+    return time.monotonic() - since.setdefault(key, time.monotonic()) > UNRESOLVABLE_GRACE_S
 
 
-def _cancel_stuck(run_dir: Path, job, state: str) -> int:
+def _cancel_stuck(label: str, job, state: str) -> int:
     reason = state.partition("(")[2].rstrip(")").split(",")[0].strip()
     job.cancel(check=False)
-    print(f"twinrun: error: {run_dir}: job {job.job_id} cancelled: it was {state}, which waiting cannot "
+    print(f"twinrun: error: {label}: job {job.job_id} cancelled: it was {state}, which waiting cannot "
           f"resolve; change launcher.{UNRESOLVABLE[reason].replace(', ', ', launcher.').replace(' or ', ' or launcher.')} "
           "to fit the partition and resume", file=sys.stderr, flush=True)
     return EXIT_USAGE
 
 
-def _poll(pending: dict) -> dict[Path, tuple[bool, str]]:
-    """{run_dir: (ended, state)}: squeue first (one call, needs no accounting), sacct if it is mute."""
+def _poll(pending: dict) -> dict:
+    """{key: (ended, state)} of {key: job}: squeue first (one call, needs no accounting), sacct if mute."""
     jobs = list(pending.values())
     slurm = [j for j in jobs if isinstance(j, submitit.SlurmJob)]
-    queue = status.slurm_states([j.job_id for j in slurm]) if slurm else None
+    queue = slurm_states([j.job_id for j in slurm]) if slurm else None
     if slurm and queue is None:
         slurm[0].get_info(mode="force")  # one forced sacct updates submitit's shared watcher for all
     out = {}
-    for run_dir, job in pending.items():
+    for key, job in pending.items():
         finished = job.paths.result_pickle.exists()
         if not isinstance(job, submitit.SlurmJob):
-            out[run_dir] = (finished or job.done(), job.state)
+            out[key] = (finished or job.done(), job.state)
         elif queue is not None:
             state = queue[job.job_id]
-            out[run_dir] = (finished or state in status.SLURM_ENDED or state == status.GONE, state)
+            out[key] = (finished or state in SLURM_ENDED or state == GONE, state)
         else:
             state = (job.get_info(mode="cache").get("State") or "UNKNOWN").split()[0]
-            out[run_dir] = (finished or job.done(), state)
+            out[key] = (finished or job.done(), state)
     return out
 
 
-def _outcome(run_dir: Path, job, state: str) -> int | None:
-    """None if the run measured; else print why (with the error's tail) and return its exit code."""
+def _outcome(e: Element, state: str) -> int | None:
+    """None if the job measured its bins; else print why (with the error's tail) and return its exit code."""
+    job = e.job
     if job.paths.result_pickle.exists():
         try:
             job.result()
         except UncompletedJobError as err:
-            return _report(run_dir, job, _final_state(job, state), _trace_tail(str(err)))
-        prog = status.progress(run_dir)
-        if prog["status"] == "measured":
-            print(f"twinrun: job {job.job_id} measured {run_dir}", flush=True)
+            return _report(e, _final_state(job, state), _trace_tail(str(err)))
+        index = RunIndex.load(e.run_dir)
+        mine = [b for b in index.bins if e.bins is None or b["index"] in e.bins]
+        if all(index.marked_done(b) for b in mine):
+            print(f"twinrun: job {job.job_id} measured {_label(e)}", flush=True)
             return None
-        said = f"the job returned; run.json says {prog['status']!r}"
-        return _report(run_dir, job, _final_state(job, state), [said])
+        said = f"the job returned; run.json says {index.status!r}"
+        return _report(e, _final_state(job, state), [said])
     # Ended without a result: cancelled, killed at its time limit or for memory, node failure...
     log = job.stderr() or ""
-    return _report(run_dir, job, f"{_final_state(job, state)} without a result", _tail(log.splitlines()))
+    return _report(e, f"{_final_state(job, state)} without a result", _tail(log.splitlines()))
 
 
 def _final_state(job, state: str) -> str:
@@ -428,26 +500,28 @@ def _final_state(job, state: str) -> str:
     deadline = time.monotonic() + FINAL_STATE_WAIT_S
     queued = state
     while True:
-        answer = status.slurm_states([job.job_id])
+        answer = slurm_states([job.job_id])
         queued = queued if answer is None else answer[job.job_id]
-        if queued in status.SLURM_ENDED or queued == status.GONE or time.monotonic() > deadline:
+        if queued in SLURM_ENDED or queued == GONE or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    accounted = status.sacct_state(job.job_id)
-    if accounted and accounted.split()[0] in status.SLURM_ENDED:
+    accounted = sacct_state(job.job_id)
+    if accounted and accounted.split()[0] in SLURM_ENDED:
         return accounted
     return queued
 
 
-def _report(run_dir: Path, job, state: str, tail: list[str]) -> int:
-    failure = status.progress(run_dir)["failure"]
+def _report(e: Element, state: str, tail: list[str]) -> int:
+    failure = status.progress(e.run_dir)["failure"]
+    if failure and e.bins is not None and failure["bin_index"] not in e.bins:
+        failure = None  # another element's failure: that element reports it
     where = (f"arm {failure['arm']} failed at bin {failure['bin_index']} (σ={failure['sigma']:g})"
              if failure else "the job failed")
-    print(f"twinrun: error: {run_dir}: job {job.job_id} {state}: {where}; finished bins are kept "
+    print(f"twinrun: error: {_label(e)}: job {e.job.job_id} {state}: {where}; finished bins are kept "
           "(submit the same run directory again to resume)", file=sys.stderr)
     for line in tail:
         print(f"  | {line}", file=sys.stderr)
-    print(f"  logs: {job.paths.stderr}", file=sys.stderr, flush=True)
+    print(f"  logs: {e.job.paths.stderr}", file=sys.stderr, flush=True)
     if failure and failure.get("type"):  # the model raised (run.json records its exception): exit 4
         return EXIT_MODEL
     return EXIT_GATE if failure else EXIT_USAGE
@@ -465,3 +539,103 @@ def _trace_tail(message: str) -> list[str]:
 def _tail(lines: list[str]) -> list[str]:
     """The last lines worth reading: no blank lines, no traceback caret underlines."""
     return [line for line in lines if line.strip(" ^~")][-TAIL_LINES:]
+
+
+# ----------------------------------------------------------------------------- the scheduler's word
+
+
+def slurm_states(job_ids: list[str]) -> dict[str, str] | None:
+    """SLURM state of each job ("123" or array element "123_4") from squeue, with the reason a
+    pending job waits ("PENDING (BeginTime)"); GONE if squeue no longer lists it; None if the
+    scheduler does not answer. squeue needs no accounting."""
+    bases = sorted({j.split("_")[0] for j in job_ids})
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i|%T|%r", "-j", ",".join(bases)],
+                             check=False, capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        # A single id that squeue has forgotten is an error; anything else is an unanswered query.
+        return {j: GONE for j in job_ids} if "Invalid job id" in out.stderr else None
+    listed = {}
+    for line in out.stdout.splitlines():
+        job_id, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        waiting = state == "PENDING" and reason not in ("", "None")
+        listed[job_id] = f"{state} ({reason})" if waiting else state
+    return {j: listed.get(j, GONE) for j in job_ids}
+
+
+def sacct_state(job_id: str) -> str | None:
+    """sacct's final word on a job, e.g. "FAILED 1:0" (None without accounting)."""
+    try:
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State,ExitCode", "-j", job_id],
+                             check=False, capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.split("\n") if out.returncode == 0 else []
+    for line in lines:
+        state, _, code = line.partition("|")
+        if state:
+            return f"{state.split()[0]} {code}".strip()
+    return None
+
+
+def _slurm_state(job: dict) -> str:
+    """A SLURM job's state as well as it can be told: squeue while it is known, then sacct."""
+    job_id, finished = job["job_id"], Path(job["result"]).exists()
+    states = slurm_states([job_id])
+    state = None if states is None else states[job_id]
+    if state is not None and state != GONE and state not in SLURM_ENDED:
+        return state
+    return sacct_state(job_id) or state or ("ENDED" if finished else "UNKNOWN")
+
+
+def _local_state(job: dict) -> str:
+    """submitit's local executor: the job id is its controller's pid."""
+    from twinrun.lock import pid_alive
+
+    if Path(job["result"]).exists():
+        return "ENDED"
+    return "RUNNING" if pid_alive(int(job["job_id"])) else "ENDED WITHOUT RESULT"
+
+
+def job_state(launch: dict | None) -> str | None:
+    """The state of the job(s) launch.json names: the job's, or for a run split by bins the most
+    active element's, followed by every element's ("RUNNING (bin 0 COMPLETED 0:0, bin 1 RUNNING)")."""
+    if launch is None:
+        return None
+    state = next(l for l in LAUNCHERS.values() if l.cluster == launch["cluster"]).state
+    elements = launch.get("elements")
+    if not isinstance(elements, list) or not elements:
+        return state(launch)
+    each = [(e.get("bins"), state(e)) for e in elements]
+    active = [s for _, s in each if s.split()[0] in ACTIVE]
+    head = (active or [each[0][1]])[0].split()[0]
+    return f"{head} ({', '.join(f'bin {_bins_text(b)} {s}' for b, s in each)})"
+
+
+def _bins_text(bins) -> str:
+    return ", ".join(map(str, bins)) if isinstance(bins, list) else "?"
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """One launcher: where its jobs run, how its settings are checked, how a job's state is told."""
+    cluster: str | None  # submitit's cluster name; None: measured in the calling process, no job
+    check: Callable[[dict], None]  # raises ConfigError naming the knob
+    state: Callable[[dict], str] | None  # the state of a job record of launch.json
+
+    @property
+    def in_process(self) -> bool:
+        return self.cluster is None
+
+
+LAUNCHERS = {
+    "local": Launcher(cluster=None, check=_check_in_process, state=None),
+    "submitit_local": Launcher(cluster="local", check=_check_submitit, state=_local_state),
+    "slurm": Launcher(cluster="slurm", check=_check_slurm, state=_slurm_state),
+}

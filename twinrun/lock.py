@@ -1,4 +1,10 @@
-"""One writer per run directory: an exclusive flock on RUN_DIR/.lock, which names its holder.
+"""One writer per run directory (or per bin): flocks on RUN_DIR/.lock that name their holder.
+
+A job measuring the whole run holds RUN_DIR/.lock exclusively. The array elements of a run split by
+bins (launcher.split=bins) hold it shared, so they run side by side but never beside a whole-run
+job, and each holds RUN_DIR/.lock-bin<k> exclusively for its bin. Every change of run.json is one
+read-modify-write under RUN_DIR/.run.json.lock (`update_lock`), so concurrent elements never lose
+each other's records.
 
 The kernel grants the flock to one open descriptor at a time and drops it when the holder dies,
 so acquisition is atomic and a dead writer never blocks the next one; the file is never deleted
@@ -10,11 +16,13 @@ because a file system shared between hosts may keep flocks per host; unless it i
 job's previous incarnation (SLURM requeues a job only after it is gone).
 """
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 import stat
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +30,10 @@ from twinrun.errors import StoreError
 from twinrun.rundir import RunDir
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+# An update holds its lock for one read and one atomic write of run.json (milliseconds): waiting
+# this long means a hung file system or a stopped process, which is reported, never waited out.
+UPDATE_TIMEOUT_S = 60.0
+UPDATE_POLL_S = 0.002
 
 
 def boot_id() -> str | None:
@@ -58,9 +70,10 @@ def holder_alive(holder: dict | None) -> bool | None:
     return type(pid) is int and pid > 0 and pid_alive(pid)
 
 
-def read_holder(run_dir) -> dict | None:
-    """The holder recorded in RUN_DIR/.lock (None if empty, absent or not a holder record)."""
-    path = RunDir(run_dir).lock
+def read_holder(run_dir, path: Path | None = None) -> dict | None:
+    """The holder recorded in RUN_DIR/.lock, or in the lock file `path` (a bin's) of it (None if empty,
+    absent or not a holder record)."""
+    path = RunDir(run_dir).lock if path is None else path
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -90,17 +103,19 @@ def _open(path: Path) -> int:
     return fd
 
 
-def _acquire(path: Path) -> int:
-    """An open descriptor holding the exclusive flock on `path`, or a StoreError naming the holder."""
+def _acquire(path: Path, mode: int = fcntl.LOCK_EX) -> int:
+    """An open descriptor holding the flock (exclusive, or LOCK_SH) on `path`, or a StoreError naming
+    the holder."""
     while True:
         fd = _open(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _parse_holder(os.pread(fd, 4096, 0)) or {}
             os.close(fd)
             where = "this host" if holder.get("host") == socket.gethostname() else holder.get("host", "?")
-            raise StoreError(path.parent, f"is being written by pid {holder.get('pid', '?')} on {where}; "
+            what = path.parent if path.name == RunDir(path.parent).lock.name else path
+            raise StoreError(what, f"is being written by pid {holder.get('pid', '?')} on {where}; "
                              "wait for it or stop it") from None
         except OSError as err:
             os.close(fd)
@@ -135,9 +150,25 @@ def _take_over(path: Path, fd: int, mine: dict) -> None:
 
 
 @contextmanager
-def run_lock(run_dir: Path):
-    """Hold RUN_DIR/.lock for the duration of the block."""
-    path = RunDir(run_dir).lock
+def run_lock(run_dir: Path, bins: list[int] | None = None):
+    """Hold the run for the block: RUN_DIR/.lock exclusively, or with `bins` (an array element's
+    bins) RUN_DIR/.lock shared and each bin's RUN_DIR/.lock-bin<k> exclusively."""
+    rd = RunDir(run_dir)
+    if bins is None:
+        with _held(rd.lock):
+            yield
+        return
+    with contextlib.ExitStack() as stack:
+        fd = _acquire(rd.lock, fcntl.LOCK_SH)  # shared: records no holder (the bin locks do)
+        stack.callback(os.close, fd)
+        for index in sorted(set(bins)):
+            stack.enter_context(_held(rd.bin_lock(index)))
+        yield
+
+
+@contextmanager
+def _held(path: Path):
+    """Hold `path` exclusively, with our holder record in it, for the duration of the block."""
     fd = _acquire(path)
     try:
         _take_over(path, fd, me())
@@ -152,3 +183,26 @@ def run_lock(run_dir: Path):
         except OSError:
             pass  # a read-only or full file system: the next writer recovers the record with a message
         os.close(fd)  # closing the last descriptor releases the flock
+
+
+@contextmanager
+def update_lock(path: Path, timeout_s: float = UPDATE_TIMEOUT_S):
+    """Hold `path` exclusively for one short read-modify-write, waiting for the current holder (an
+    update by another process) up to `timeout_s`, then a StoreError: no writer waits forever."""
+    fd = _open(path)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StoreError(path, f"still locked by another update after {timeout_s:g} s (a stopped "
+                                     "process or a hung file system?); finished stores are kept") from None
+                time.sleep(UPDATE_POLL_S)
+            except OSError as err:
+                raise StoreError(path, f"cannot lock ({err.strerror}): the file system must support flock") from None
+        yield
+    finally:
+        os.close(fd)  # releases the flock

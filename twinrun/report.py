@@ -245,8 +245,7 @@ def _cell(effect: dict | None, point_state: str | None) -> tuple[str, float]:
 def sweep_grid(sweep_summary: dict, estimand: str = "all") -> dict:
     """Rows (points), columns (noising σ), each cell's state and effect, the gate cells, the labels."""
     points = sweep_summary["points"]
-    swept = swept_variables(points)
-    values = [[_overrides_by_key(p["overrides"]).get(k, "–") for k in swept] for p in points]
+    swept, values = _rows(points)
     if len(swept) == 1 and all(_is_number(v[0]) for v in values):  # one numeric knob: in its order
         order = sorted(range(len(points)), key=lambda i: float(values[i][0]))
     else:
@@ -264,6 +263,18 @@ def sweep_grid(sweep_summary: dict, estimand: str = "all") -> dict:
     return {"rows": labels, "row_axis": swept[0] if len(swept) == 1 else "sweep point", "sigmas": sigmas,
             "effect": grid, "states": states, "gates": gates, "estimand": estimand,
             "intervention": _intervention_names(points)}
+
+
+def _rows(points: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The sweep's axes and each point's values on them: the intervention's declared sweep axis when
+    every point declares the same one with a value of its own, else the override keys that differ."""
+    axes = [p.get("axis") or {} for p in points]
+    keys = {a.get("key") for a in axes}
+    values = [str(a.get("value")) for a in axes]
+    if len(keys) == 1 and None not in keys and len(set(values)) == len(points) > 1:
+        return [keys.pop()], [[v] for v in values]
+    swept = swept_variables(points)
+    return swept, [[_overrides_by_key(p["overrides"]).get(k, "–") for k in swept] for p in points]
 
 
 def _row_label(swept: list[str], values: list[str], point: dict) -> str:

@@ -57,16 +57,16 @@ def resume_run(rd: RunDir, local: bool, trusted: list[str]) -> int:
 
 def submitted_launcher(rd: RunDir) -> dict | None:
     """The SLURM launcher settings launch.json recorded, checked like a config; None if not a SLURM run."""
-    from twinrun import status
     from twinrun.config import LauncherConfig
+    from twinrun.launch import ACTIVE, job_state
 
     if not rd.launch_json.is_file():
         return None
     launch = read_json(rd.launch_json)
     if launch["cluster"] != "slurm":
         return None
-    state = status.job_state(launch)
-    if state is not None and state.split()[0] in ("RUNNING", "PENDING", "REQUEUED", "CONFIGURING"):
+    state = job_state(launch)
+    if state is not None and state.split()[0] in ACTIVE:
         raise StoreError(rd.path, f"its job {launch['job_id']} is still {state}: wait for it, or scancel it "
                          "and resume again")
     try:

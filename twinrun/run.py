@@ -380,13 +380,14 @@ def run_job(run_dir: str | Path, trusted=(), bins: list[int] | None = None) -> d
     """Measure every pending bin, all arms back to back on the same draws; one writer at a time.
 
     `trusted`: builders (`_target_`s or module names) beyond twinrun's own that the arms may name.
-    `bins`: measure only these bin indices; None = every pending bin. The run reads "measured" only
-    once every bin is whole.
+    `bins`: measure only these bin indices (one array element of launcher.split=bins, holding only
+    their locks); None = every pending bin.
     """
     rd = RunDir(run_dir)
-    with run_lock(rd.path):
-        for stale in rd.tmp_files():  # a write cut short by a kill: never read
-            stale.unlink()
+    with run_lock(rd.path, bins):
+        if bins is None:  # with bins, another element may be writing: its temp files are not stale
+            for stale in rd.tmp_files():  # a write cut short by a kill: never read
+                stale.unlink()
         index = RunIndex.load(rd)
         try:
             return _measure(index, load_arms(index, trusted), bins)
@@ -415,7 +416,8 @@ def _measure(index: RunIndex, arms: list[Arm], bins: list[int] | None = None) ->
     determinism = provenance.setup_determinism(config)  # before any torch work
     p = typed(ProbeConfig, config["probe"], index.run_dir.arm_config(arms[0].name))
     c = build_components(config, p, arms, probe.resolve_device(p.device))
-    return measure(index, arms, c, p, seed=config["seed"], determinism=determinism, todo=pending_bins(index, bins))
+    return measure(index, arms, c, p, seed=config["seed"], determinism=determinism, todo=pending_bins(index, bins),
+                   bins=bins)
 
 
 def pending_bins(index: RunIndex, bins: list[int] | None) -> list[dict]:
@@ -436,6 +438,7 @@ def measure(
     seed: int,  # keys every noise stream, with (bin σ, image id, draw)
     determinism: dict,  # what setup_determinism applied: recorded with this job
     todo: list[dict],  # run.json bins this job measures, in grid order
+    bins: list[int] | None = None,  # this array element's bins (launcher.split=bins); None: the whole run
 ) -> dict:
     """Measure `todo`, bin by bin; every arm of a bin back to back on one set of draws. Returns run.json."""
     hashes = {a["name"]: a["config_hash"] for a in index.doc["arms"]}
@@ -455,7 +458,7 @@ def measure(
     provenance.refuse_straddling(index, fp, todo)
     job = start_job(index, fp, determinism, provenance.read_sentinel(forward, c.device, image_shape))
     record = provenance.bin_record(fp, job["sentinel_start"])
-    index.set_status("running")
+    index.set_status("running", bins)  # an element never clears a failure recorded at another's bin
 
     progress = Progress(sum(len(b["stores"]) for b in todo))
     for b in todo:

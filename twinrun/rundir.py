@@ -22,6 +22,7 @@ SUMMARY_JSON = "summary.json"
 LAUNCH_JSON = "launch.json"
 CONFIG_DIFF_JSON = "config_diff.json"
 LOCK_NAME = ".lock"
+INDEX_LOCK_NAME = ".run.json.lock"  # held for one read-modify-write of run.json, never longer
 ARMS_DIR = "arms"
 ENV_DIR = "env"
 ARM_CONFIG = "config.yaml"
@@ -72,6 +73,14 @@ class RunDir:
     @property
     def lock(self) -> Path:
         return self.path / LOCK_NAME
+
+    @property
+    def index_lock(self) -> Path:
+        return self.path / INDEX_LOCK_NAME
+
+    def bin_lock(self, index: int) -> Path:
+        """Held by the one process measuring this bin (an array element of launcher.split=bins)."""
+        return self.path / f"{LOCK_NAME}-bin{int(index):03d}"
 
     @property
     def env_dir(self) -> Path:
@@ -462,13 +471,26 @@ def validate_launch(path: Path, launch: dict) -> dict:
     """launch.json: the job a run was submitted as (its id reaches squeue/sacct as an argument)."""
     c = _Check(Path(path))
     c.one_of(launch, "cluster", "cluster", ("local", "slurm"))
-    job_id = c.get(launch, "job_id", "job_id", str)
-    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
-        c.fail("job_id", f"{_show(job_id)} is not a job id")
-    for key in ("result", "stdout", "stderr", "folder"):
-        c.get(launch, key, key, str)
+    _validate_job_record(c, launch, "")
+    c.get(launch, "folder", "folder", str)
     c.get(launch, "launcher", "launcher", dict)
+    # launcher.split=bins: every element's job (its bins, id and logs)
+    for i, element in enumerate(c.get(launch, "elements", "elements", list, optional=True) or []):
+        if not isinstance(element, dict):
+            c.fail(f"elements[{i}]", f"{_show(element)} is not an object")
+        bins = c.get(element, "bins", f"elements[{i}].bins", list)
+        if not all(type(k) is int and k >= 0 for k in bins):
+            c.fail(f"elements[{i}].bins", f"{_show(bins)} is not a list of bin indices")
+        _validate_job_record(c, element, f"elements[{i}].")
     return launch
+
+
+def _validate_job_record(c: _Check, record: dict, where: str) -> None:
+    job_id = c.get(record, "job_id", f"{where}job_id", str)
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
+        c.fail(f"{where}job_id", f"{_show(job_id)} is not a job id")
+    for key in ("result", "stdout", "stderr"):
+        c.get(record, key, f"{where}{key}", str)
 
 
 # The documents read_json validates, by file name.
@@ -548,53 +570,88 @@ class RunIndex:
             return [b for b in self.bins if self.marked_done(b)]
         return [b for b in self.bins if all(self.is_done(b, a) for a in b["stores"])]
 
-    # ---- updates (each saved at once)
+    # ---- updates (each a read-modify-write of run.json under its lock)
 
-    def set_status(self, status: str) -> None:
+    def _update(self, change) -> None:
+        """Apply `change(doc)` to run.json as it is on disk now and write it back atomically, all under
+        RUN_DIR/.run.json.lock: the array elements of a split run update run.json concurrently, and
+        none may lose another's record. `self.doc` becomes the document written (same object)."""
+        from twinrun.lock import update_lock
+        from twinrun.store import read_json, write_json
+
+        with update_lock(self.run_dir.index_lock):
+            # A run.json not written yet has no other writer: the document in memory is the record.
+            doc = read_json(self.run_dir.run_json) if os.path.lexists(self.run_dir.run_json) else self.doc
+            change(doc)
+            write_json(self.run_dir.run_json, doc)
+        self.doc.clear()
+        self.doc.update(doc)  # in place: callers holding `index.doc` see the fresh document
+
+    def set_status(self, status: str, bins: list[int] | None = None) -> None:
+        """bins: the bins this job measures; a failure recorded at another bin (another array
+        element's) is kept, and so is the run's "failed" status."""
         assert status in RUN_STATUSES, status
-        self.doc["status"] = status
-        if status == "running":
-            self.doc.pop("failure", None)
-        self.save()
+
+        def change(doc: dict) -> None:
+            failure = doc.get("failure")
+            other = bins is not None and failure is not None and failure["bin_index"] not in bins
+            if status == "running" and not other:
+                doc.pop("failure", None)
+            if not (status == "running" and other):
+                doc["status"] = status
+
+        self._update(change)
+
+    def finish_measuring(self) -> None:
+        """The run is "measured" once every bin is whole, whichever job or array element ends last;
+        until then its status stays as it is (another element may still be measuring)."""
+        def change(doc: dict) -> None:
+            if all(e["status"] == "done" for b in doc["bins"] for e in b["stores"].values()):
+                doc["status"] = "measured"
+
+        self._update(change)
 
     def add_job(self, job: JobRecord) -> int:
         """Append this job's record to run.json's `jobs`; its index is its position there."""
-        jobs = self.doc.setdefault("jobs", [])
-        job["index"] = len(jobs)
-        jobs.append({"index": job["index"], **job})
-        self.save()
+        def change(doc: dict) -> None:
+            jobs = doc.setdefault("jobs", [])
+            job["index"] = len(jobs)
+            jobs.append({"index": job["index"], **job})
+
+        self._update(change)
         return job["index"]
 
     def end_job(self, index: int, sentinel_end: str) -> None:
-        self.doc["jobs"][index]["sentinel_end"] = sentinel_end
-        self.save()
+        def change(doc: dict) -> None:
+            doc["jobs"][index]["sentinel_end"] = sentinel_end
 
-    def finish_measuring(self) -> None:
-        """The run is "measured" once every bin is whole; until then its status stays as it is (a job
-        given some bins only, or another job still measuring)."""
-        if all(self.marked_done(b) for b in self.bins):
-            self.doc["status"] = "measured"
-        self.save()
+        self._update(change)
 
     def mark_done(self, b: dict, arm: str, sha256: str, kernel_path_sha256: str) -> None:
-        entry = b["stores"][arm]
-        entry.update(sha256=sha256, status="done", kernel_path_sha256=kernel_path_sha256)
-        self.save()
+        def change(doc: dict) -> None:
+            doc["bins"][b["index"]]["stores"][arm].update(sha256=sha256, status="done",
+                                                        kernel_path_sha256=kernel_path_sha256)
+
+        self._update(change)
 
     def mark_failed(self, b: dict, arm: str, cause: dict | None = None) -> None:
         """Record which arm and bin failed (and, when the model raised, its exception's type, message
         and frame); best effort (on a full disk run.json may not be writable)."""
-        b["stores"][arm]["status"] = "failed"
-        self.doc["status"] = "failed"
-        self.doc["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"], **(cause or {})}
-        self._save_best_effort()
+        def change(doc: dict) -> None:
+            doc["bins"][b["index"]]["stores"][arm]["status"] = "failed"
+            doc["status"] = "failed"
+            doc["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"], **(cause or {})}
+
+        self._update_best_effort(change)
 
     def mark_interrupted(self) -> None:
-        self.doc["status"] = "interrupted"
-        self._save_best_effort()
+        def change(doc: dict) -> None:
+            doc["status"] = "interrupted"
 
-    def _save_best_effort(self) -> None:
+        self._update_best_effort(change)
+
+    def _update_best_effort(self, change) -> None:
         try:
-            self.save()
+            self._update(change)
         except StoreError as err:
             print(f"twinrun: could not record the state in run.json: {err}", flush=True)

@@ -2,24 +2,17 @@
 
 Progress is read from each run directory (run.json: bins done per arm, a failure), so it shows
 even on a cluster without accounting; the scheduler's state of the job named in launch.json
-(written at submission) is added when the scheduler answers.
+(written at submission) is added when the launcher's scheduler answers (twinrun.launch.job_state).
 """
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
 from twinrun.errors import EXIT_OK, EXIT_USAGE, StoreError, fail
-from twinrun.lock import holder_alive, pid_alive, read_holder
+from twinrun.lock import holder_alive, read_holder
 from twinrun.rundir import RUN_JSON, RunDir, RunIndex
 from twinrun.store import read_json, read_store
-
-# SLURM job states after which the job will not run again (squeue/sacct spelling).
-SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-               "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
-GONE = "GONE"  # the scheduler no longer knows the job (accounting off, or past MinJobAge)
-SCHEDULER_TIMEOUT_S = 20
 
 
 def find_runs(path: Path) -> list[Path]:
@@ -83,12 +76,22 @@ def _live_status(index: RunIndex, launch: dict | None) -> str:
     """run.json's status, corrected when it says "running" but its writer is gone."""
     if index.status != "running":
         return index.status
-    alive = holder_alive(read_holder(index.run_dir.path))
-    if alive is None:  # held from another host: the scheduler's state (if any) tells the rest
+    from twinrun.launch import job_state
+
+    # The run's writer, or (split by bins) the writer of any bin.
+    rd = index.run_dir
+    holders = [read_holder(rd.path), *(_bin_holder(rd, b["index"]) for b in index.bins)]
+    alive = [holder_alive(h) for h in holders if h]
+    if alive and all(a is None for a in alive):  # held from another host: the scheduler tells the rest
         return "running (on another host)"
-    if alive or (launch is not None and job_state(launch) in ("RUNNING", "PENDING")):
+    state = job_state(launch) if launch is not None else None
+    if any(alive) or (state is not None and state.split()[0] in ("RUNNING", "PENDING")):
         return "running"
     return "interrupted (its process is gone; resume with `python -m twinrun.resume RUN_DIR`)"
+
+
+def _bin_holder(rd: RunDir, index: int) -> dict | None:
+    return read_holder(rd.path, rd.bin_lock(index))
 
 
 def _verdict(rd: RunDir) -> str | None:
@@ -104,7 +107,9 @@ def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
     """One line: the run, its job and state, and bins done per arm."""
     bins = ", ".join(f"{arm} {n}/{prog['n_bins']}" for arm, n in prog["done"].items())
     launch = prog["launch"]
-    job = f"job {launch['job_id']}" if launch else "no job"
+    elements = (launch or {}).get("elements") or []
+    job = (f"jobs {', '.join(str(e.get('job_id')) for e in elements)}" if elements
+           else f"job {launch['job_id']}" if launch else "no job")
     line = f"{run_dir}: {prog['status']}; {job}{f' {state}' if state else ''}; bins done: {bins}"
     failure = prog["failure"]
     if failure:
@@ -116,67 +121,13 @@ def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
     return line
 
 
-# ----------------------------------------------------------------------------- scheduler
-
-
-def slurm_states(job_ids: list[str]) -> dict[str, str] | None:
-    """SLURM state of each job ("123" or array element "123_4") from squeue, with the reason a
-    pending job waits ("PENDING (BeginTime)"); GONE if squeue no longer lists it; None if the
-    scheduler does not answer. squeue needs no accounting."""
-    bases = sorted({j.split("_")[0] for j in job_ids})
-    try:
-        out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i|%T|%r", "-j", ",".join(bases)],
-                             check=False, capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        # A single id that squeue has forgotten is an error; anything else is an unanswered query.
-        return {j: GONE for j in job_ids} if "Invalid job id" in out.stderr else None
-    listed = {}
-    for line in out.stdout.splitlines():
-        job_id, _, rest = line.strip().partition("|")
-        state, _, reason = rest.partition("|")
-        waiting = state == "PENDING" and reason not in ("", "None")
-        listed[job_id] = f"{state} ({reason})" if waiting else state
-    return {j: listed.get(j, GONE) for j in job_ids}
-
-
-def sacct_state(job_id: str) -> str | None:
-    """sacct's final word on a job, e.g. "FAILED 1:0" (None without accounting)."""
-    try:
-        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State,ExitCode", "-j", job_id],
-                             check=False, capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = out.stdout.split("\n") if out.returncode == 0 else []
-    for line in lines:
-        state, _, code = line.partition("|")
-        if state:
-            return f"{state.split()[0]} {code}".strip()
-    return None
-
-
-def job_state(launch: dict | None) -> str | None:
-    """The state of the job named in launch.json, as well as it can be told from here."""
-    if launch is None:
-        return None
-    job_id, finished = launch["job_id"], Path(launch["result"]).exists()
-    if launch["cluster"] == "local":  # submitit's local executor: the job id is its controller's pid
-        if finished:
-            return "ENDED"
-        return "RUNNING" if pid_alive(int(job_id)) else "ENDED WITHOUT RESULT"
-    states = slurm_states([job_id])
-    state = None if states is None else states[job_id]
-    if state is not None and state != GONE and state not in SLURM_ENDED:
-        return state
-    return sacct_state(job_id) or state or ("ENDED" if finished else "UNKNOWN")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m twinrun.status",
                                      description="Show where a twinrun run (or each run of a sweep) stands.")
     parser.add_argument("path", type=Path, help="a run directory, or a sweep directory")
     args = parser.parse_args(argv)
+    from twinrun.launch import job_state
+
     try:
         runs = find_runs(args.path)
         damaged = False

@@ -1,4 +1,4 @@
-"""Sweep summary: every point's verdict and the effect over (pinned σ, noising σ).
+"""Sweep summary: every point's verdict and the effect over (the intervention's sweep axis, noising σ).
 
 Written by `python -m twinrun -m ...` once every point is reduced, to SWEEP_DIR/sweep_summary.json.
 A point whose checks or gates failed contributes its verdict, never its numbers; a point that
@@ -14,6 +14,7 @@ summary. Exit codes as `python -m twinrun`, the worst over the points (docs/exit
 import argparse
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import yaml
 
@@ -28,8 +29,6 @@ MAX_YAML_BYTES = 16 * 1024 * 1024
 
 def sweep_points(sweep_dir: Path) -> list[list[str]] | None:
     """Each point's overrides, in job order, expanded from Hydra's multirun.yaml (None without it)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     path = Path(sweep_dir) / MULTIRUN_YAML
@@ -37,10 +36,17 @@ def sweep_points(sweep_dir: Path) -> list[list[str]] | None:
         return None
     try:
         task = yaml.safe_load(read_regular(path, MAX_YAML_BYTES, "Hydra multirun record").decode())
-        task = task["hydra"]["overrides"]["task"]
-        return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(list(task)), None)[0]
+        return expand(list(task["hydra"]["overrides"]["task"]))
     except (UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, HydraException) as err:
         raise StoreError(path, f"field hydra.overrides.task unreadable ({str(err).splitlines()[0]})") from None
+
+
+def expand(task: list[str]) -> list[list[str]]:
+    """A sweep's command-line overrides expanded into each point's, in job order (Hydra's basic sweeper)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)[0]
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:
@@ -62,8 +68,10 @@ def _overrides(run_dir: Path) -> list[str]:
 
 def _point(run_dir: Path) -> dict:
     index = RunIndex.load(run_dir)
-    point = {"run_dir": str(run_dir), "overrides": _overrides(run_dir), "intervention": _intervention(index),
-             "status": index.status, "valid": None, "gates_passed": None, "effects": []}
+    intervention = _intervention(index)
+    point = {"run_dir": str(run_dir), "overrides": _overrides(run_dir), "intervention": intervention,
+             "axis": sweep_axis(intervention), "status": index.status, "valid": None, "gates_passed": None,
+             "effects": []}
     rd = index.run_dir
     if rd.summary_json.exists():
         summary = read_json(rd.summary_json)
@@ -86,9 +94,26 @@ def _intervention(index: RunIndex) -> dict:
     return config["intervention"]
 
 
+def sweep_axis(intervention: dict) -> dict | None:
+    """The axis the intervention declares (its class's `sweep_axis`) and this point's value on it,
+    {"key": "intervention.<axis>", "value": ...}; None if it declares none.
+
+    The class is looked up, never imported: twinrun's own interventions, or one this process already
+    imported to build it (a run directory names code; reading one must not run any)."""
+    from twinrun import interventions
+
+    module, _, name = str(intervention.get("_target_", "")).rpartition(".")
+    owner = interventions if module == interventions.__name__ else sys.modules.get(module)
+    cls = getattr(owner, name, None) if isinstance(owner, ModuleType) else None
+    axis = getattr(cls, "sweep_axis", None) if isinstance(cls, type) else None
+    if not isinstance(axis, str) or axis not in intervention:
+        return None
+    return {"key": f"intervention.{axis}", "value": intervention[axis]}
+
+
 def _missing(sweep_dir: Path, number: int, overrides: list[str]) -> dict:
     return {"run_dir": str(Path(sweep_dir) / str(number)), "overrides": overrides, "intervention": {},
-            "status": "missing", "valid": None, "gates_passed": None, "effects": []}
+            "axis": None, "status": "missing", "valid": None, "gates_passed": None, "effects": []}
 
 
 def write_sweep_report(sweep_dir: Path, summary: dict) -> Path:
@@ -117,7 +142,8 @@ def _yes_no(flag: bool | None) -> str:
 
 
 def write_sweep_summary(sweep_dir: Path) -> dict:
-    """Collect the points; for pin_sigma, lay the effects out as (sigma_pin, sigma, estimand)."""
+    """Collect the points; lay the effects out as (the intervention's sweep axis, sigma, estimand): each
+    entry names its axis ("axis": "sigma_pin") and holds the point's value under that name."""
     sweep_dir = Path(sweep_dir)
     points = [_point(d) for d in point_dirs(sweep_dir)]
     have = {Path(p["run_dir"]).name for p in points}
@@ -125,9 +151,10 @@ def write_sweep_summary(sweep_dir: Path) -> dict:
     points += [_missing(sweep_dir, n, o) for n, o in enumerate(expected) if str(n) not in have]
     effect_map = []
     for p in points:
-        pin = p["intervention"].get("sigma_pin")
+        axis = (p["axis"] or {}).get("key", "intervention.(none)").removeprefix("intervention.")
         for e in p["effects"]:
-            effect_map.append({"sigma_pin": pin, "sigma": e["sigma"], "estimand": e["estimand"],
+            value = (p["axis"] or {}).get("value")
+            effect_map.append({"axis": axis, axis: value, "sigma": e["sigma"], "estimand": e["estimand"],
                                "effect": None if e["cos"] is None else 1 - e["cos"], "cos": e["cos"],
                                "se": e["se"], "run_dir": p["run_dir"]})
     summary = {"sweep_dir": str(sweep_dir), "n_points": len(points),

@@ -160,7 +160,7 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
 
 def validate_reduce(r: DictConfig) -> None:
     """The analysis registered at plan time: estimands from the registry, a known gate rule."""
-    check_estimands(list(r.estimands), OmegaConf.to_container(r.groups), None)
+    check_estimands(list(r.estimands), OmegaConf.to_container(r, resolve=True)["groups"] or {}, None)
     if r.gate_rule not in GATE_RULES:
         raise ConfigError("reduce.gate_rule", r.gate_rule, f"choose one of {', '.join(GATE_RULES)}")
     if not 0 < r.signal_alpha < 0.5:
@@ -190,7 +190,7 @@ def check_measures_something(intervention, grid: list[float]) -> None:
 def check_params(model: torch.nn.Module, cfg: DictConfig) -> None:
     """probe.params must match parameters, and `cond` needs conditioning ones among them."""
     names = probe.select_params(model, list(cfg.probe.params))
-    check_estimands(list(cfg.reduce.estimands), OmegaConf.to_container(cfg.reduce.groups),
+    check_estimands(list(cfg.reduce.estimands), OmegaConf.to_container(cfg.reduce, resolve=True)["groups"] or {},
                     probe.layout(model, names, probe.cond_patterns(model)))
 
 
@@ -264,7 +264,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
         # The analysis registered before any compute; `reduce` with other settings is a post-hoc view.
         "registered": {"estimands": list(cfg.reduce.estimands), "gate_rule": cfg.reduce.gate_rule,
                        "signal_alpha": float(cfg.reduce.signal_alpha),
-                       **({"groups": OmegaConf.to_container(cfg.reduce.groups)} if cfg.reduce.groups else {})},
+                       **({"groups": OmegaConf.to_container(cfg.reduce, resolve=True)["groups"]} if cfg.reduce.groups else {})},
         "bins": [
             {"index": i, "sigma": s, "gate": s in intervention.gate_sigmas(grid),
              "stores": {a.name: {"file": store_name(i, s), "status": "pending"} for a in arms}}

@@ -21,15 +21,15 @@ def size_line(out: str) -> tuple[int, int]:
 
 def test_the_store_size_counts_the_gate_replicate_at_gate_bins_only(compose_cfg, tmp_path, capsys):
     plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path / "run", dry_run=True)
-    size, n_stores = size_line(capsys.readouterr().out)
+    n_stores = size_line(capsys.readouterr().out)[1]
     assert n_stores == 2 * 3 + 1  # 2 arms x 3 bins, + the replicate at the one gate bin (σ = 0.5)
     plan_run(compose_cfg(["+experiment=pin_sigma", *TINY, "arms.replicate=true"]), tmp_path / "run", dry_run=True)
     assert size_line(capsys.readouterr().out)[1] == 3 * 3  # a replicate arm in every bin: no extra one
 
 
 def test_the_printed_size_is_the_size_on_disk(compose_cfg, tmp_path, capsys):
-    from twinrun.rundir import RunIndex
     from twinrun.run import run_job
+    from twinrun.rundir import RunIndex
 
     plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path / "run")
     size, _ = size_line(capsys.readouterr().out)

@@ -1,7 +1,8 @@
 """Absolute comparison of two arms: `python -m twinrun.compare A B [--force]`.
 
 A and B are run directories (their native twin, or `--arm NAME`), arm directories
-(RUN/arms/NAME) or single store files. Prints, per bin and estimand (every estimand of the
+(RUN/arms/NAME; the gate replicate, RUN/arms/native_replicate, is compared at its gate bins) or
+single store files. Prints, per bin and estimand (every estimand of the
 registry, residual included), B against A: the debiased cosine and norm ratio |μ_B| / |μ_A| with
 their SEs, bit-identity and the max relative difference of the sums. If their kernel paths differ
 and no same-environment control vouches for B (A's run has B as its reference and, recomputed

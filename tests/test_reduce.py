@@ -174,3 +174,17 @@ def test_a_bad_estimand_or_group_is_one_line_naming_the_key(names, groups, key):
     with pytest.raises(ConfigError) as err:
         check_estimands(names, groups, layout)
     assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_a_reader_refuses_to_skip_or_reread_bytes(tmp_path):
+    """The file digest is only a proof when every byte is hashed once, in order: a skipped or
+    repeated chunk is a programming error, not a silent number."""
+    path = tmp_path / "s.safetensors"
+    write_store(path, torch.ones(N_FOLDS, P), meta(LAYOUT, N_FOLDS))
+    with StoreReader(path) as reader:
+        first = reader.tensors[0]
+        reader.columns(first, 0, 2)
+        with pytest.raises(AssertionError, match="out of order"):
+            reader.columns(first, 3, 4)  # column 2 skipped
+        with pytest.raises(AssertionError, match="out of order"):
+            reader.columns(first, 0, 2)  # read again

@@ -1,14 +1,15 @@
-"""Reducer cost at size: P ≈ 10⁶ parameters, F = 40 folds, 16 bins, 2 arms (5 GB of stores).
+"""Reducer memory and reads at size: P = 10⁷ parameters, 32 stores (2 arms x 16 bins), F = 10 (12.8 GB).
 
-    python benchmarks/bench_reduce.py [--params 1000000] [--folds 40] [--threads 2] [--keep DIR]
+    python benchmarks/bench_reduce.py [--params 10000000] [--folds 10] [--threads 2] [--keep DIR]
 
 Plans and measures a real (tiny) 16-bin run with twinrun's own plan_run/run_job, so run.json, the
 arm configs and the provenance are genuine; then rewrites every store with twinrun.store.write_store
 as a synthetic F x P store (a shared direction per bin, an arm effect off the gate, fold noise; the
-gate bin's arms identical) and reduces it with twinrun.reduce.reduce_run. Reports the bytes read per
-store (counted at read_store, and by /proc/self/io with the stores evicted from the page cache
-first), the time of loading+checking, of the Gram pass and of the whole reduce, peak RSS, and the
-probe's time per bin on a DiT of the same P for comparison.
+gate bin's arms and the gate replicate identical), evicts the stores from the page cache, and reduces
+the run with twinrun.reduce.reduce_run in a fresh process. Reports that process's peak RSS and its
+bytes read (/proc/self/io: rchar, and read_bytes from storage) against the bytes of the stores on
+disk, the time of the reduce and of its one pass, and the streaming pass against a whole-matrix
+numpy reduction of a small run (the same scan code) as a self-check.
 """
 
 import argparse
@@ -16,34 +17,21 @@ import contextlib
 import io
 import json
 import os
-import pathlib
 import shutil
-import statistics
+import subprocess
+import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from twinrun import probe
-from twinrun import reduce as reduce_mod
-from twinrun.model import DiTDenoiser
-from twinrun.store import read_store, write_json, write_store
+from twinrun.rundir import RunDir, RunIndex
+from twinrun.store import read_store, write_store
 
 SIGMAS = [0.02, 0.03, 0.05, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0, 5.0, 8.0]  # 16 bins
 GATE = 0.5
-
-
-def proc_io() -> dict:
-    return {k: int(v) for k, v in (line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())}
-
-
-def peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM")
 
 
 def synthetic_layout(n_params: int) -> list[dict]:
@@ -69,39 +57,36 @@ def make_run(root: Path, n_folds: int) -> Path:
     register_configs()
     overrides = ["+experiment=pin_sigma", f"sigma_grid.sigmas=[{','.join(map(str, SIGMAS))}]",
                  f"intervention.sigma_pin={GATE}", f"probe.n_images={n_folds}", f"probe.n_folds={n_folds}",
-                 "probe.n_draws=1"]
+                 "probe.n_draws=1", "reduce.groups={block0:[blocks.0.*]}", "reduce.estimands=[all,cond,residual,block0]"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     run_dir = root / "run"
-    plan_run(cfg, run_dir)
     with contextlib.redirect_stdout(io.StringIO()):
+        plan_run(cfg, run_dir)
         run_job(run_dir)
     return run_dir
 
 
-def rewrite_stores(run_dir: Path, n_params: int) -> int:
+def rewrite_stores(run_dir: Path, n_params: int) -> list[Path]:
     """Every store becomes a synthetic [F, n_params] one (metadata kept, layout replaced)."""
-    run = json.loads((run_dir / "run.json").read_text())
+    index = RunIndex.load(run_dir)
     layout = synthetic_layout(n_params)
     gen = torch.Generator().manual_seed(0)
-    total = 0
-    for b in run["bins"]:
+    paths = []
+    for b in index.bins:
         direction = torch.randn(n_params, generator=gen)
         effect = torch.zeros(n_params) if b["gate"] else 0.5 * torch.randn(n_params, generator=gen)
         noise = None
-        for arm in run["arms"]:
-            entry = b["stores"][arm["name"]]
-            path = run_dir / "arms" / arm["name"] / entry["file"]
+        for arm in b["stores"]:
+            path = index.store_path(b, arm)
             meta = read_store(path).meta
-            n_folds = len(meta["fold_sizes"])
-            if noise is None or not b["gate"]:  # at the gate both arms get the same sums: the no-op
-                noise = 3.0 * torch.randn(n_folds, n_params, generator=gen)
-            shift = effect if arm["role"] == "intervention" else 0.0
-            sums = (direction + shift) + noise
-            entry["sha256"] = write_store(path, sums, {**meta, "layout": layout})
-            total += path.stat().st_size
-    write_json(run_dir / "run.json", run)
-    return total
+            if noise is None or not b["gate"]:  # at the gate every arm gets the same sums: the no-op
+                noise = 3.0 * torch.randn(len(meta["fold_sizes"]), n_params, generator=gen)
+            shift = effect if arm == "pin_sigma" else 0.0
+            b["stores"][arm]["sha256"] = write_store(path, (direction + shift) + noise, {**meta, "layout": layout})
+            paths.append(path)
+    index.save()
+    return paths
 
 
 def evict(paths) -> None:
@@ -115,132 +100,101 @@ def evict(paths) -> None:
             os.close(fd)
 
 
-def timed_reduce(run_dir: Path, stores: list[Path]) -> dict:
-    """reduce_run with its store reads counted and its two stages (load, Gram) timed."""
-    reads, stage = {}, {}
-    original_read_store = reduce_mod.read_store
-    original_load, original_grams = reduce_mod.load_run, reduce_mod.grams
+def reduce_in_child(run_dir: Path) -> dict:
+    """Runs in a fresh process (`--reduce-only`): its peak RSS and reads are the reducer's alone."""
+    from twinrun import checks
+    from twinrun import reduce as reduce_mod
 
-    def counting_read_store(path, *args, **kwargs):
-        store = original_read_store(path, *args, **kwargs)  # reads the whole file once
-        reads.setdefault(str(path), []).append(pathlib.Path(path).stat().st_size)
-        return store
+    spent = {}
+    original = checks.scan
 
-    def timing(name, f):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = f(*a, **k)
-            stage[name] = stage.get(name, 0.0) + time.perf_counter() - t
-            return out
-        return wrapper
-
-    reduce_mod.read_store = counting_read_store
-    reduce_mod.load_run, reduce_mod.grams = timing("load", original_load), timing("grams", original_grams)
-    evict(stores)
-    before, t = proc_io(), time.perf_counter()
-    try:
-        summary, code = reduce_mod.reduce_run(run_dir)
-    finally:
-        reduce_mod.read_store = original_read_store
-        reduce_mod.load_run, reduce_mod.grams = original_load, original_grams
-    seconds, after = time.perf_counter() - t, proc_io()
-    per_store = [reads.get(str(p), []) for p in stores]
-    return {"seconds": seconds, "exit_code": code, "load_s": stage.get("load"), "grams_s": stage.get("grams"),
-            "reads_per_store": sorted({len(r) for r in per_store}), "bytes_per_store": [sum(r) for r in per_store],
-            "rchar": after["rchar"] - before["rchar"], "read_bytes": after["read_bytes"] - before["read_bytes"],
-            "valid": summary["valid"], "n_effects": len(summary["effects"])}
-
-
-def check_grams() -> float:
-    """grams' same-bin blocks against a full Gram written here (residual subtracted directly), on
-    a small synthetic run with three arms, uneven layout and a tiny column chunk. Max relative diff."""
-    gen = torch.Generator().manual_seed(1)
-    names, n_bins, n_folds, n_params = ["pin_sigma", "native", "native_replicate"], 4, 5, 1000
-    layout = [{"name": "a", "offset": 0, "numel": 600, "cond": False}, {"name": "b", "offset": 600, "numel": 300,
-              "cond": True}, {"name": "c", "offset": 900, "numel": 100, "cond": False}]
-    sums = torch.randn(len(names), n_bins, n_folds, n_params, generator=gen, dtype=torch.float64) + 3
-    stores = {(n, b): types.SimpleNamespace(sums=sums[a, b].float(), meta={"layout": layout})
-              for a, n in enumerate(names) for b in range(n_bins)}
-    run = {"arms": [{"name": n} for n in names], "bins": [{"index": b} for b in range(n_bins)]}
-    g, _, _ = reduce_mod.grams(run, stores, chunk_params=7)
-    s32 = sums.float().double()
-    cond = torch.zeros(n_params, dtype=torch.bool)
-    cond[600:900] = True
-    views = {"all": s32, "cond": s32[..., cond], "residual": s32 - s32[names.index("native")].mean(0)}
-    worst = 0.0
-    for e, x in views.items():
-        for b in range(n_bins):
-            for a1 in range(len(names)):
-                for a2 in range(len(names)):
-                    want = (x[a1, b] @ x[a2, b].T).numpy()
-                    got = g[e][b, a1, :, a2]
-                    worst = max(worst, float(abs(got - want).max() / abs(want).max()))
-    return worst
-
-
-def probe_time_per_bin(n_folds: int, reps: int = 3) -> tuple[float, int]:
-    """One arm's probe for one bin (40 images x 12 draws) on a DiT with about 10⁶ parameters."""
-    gen = torch.Generator().manual_seed(0)
-    model = DiTDenoiser(width=128, depth=4, heads=4, mlp_ratio=2, sigma_data=0.6)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=gen))
-    names = probe.select_params(model, ["*"])
-    images = torch.rand(40, 1, 8, 8, generator=gen) * 2 - 1
-    eps = torch.randn(40, 12, 1, 8, 8, generator=gen)
-    folds = torch.arange(40) % n_folds
-    call = lambda: probe.fold_sums(model, names, images, eps, 0.5, torch.tensor(0.5), folds, n_folds)
-    call()
-    times = []
-    for _ in range(reps):
+    def timed_scan(*a, **k):
         t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), sum(p.numel() for p in model.parameters())
+        out = original(*a, **k)
+        spent["scan"] = time.perf_counter() - t
+        return out
+
+    checks.scan = timed_scan
+    io_before, t = proc_io(), time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary, code = reduce_mod.reduce_run(run_dir)
+    seconds, io_after = time.perf_counter() - t, proc_io()
+    return {"seconds": seconds, "scan_s": spent["scan"], "exit_code": code, "valid": summary["valid"],
+            "n_effects": len(summary["effects"]), "peak_rss": peak_rss(),
+            "rchar": io_after["rchar"] - io_before["rchar"], "read_bytes": io_after["read_bytes"] - io_before["read_bytes"]}
+
+
+def proc_io() -> dict:
+    return {k: int(v) for k, v in (line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())}
+
+
+def peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def self_check(root: Path) -> float:
+    """The streaming pass against a whole-matrix numpy Gram of a small three-arm run (max relative diff)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from stores import scan_sums
+
+    gen = torch.Generator().manual_seed(1)
+    arms, n_bins, n_folds, n_params = ["pin_sigma", "native", "native_replicate"], 4, 5, 1000
+    layout = [{"name": "a", "offset": 0, "numel": 600, "cond": False},
+              {"name": "b", "offset": 600, "numel": 300, "cond": True},
+              {"name": "c", "offset": 900, "numel": 100, "cond": False}]
+    sums = {(a, b): torch.randn(n_folds, n_params, generator=gen) + 3 for a in arms for b in range(n_bins)}
+    found = scan_sums(root, sums, layout, arms, n_bins, ["all", "cond", "residual"], [], chunk_params=7)
+    s = np.stack([np.stack([sums[a, b].double().numpy() for b in range(n_bins)]) for a in arms])
+    views = {"all": s, "cond": s[..., 600:900], "residual": s - s[1].mean(0)}
+    worst = 0.0
+    for name, x in views.items():
+        got = found.gram(name, "native")
+        for b in range(n_bins):
+            for i in range(len(arms)):
+                for j in range(len(arms)):
+                    want = x[i, b] @ x[j, b].T
+                    worst = max(worst, float(np.abs(got[b, i, :, j] - want).max() / np.abs(want).max()))
+    return worst
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--params", type=int, default=1_000_000)
-    ap.add_argument("--folds", type=int, default=40)
+    ap.add_argument("--params", type=int, default=10_000_000)
+    ap.add_argument("--folds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--keep", type=Path, help="build the run here and keep it (default: a temp dir, removed)")
+    ap.add_argument("--reduce-only", type=Path, help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.reduce_only:
+        print(json.dumps(reduce_in_child(args.reduce_only)))
+        return
     root = args.keep or Path(tempfile.mkdtemp(prefix="twinrun-bench-reduce-"))
     print(f"twinrun reducer benchmark  {time.strftime('%Y-%m-%d %H:%M')}  torch {torch.__version__}  "
           f"{os.cpu_count()} CPUs  threads={args.threads}  load avg {os.getloadavg()[0]:.1f}")
-    print(f"grams self-check: same-bin blocks vs a full Gram written here, max relative diff {check_grams():.1e}")
     try:
+        print(f"self-check: streaming pass vs a whole-matrix numpy Gram, max relative diff {self_check(root / 'check'):.1e}")
         t = time.perf_counter()
         run_dir = make_run(root, args.folds)
-        total = rewrite_stores(run_dir, args.params)
-        run = json.loads((run_dir / "run.json").read_text())
-        stores = [run_dir / "arms" / a["name"] / b["stores"][a["name"]]["file"] for b in run["bins"] for a in run["arms"]]
-        print(f"stores: {len(stores)} ({len(run['arms'])} arms x {len(run['bins'])} bins), F={args.folds}, "
-              f"P={args.params}: {total / 1e9:.2f} GB, {total / len(stores) / 1e6:.1f} MB each "
-              f"(built in {time.perf_counter() - t:.0f} s)\n")
-
-        rss0 = peak_rss_mb()
-        r = timed_reduce(run_dir, stores)
-        size = total / len(stores)
-        print(f"reduce_run: {r['seconds']:.1f} s (exit code {r['exit_code']}, valid={r['valid']}, "
-              f"{r['n_effects']} effects)")
-        print(f"  load + sha256 + checks: {r['load_s']:.1f} s;  Gram pass (grams): {r['grams_s']:.1f} s;  "
-              f"the rest (validity, estimator, report): {r['seconds'] - r['load_s'] - r['grams_s']:.1f} s")
-        print(f"  reads per store: {r['reads_per_store']} (read_store calls); bytes read per store "
-              f"{min(r['bytes_per_store']) / 1e6:.1f}–{max(r['bytes_per_store']) / 1e6:.1f} MB = "
-              f"{max(r['bytes_per_store']) / size:.2f} x the file")
-        print(f"  /proc/self/io over the reduce: rchar {r['rchar'] / 1e9:.2f} GB, read_bytes (storage, cache evicted "
-              f"first) {r['read_bytes'] / 1e9:.2f} GB = {r['read_bytes'] / total:.2f} x the stores")
-        print(f"  peak RSS {peak_rss_mb():.0f} MB (before reduce {rss0:.0f} MB; the reducer holds every store's sums, "
-              f"{total / 1e9:.2f} GB)\n")
-
-        per_bin, n_probe = probe_time_per_bin(args.folds)
-        probe_total = 2 * len(run["bins"]) * per_bin
-        print(f"probe at P={n_probe} (DiT width 128, depth 4), F={args.folds}, 40 images x 12 draws: "
-              f"{per_bin:.2f} s per arm and bin -> {probe_total:.0f} s for the run's {len(run['bins'])} bins x 2 arms")
-        print(f"reduce / probe = {r['seconds'] / probe_total:.3f}  (Gram pass alone {r['grams_s'] / probe_total:.3f})")
+        stores = rewrite_stores(run_dir, args.params)
+        on_disk = sum(p.stat().st_size for p in stores)
+        print(f"stores: {len(stores)} (2 arms x {len(SIGMAS)} bins + the gate replicate), F={args.folds}, "
+              f"P={args.params:,}: {on_disk / 1e9:.2f} GB on disk, {on_disk / len(stores) / 1e6:.0f} MB each "
+              f"(built in {time.perf_counter() - t:.0f} s)")
+        evict(stores)
+        child = subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--reduce-only",
+                                str(run_dir)], capture_output=True, text=True, check=True)
+        r = json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"reduce_run (fresh process, stores evicted from the page cache): {r['seconds']:.1f} s, exit code "
+              f"{r['exit_code']}, valid={r['valid']}, {r['n_effects']} effects; the one pass {r['scan_s']:.1f} s")
+        print(f"  peak RSS {r['peak_rss'] / 2**20:,.0f} MiB (bound: 2 GiB whatever P; the stores are "
+              f"{on_disk / 2**30:.1f} GiB)")
+        print(f"  bytes read: rchar {r['rchar']:,} = {r['rchar'] / on_disk:.4f} x the stores' {on_disk:,} bytes; "
+              f"from storage (read_bytes) {r['read_bytes']:,} = {r['read_bytes'] / on_disk:.4f} x")
+        print(f"  summary written: {RunDir(run_dir).summary_json.exists()}")
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

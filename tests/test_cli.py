@@ -5,7 +5,8 @@ import textwrap
 
 import pytest
 from conftest import TINY, measured, run_twinrun
-from safetensors.torch import load_file
+
+from twinrun.store import read_store
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +27,11 @@ def test_tiny_run_end_to_end(tmp_path):
     assert {g["estimand"] for g in gates} == {"all", "cond", "residual"}
     assert all(g["sigma"] == 0.5 and g["bit_identical"] and g["rule"] == "bit-identical" for g in gates)
     assert len(summary["effects"]) == 3 * 3
-    # stores: one per (arm, bin), float32 [n_folds, n_params], identical draws across arms
+    # stores: one per (arm, bin), the fold sums as float32 [n_folds, n_params], identical draws across arms
     run = json.loads((run_dir / "run.json").read_text())
     assert [a["name"] for a in run["arms"]] == ["pin_sigma", "native"]
     for b in run["bins"]:
-        sums = {a: load_file(run_dir / "arms" / a / b["stores"][a]["file"])["sums"] for a in ("pin_sigma", "native")}
+        sums = {a: read_store(run_dir / "arms" / a / b["stores"][a]["file"]).sums for a in ("pin_sigma", "native")}
         assert sums["native"].shape[0] == 4 and sums["native"].dtype.is_floating_point
         if b["sigma"] == 0.5:
             assert (sums["native"] == sums["pin_sigma"]).all()

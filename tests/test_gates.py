@@ -1,10 +1,9 @@
 """The gate rule and the reference rule on stores built by hand: each rule fails for its reason."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
+from stores import scan_sums
 
 from twinrun.estimator import estimate
 from twinrun.gates import decide, gates, replicate_report
@@ -15,8 +14,12 @@ LAYOUT = [{"name": "w", "offset": 0, "numel": 30, "cond": False}, {"name": "c", 
 RUN = {"bins": [{"index": 0, "sigma": 0.2, "gate": False}, {"index": 1, "sigma": 0.5, "gate": True}]}
 
 
-def store(sums):
-    return SimpleNamespace(sums=sums.float(), meta={"layout": LAYOUT, "fold_sizes": [4] * F})
+PAIRS = [("pin_sigma", "native"), ("native_replicate", "native")]
+
+
+def found_of(tmp_path, sums: dict):
+    """The reducer's pass over real stores of these sums ({(arm, bin): [F, P]})."""
+    return scan_sums(tmp_path, sums, LAYOUT, ["pin_sigma", "native"], 2, ["all", "cond"], PAIRS)
 
 
 def twin_sums(seed=0, signal=0.0):
@@ -24,62 +27,61 @@ def twin_sums(seed=0, signal=0.0):
     return signal + torch.randn(F, P, generator=gen)
 
 
-def run_gates(inter: torch.Tensor, replicate: torch.Tensor | None, rule="replicate", twin=None):
+def run_gates(tmp_path, inter: torch.Tensor, replicate: torch.Tensor | None, rule="replicate", twin=None):
     twin = twin_sums() if twin is None else twin
-    stores = {("pin_sigma", 0): store(twin * 2), ("native", 0): store(twin),
-              ("pin_sigma", 1): store(inter), ("native", 1): store(twin)}
+    sums = {("pin_sigma", 0): twin * 2, ("native", 0): twin, ("pin_sigma", 1): inter, ("native", 1): twin}
     if replicate is not None:
-        stores["native_replicate", 1] = store(replicate)
+        sums["native_replicate", 1] = replicate
     estimates = {}
-    for (arm, b), s in stores.items():
+    for (arm, b), s in sums.items():
         if arm == "pin_sigma":
-            x, y = s.sums.double().numpy(), stores["native", b].sums.double().numpy()
+            x, y = s.float().double().numpy(), sums["native", b].float().double().numpy()
             est = estimate(x @ y.T, x @ x.T, y @ y.T, [4] * F, [4] * F, 0.05)
             estimates.update({(b, n): est for n in ("all", "cond")})
-    return gates(RUN, stores, estimates, "pin_sigma", ["all", "cond"], rule, LAYOUT)
+    return gates(RUN, found_of(tmp_path, sums), estimates, "pin_sigma", ["all", "cond"], rule)
 
 
-def test_bit_identical_gate_passes_even_where_the_signal_is_below_noise():
+def test_bit_identical_gate_passes_even_where_the_signal_is_below_noise(tmp_path):
     twin = twin_sums()  # pure noise: every norm below noise
-    rows = run_gates(twin.clone(), None, twin=twin)
+    rows = run_gates(tmp_path, twin.clone(), None, twin=twin)
     assert [r["passed"] for r in rows] == [True, True] and {r["rule"] for r in rows} == {"bit-identical"}
 
 
 @pytest.mark.parametrize("signal", [0.0, 3.0])  # below noise, and clear signal where cos ≈ 1
-def test_close_is_not_a_no_op_on_a_deterministic_path(signal):
+def test_close_is_not_a_no_op_on_a_deterministic_path(tmp_path, signal):
     """1e-3 relative at the gate, the replicate bit-identical: FAIL, naming bin, estimand and size,
     whether or not a cosine could be read (a cosine of 0.99999 would have passed any threshold)."""
     twin = twin_sums(signal=signal)
-    rows = run_gates(twin * (1 + 1e-3), twin.clone(), twin=twin)
+    rows = run_gates(tmp_path, twin * (1 + 1e-3), twin.clone(), twin=twin)
     assert not any(r["passed"] for r in rows)
     assert {r["rule"] for r in rows} == {"not a no-op on a deterministic path"}
     assert rows[0]["detail"].startswith("not a no-op: the arms differ at a bin where the intervention claims to do nothing")
     assert "σ=0.5, estimand all" in rows[0]["detail"] and "max relative difference of the sums 1.0" in rows[0]["detail"]
 
 
-def test_an_anti_aligned_gate_fails_whatever_the_replicate():
+def test_an_anti_aligned_gate_fails_whatever_the_replicate(tmp_path):
     """The gate's sign: −S_twin is as far from the twin as anything gets, never a no-op."""
     twin = twin_sums(signal=3.0)
     noisy = twin * (1 + 1e-4 * torch.randn(F, P, generator=torch.Generator().manual_seed(9)))
-    rows = run_gates(-twin, noisy, twin=twin)
+    rows = run_gates(tmp_path, -twin, noisy, twin=twin)
     assert not any(r["passed"] for r in rows) and rows[0]["max_shift"] == pytest.approx(2.0)
 
 
-def test_on_a_nondeterministic_path_only_a_difference_within_the_replicate_passes():
+def test_on_a_nondeterministic_path_only_a_difference_within_the_replicate_passes(tmp_path):
     twin = twin_sums(signal=3.0)
     jitter = torch.randn(F, P, generator=torch.Generator().manual_seed(3))
     replicate = twin + 1e-5 * jitter.abs().max() ** -1 * jitter  # the path itself moves results
-    within = run_gates(twin + 0.5e-5 * jitter / jitter.abs().max(), replicate, twin=twin)
+    within = run_gates(tmp_path, twin + 0.5e-5 * jitter / jitter.abs().max(), replicate, twin=twin)
     assert all(r["passed"] for r in within) and {r["rule"] for r in within} == {"within the replicate"}
-    beyond = run_gates(twin + 1e-3 * jitter / jitter.abs().max(), replicate, twin=twin)
+    beyond = run_gates(tmp_path, twin + 1e-3 * jitter / jitter.abs().max(), replicate, twin=twin)
     assert not any(r["passed"] for r in beyond) and {r["rule"] for r in beyond} == {"beyond the replicate"}
-    strict = run_gates(twin + 0.5e-5 * jitter / jitter.abs().max(), replicate, rule="bit_identical", twin=twin)
+    strict = run_gates(tmp_path, twin + 0.5e-5 * jitter / jitter.abs().max(), replicate, rule="bit_identical", twin=twin)
     assert not any(r["passed"] for r in strict)
 
 
-def test_a_gate_that_is_not_bit_identical_without_a_replicate_fails():
+def test_a_gate_that_is_not_bit_identical_without_a_replicate_fails(tmp_path):
     twin = twin_sums(signal=3.0)
-    rows = run_gates(twin * (1 + 1e-7), None, twin=twin)
+    rows = run_gates(tmp_path, twin * (1 + 1e-7), None, twin=twin)
     assert not any(r["passed"] for r in rows) and "no replicate" in rows[0]["rule"]
 
 
@@ -92,14 +94,16 @@ def test_decide_is_the_whole_rule():
     assert decide(False, 1e-6, 1e-6, "bit_identical")[0] is False
 
 
-def test_replicate_report_counts_differing_tensors():
+def test_replicate_report_counts_differing_tensors(tmp_path):
     twin = twin_sums()
-    stores = {("native", 1): store(twin), ("native_replicate", 1): store(twin.clone())}
-    assert replicate_report(RUN, stores, LAYOUT)["n_differ"] == 0
-    stores["native_replicate", 1] = store(twin * (1 + 1e-6))
-    rep = replicate_report(RUN, stores, LAYOUT)
+    sums = {("pin_sigma", b): twin for b in (0, 1)} | {("native", b): twin for b in (0, 1)}
+    assert replicate_report(RUN, found_of(tmp_path / "a", {**sums, ("native_replicate", 1): twin.clone()}))["n_differ"] == 0
+    moved = twin.clone()
+    moved[2, 33] *= 1 + 1e-6  # one number, in the `cond` parameter
+    rep = replicate_report(RUN, found_of(tmp_path / "b", {**sums, ("native_replicate", 1): moved}))
     assert rep["n_differ"] == 1 and "nondeterministic" in rep["detail"]
-    assert replicate_report({"bins": RUN["bins"][:1]}, stores, LAYOUT) is None
+    assert rep["max_abs_diff"] == pytest.approx(float((moved.float() - twin.float()).abs().max()), rel=1e-12)
+    assert replicate_report({"bins": RUN["bins"][:1]}, found_of(tmp_path / "c", sums)) is None
 
 
 def row(sigma, identical, shift):

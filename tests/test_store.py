@@ -161,8 +161,8 @@ def test_a_flipped_byte_in_a_store_without_its_run_json_is_still_caught(tmp_path
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10  # inside the float payload
     path.write_bytes(bytes(data))
-    with pytest.raises(StoreError, match="sums_sha256"):
-        read_store(path)  # no sha256 from run.json: the store's own payload digest catches it
+    with pytest.raises(StoreError, match="does not match its sha256 in the store's metadata"):
+        read_store(path)  # no sha256 from run.json: the tensor's own digest catches it
 
 
 def test_a_read_only_file_system_is_one_named_error(tmp_path, monkeypatch):

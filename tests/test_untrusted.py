@@ -400,3 +400,55 @@ def test_user_code_raising_mid_run_is_exit_4_in_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "bin 2 (σ=1.2)" in lines[0] and "user code broke" in lines[0], lines
     assert json.loads((run_dir / "run.json").read_text())["failure"]["bin_index"] == 2
+
+
+# ----------------------------------------------------------------------------- the streaming store format
+
+
+def test_compare_addresses_the_gate_replicate_at_its_gate_bins(made_run, capsys):
+    code, out, err = cli(compare.main, [made_run / "arms" / "native_replicate", made_run], capsys)
+    assert code == 0, (out, err)
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert {r[0] for r in rows} == {"0.5"} and all(r[2] == "yes" for r in rows), out  # bit-identical, gate bin only
+    assert "gate bins" in err
+
+
+def test_an_old_format_store_asks_for_a_new_measurement(run_copy, capsys):
+    import hashlib
+
+    import safetensors.torch
+    import torch
+
+    store = _first_store(run_copy)
+    data = safetensors.torch.save({"sums": torch.ones(4, 3)}, metadata={"format": "twinrun-store/1"})
+    store.write_bytes(data)
+    edit_run_json(run_copy, lambda run: run["bins"][0]["stores"]["native"].update(
+        sha256=hashlib.sha256(data).hexdigest()))
+    code, out, err = cli(reduce.main, [run_copy], capsys)
+    one_line_refusal(code, out, err, store.name, "twinrun-store/1", "measure the run again")
+
+
+def test_a_forged_tensor_with_a_matching_file_digest_yields_no_number(run_copy, capsys):
+    """One float changed inside a tensor, run.json's sha256 updated to the new file: the tensor's own
+    digest (in the store's metadata) still refuses it, and no summary is written."""
+    import hashlib
+
+    from twinrun.store import StoreReader
+
+    store = _first_store(run_copy)
+    with StoreReader(store) as reader:
+        start = reader.tensors[-1].start
+    data = bytearray(store.read_bytes())
+    data[start + 2] ^= 0x04
+    store.write_bytes(bytes(data))
+    edit_run_json(run_copy, lambda run: run["bins"][0]["stores"]["native"].update(
+        sha256=hashlib.sha256(bytes(data)).hexdigest()))
+    (run_copy / "summary.json").unlink()
+    code, out, err = cli(reduce.main, [run_copy], capsys)
+    one_line_refusal(code, out, err, store.name, "does not match its sha256")
+    assert not (run_copy / "summary.json").exists()
+
+
+def test_an_estimand_the_run_did_not_register_is_one_line(run_copy, capsys):
+    code, out, err = cli(reduce.main, [run_copy, "--estimands", "all,block9"], capsys)
+    one_line_refusal(code, out, err, "--estimands", "block9", "reduce.groups")

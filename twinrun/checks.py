@@ -5,21 +5,18 @@ read is checked (format, sha256, arm, bin, config hash) and any problem is a Sto
 the path (exit 2), never a number.
 """
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 from twinrun import arms as arms_mod
-from twinrun.config import ReduceConfig
-from twinrun.errors import StoreError
-from twinrun.rundir import GATE_REPLICATE, RunDir
-from twinrun.store import read_config, read_json, read_store
+from twinrun.config import STORE_PROTOCOL_KEYS, ReduceConfig
+from twinrun.errors import StoreError, TwinrunError
+from twinrun.estimands import check_groups
+from twinrun.rundir import GATE_REPLICATE, RunDir, RunIndex
+from twinrun.scan import scan
+from twinrun.store import StoreReader, read_config
 
 TWIN, REPLICATE = "native", GATE_REPLICATE
 # Store metadata that must agree across every store of a run (the protocol).
-PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
 
 
 def check(name: str, passed: bool, detail: str) -> dict:
@@ -30,18 +27,15 @@ def registered(run: dict) -> dict:
     """The reduce settings registered at plan time (older runs: the schema's defaults)."""
     defaults = ReduceConfig()
     reg = run.get("registered") or {}
-    return {"estimands": list(reg.get("estimands") or run.get("estimands") or defaults.estimands),
-            "gate_rule": reg.get("gate_rule", defaults.gate_rule),
-            "signal_alpha": float(reg.get("signal_alpha", defaults.signal_alpha))}
+    out = {"estimands": list(reg.get("estimands") or run.get("estimands") or defaults.estimands),
+           "gate_rule": reg.get("gate_rule", defaults.gate_rule),
+           "signal_alpha": float(reg.get("signal_alpha", defaults.signal_alpha))}
+    if reg.get("groups"):  # named parameter groups (reduce.groups); absent when none were declared
+        out["groups"] = {k: list(v) for k, v in reg["groups"].items()}
+    return out
 
 
-def _well_formed(run: dict) -> bool:
-    return isinstance(run.get("arms"), list) and isinstance(run.get("bins"), list) and all(
-        isinstance(b, dict) and isinstance(b.get("stores"), dict) and "index" in b and "sigma" in b
-        for b in run["bins"]) and all(isinstance(a, dict) and "name" in a for a in run["arms"])
-
-
-def _wanted(run_dir: Path, run: dict) -> dict:
+def _wanted(rd: RunDir, run: dict) -> dict:
     """{(arm, bin index): (path, sha256, config hash)} of every store the reducer needs."""
     wanted = {}
     hashes = {a["name"]: a.get("config_hash") for a in run["arms"]}
@@ -50,7 +44,7 @@ def _wanted(run_dir: Path, run: dict) -> dict:
         if REPLICATE not in hashes and isinstance(b["stores"].get(REPLICATE), dict):
             entries.append((REPLICATE, b["stores"][REPLICATE]))  # the twin again, at a gate bin (run.plan_gate_replicates)
         for name, entry in entries:
-            path = RunDir(run_dir).store(name, entry["file"])  # validated and contained by read_json
+            path = rd.store(name, entry["file"])  # validated and contained by RunIndex.load
             if entry.get("status") != "done":
                 raise StoreError(path, f"bin {b['index']} (σ={b['sigma']:g}) of arm {name} is "
                                  f"{entry.get('status', 'missing')}: resume the run, then reduce")
@@ -59,23 +53,43 @@ def _wanted(run_dir: Path, run: dict) -> dict:
 
 
 def load_run(run_dir: Path) -> tuple[dict, dict]:
-    """run.json and every store it lists ({(arm, bin_index): Store}), each checked."""
-    run = read_json(run_dir / "run.json")
-    if run.get("format") != "twinrun-run/1":
-        raise StoreError(run_dir / "run.json", f"not a twinrun run index (format {run.get('format')!r})")
-    if not _well_formed(run):
-        raise StoreError(run_dir / "run.json", "malformed run index (arms, bins or stores missing)")
-    wanted = _wanted(run_dir, run)
-    # Reading and hashing release the GIL: a few threads overlap disk and sha256 (each store is
-    # still read exactly once).
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        loaded = dict(zip(wanted, pool.map(lambda w: read_store(w[0], w[1]), wanted.values())))
-    for (name, index), store in loaded.items():
-        if store.meta["config_hash"] != wanted[name, index][2]:
-            raise StoreError(store.path, "config hash differs from run.json's: a store from another run")
-        if store.meta["arm"] != name or store.meta["bin_index"] != index:
-            raise StoreError(store.path, "store belongs to another arm or bin than run.json says")
-    return run, loaded
+    """run.json and a StoreReader of every store it lists ({(arm, bin_index): StoreReader}).
+
+    Only the headers are read here (format, metadata, sizes, and that each store is the one run.json
+    names: arm, bin, config hash); the payload is read once by twinrun.scan, which checks every
+    tensor's digest and each file's sha256 from run.json.
+    """
+    index = RunIndex.load(run_dir)  # validates run.json field by field
+    try:
+        check_groups((index.doc.get("registered") or {}).get("groups") or {})
+    except TwinrunError as err:
+        raise StoreError(index.run_dir.run_json, f"field registered.groups: {err}") from None
+    wanted = _wanted(index.run_dir, index.doc)
+    readers = {}
+    try:
+        for key, (path, sha, config_hash) in wanted.items():
+            readers[key] = reader = StoreReader(path, sha)
+            if reader.meta["config_hash"] != config_hash:
+                raise StoreError(path, "config hash differs from run.json's: a store from another run")
+            if reader.meta["arm"] != key[0] or reader.meta["bin_index"] != key[1]:
+                raise StoreError(path, "store belongs to another arm or bin than run.json says")
+    except BaseException:
+        close(readers)
+        raise
+    return index.doc, readers
+
+
+def scan_run(run: dict, readers: dict, names: list[str], groups: dict | None, chunk_params: int = 1_000_000):
+    """The run's one pass (twinrun.scan): every store read once; Grams of every estimand in `names`
+    (residual against the twin), and every arm and the gate replicate against the twin, bin by bin."""
+    arm_names = [a["name"] for a in run["arms"]]
+    pairs = [(a, TWIN) for a in arm_names if a != TWIN] + [(REPLICATE, TWIN)] * (REPLICATE not in arm_names)
+    return scan(readers, arm_names, len(run["bins"]), names, groups, [TWIN], pairs, chunk_params)
+
+
+def close(readers: dict) -> None:
+    for r in readers.values():
+        r.close()
 
 
 def arm_config(run_dir: Path, arm: str) -> dict:
@@ -83,12 +97,15 @@ def arm_config(run_dir: Path, arm: str) -> dict:
 
 
 def arm_stores(run_dir: Path, arm: str) -> tuple[dict, dict]:
-    """{σ: Store} of one arm of a run, each verified against run.json."""
-    run, stores = load_run(run_dir)
-    arms = [a["name"] for a in run["arms"]]
+    """{σ: StoreReader} of one arm of a run (the gate replicate: its gate bins only), headers checked
+    against run.json; the other arms' readers are closed."""
+    run, readers = load_run(run_dir)
+    arms = [a["name"] for a in run["arms"]] + ([REPLICATE] if any(k[0] == REPLICATE for k in readers) else [])
+    mine = {b["sigma"]: readers.pop((arm, b["index"])) for b in run["bins"] if (arm, b["index"]) in readers}
+    close(readers)
     if arm not in arms:
         raise StoreError(run_dir, f"has no arm {arm!r} (its arms: {', '.join(arms)})")
-    return run, {b["sigma"]: stores[arm, b["index"]] for b in run["bins"]}
+    return run, mine
 
 
 def validity_checks(run_dir: Path, run: dict, stores: dict) -> list[dict]:
@@ -104,7 +121,7 @@ def validity_checks(run_dir: Path, run: dict, stores: dict) -> list[dict]:
                      f"draw digests equal in all {len(run['bins'])} bins" if not unequal
                      else f"draw digests differ between arms in bins {unequal}"))
     ref = next(iter(stores.values())).meta
-    mismatched = sorted({str(s.path) for s in stores.values() for k in PROTOCOL_KEYS if s.meta[k] != ref[k]})
+    mismatched = sorted({str(s.path) for s in stores.values() for k in STORE_PROTOCOL_KEYS if s.meta[k] != ref[k]})
     out.append(check("same_protocol", not mismatched,
                      "images, draws, folds and parameter layout equal in every store" if not mismatched
                      else f"protocol differs in {mismatched}"))
@@ -144,11 +161,10 @@ def provenance_checks(run: dict, stores: dict, names: list[str]) -> list[dict]:
     return out
 
 
-def machinery_check(run: dict, stores: dict, arm: str) -> dict:
+def machinery_check(run: dict, found, arm: str) -> dict:
     """The intervention's own code at its no-op setting must equal the twin bit for bit in every bin:
-    otherwise the intervention's machinery perturbs more than the intervention."""
-    differ = [b["sigma"] for b in run["bins"] if not torch.equal(stores[arm, b["index"]].sums,
-                                                                 stores[TWIN, b["index"]].sums)]
+    otherwise the intervention's machinery perturbs more than the intervention. found: the Scan."""
+    differ = [b["sigma"] for b in run["bins"] if not found.pairs[arm, TWIN, b["index"]].identical]
     n = len(run["bins"])
     return check("machinery_is_a_no_op", not differ,
                  f"{arm} (the intervention's code at its no-op setting) is bit-identical to the twin in all {n} bins"

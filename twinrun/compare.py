@@ -1,7 +1,8 @@
 """Absolute comparison of two arms: `python -m twinrun.compare A B [--force]`.
 
 A and B are run directories (their native twin, or `--arm NAME`), arm directories
-(RUN/arms/NAME) or single store files. Prints, per bin and estimand (every estimand of the
+(RUN/arms/NAME; the gate replicate, RUN/arms/native_replicate, is compared at its gate bins) or
+single store files. Prints, per bin and estimand (every estimand of the
 registry, residual included), B against A: the debiased cosine and norm ratio |μ_B| / |μ_A| with
 their SEs, bit-identity and the max relative difference of the sums. If their kernel paths differ
 and no same-environment control vouches for B (A's run has B as its reference and, recomputed
@@ -13,26 +14,43 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinrun.checks import arm_stores, load_run, registered
+from twinrun.checks import arm_stores, close, load_run, registered, scan_run
 from twinrun.config import ReduceConfig
 from twinrun.env import kernel_path_diff
 from twinrun.errors import EXIT_OK, EXIT_REFUSED, StoreError, TwinrunError, fail
 from twinrun.references import cross_estimates, protocol_mismatch, reference_report
 from twinrun.render import pm
-from twinrun.store import read_store
+from twinrun.rundir import ARMS_DIR, RunDir
+from twinrun.store import StoreReader
 
 
 def resolve(path: Path, arm: str) -> tuple[Path | None, dict]:
-    """(run dir or None, {σ: Store}) for a run dir, an arm dir or one store file."""
+    """(run dir or None, {σ: StoreReader}) for a run dir, an arm dir (RUN/arms/NAME, the gate replicate
+    included: its gate bins) or one store file."""
     path = Path(path)
     if path.is_file():
-        store = read_store(path)
-        return None, {store.meta["sigma"]: store}
-    if (path / "run.json").is_file():
+        reader = StoreReader(path)
+        return None, {reader.meta["sigma"]: reader}
+    if RunDir(path).is_run():
         return path, arm_stores(path, arm)[1]
-    if path.parent.name == "arms" and (path.parent.parent / "run.json").is_file():
-        return path.parent.parent, arm_stores(path.parent.parent, path.name)[1]
+    run = RunDir(path.parent.parent)
+    if path.parent.name == ARMS_DIR and run.is_run():
+        return run.path, arm_stores(run.path, path.name)[1]
     raise StoreError(path, "not a twinrun run directory, arm directory or store file")
+
+
+def common_bins(a: dict, b: dict, name_a, name_b) -> tuple[dict, dict]:
+    """Where one side has stores at only some of the other's σ (the gate replicate: gate bins only),
+    both are compared there; otherwise both as given (protocol_mismatch then names the grids)."""
+    for small, large, label in ((a, b, name_a), (b, a, name_b)):
+        if set(small) < set(large):
+            print(f"twinrun compare: {label} has stores at σ = {', '.join(f'{s:g}' for s in sorted(small))} only "
+                  "(the gate replicate is measured at gate bins): comparing there", file=sys.stderr)
+            kept = {s: large.pop(s) for s in sorted(small)}
+            close(large)
+            large.clear()
+            large.update(kept)
+    return a, b
 
 
 def kernel_path_fields(a: dict, b: dict) -> list[str]:
@@ -49,11 +67,16 @@ def vouched(run_a: Path | None, run_b: Path | None) -> bool:
     stores of both runs now (summary.json is never trusted)."""
     if run_a is None or run_b is None:
         return False
-    run, stores = load_run(run_a)
-    if not run.get("reference") or Path(run["reference"]).resolve() != run_b.resolve():
-        return False
-    inter = next(a["name"] for a in run["arms"] if a["role"] == "intervention")
-    verdict = reference_report(run_a, run, stores, inter, run_b, registered(run)["signal_alpha"], run_ok=False)
+    run, readers = load_run(run_a)
+    try:
+        if not run.get("reference") or Path(run["reference"]).resolve() != run_b.resolve():
+            return False
+        found = scan_run(run, readers, ["all"], None, 1_000_000)  # the replicate's shifts; every store checked
+        inter = next(a["name"] for a in run["arms"] if a["role"] == "intervention")
+        verdict = reference_report(run_a, run, readers, found, inter, run_b, registered(run)["signal_alpha"],
+                                   run_ok=False)
+    finally:
+        close(readers)
     return bool(verdict["alive"])
 
 
@@ -68,9 +91,11 @@ def main(argv=None) -> int:
     p.add_argument("--arm", default="native", help="arm of a run directory to compare (default: native)")
     p.add_argument("--force", action="store_true", help="compute across kernel paths; every number marked INVALID")
     args = p.parse_args(argv)
+    a, b = {}, {}
     try:
         run_a, a = resolve(args.a, args.arm)
         run_b, b = resolve(args.b, args.arm)
+        a, b = common_bins(a, b, args.a, args.b)
         bad = protocol_mismatch(a, b)
         if bad:
             raise TwinrunError(f"{args.a} and {args.b} were measured under different protocols ({', '.join(bad)})")
@@ -88,6 +113,9 @@ def main(argv=None) -> int:
         rows = cross_estimates(a, b, ReduceConfig().signal_alpha)
     except TwinrunError as err:
         fail(err)
+    finally:
+        close(a)
+        close(b)
     print(f"twinrun compare: {args.a} vs {args.b} [{label}]")
     print(f"  {'σ':>6}  {'estimand':<9} {'bit-identical':>13} {'max rel diff':>12} {'debiased cos ± se':>24} "
           f"{'norm ratio B/A ± se':>24} {'naive cos':>10}")

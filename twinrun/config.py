@@ -119,6 +119,11 @@ class ReduceConfig:
     # probed parameter), cond (the conditioning pathway), residual (each bin minus the twin's mean
     # over bins: shared structure removed).
     estimands: list = field(default_factory=lambda: ["all", "cond", "residual"])
+    # Named parameter groups, each an estimand of its own: {name: [fnmatch patterns over parameter
+    # names]}, e.g. 'reduce.groups={block0:[blocks.0.*]}' reduce.estimands=[all,cond,residual,block0].
+    # Checked at plan time (a group matching no probed parameter is refused). Typed Any, not a dict:
+    # Hydra merges an override into an existing (struct) dict, which would refuse every new name.
+    groups: Any = None
     # No-op gate, at each bin where the intervention claims to do nothing:
     #   replicate      pass if bit-identical to the twin; if not, FAIL unless the twin's replicate
     #                  (measured automatically) proves the kernel path nondeterministic and the

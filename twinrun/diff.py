@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
-from twinrun.store import STORE_FORMAT, max_store_bytes, open_regular, read_store
+from twinrun.store import OLD_STORE_FORMAT, STORE_FORMAT, StoreReader, max_store_bytes, open_regular
 
 
 @dataclass
@@ -48,13 +48,21 @@ def _file_tensors(path: Path) -> dict[str, torch.Tensor]:
     os.close(open_regular(path, max_store_bytes(), "safetensors file")[0])  # no FIFO, no 1 TiB
     try:
         with safe_open(str(path), framework="pt") as handle:
-            if (handle.metadata() or {}).get("format") == STORE_FORMAT:
-                return {"sums": read_store(path).sums}  # its own payload digest is checked
+            if (handle.metadata() or {}).get("format") in (STORE_FORMAT, OLD_STORE_FORMAT):
+                return _store_tensors(path)  # each tensor's own digest is checked (an old format: one line)
             return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
     except StoreError:
         raise
     except Exception as err:  # noqa: BLE001 — any damage in a foreign file ends as a named error
         raise StoreError(path, f"not a readable safetensors file ({type(err).__name__})") from None
+
+
+def _store_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A twinrun store's parameters, each [n_folds, numel], read through its checks."""
+    with StoreReader(path) as reader:
+        out = {t.name: reader.columns(t, 0, t.numel) for t in reader.tensors}
+        reader.finish()
+    return out
 
 
 def diff_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> TensorDiff:

@@ -1,16 +1,21 @@
-"""Estimands: named linear views of the stored fold sums, and the Gram blocks the reducer needs.
+"""Estimands: named linear views of the stored fold sums, selected by parameter name.
 
-An estimand is one registry entry: which parameter columns it reads (a selection over the store's
-layout) and whether the twin's mean over bins is removed (a derived view). Config validation,
-the reducer, the report's ordering, references and `compare` all read ESTIMANDS; a new estimand
-is one entry here. Since every view is linear in the sums, nothing extra is ever stored.
+An estimand is one registry entry: which parameters it reads (a selection over the store's layout)
+and whether the twin's mean over bins is removed (a derived view). The built-ins are `all`, `cond`
+and `residual`; `reduce.groups` adds one entry per named group of fnmatch patterns over parameter
+names (e.g. `block0: ["blocks.0.*"]`), so a per-layer estimand needs only config. Config validation,
+the reducer, the report's ordering, references and `compare` all read `registry()`. Since every view
+is linear in the sums, nothing extra is ever stored. The Gram blocks are accumulated by twinrun.scan.
 """
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
-import numpy as np
-import torch
+from twinrun.errors import ConfigError
+
+GROUP_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -29,83 +34,59 @@ ESTIMANDS = {e.name: e for e in (
 )}
 
 
-def available(layout: list[dict]) -> list[str]:
-    """Estimands that select at least one probed column of this layout, in registry order."""
-    return [name for name, e in ESTIMANDS.items() if any(e.selects(entry) for entry in layout)]
+def group(name: str, patterns: list[str]) -> Estimand:
+    """A named parameter group: the parameters whose names match any of the fnmatch patterns."""
+    pats = tuple(patterns)
+    return Estimand(name, f"parameters matching {', '.join(pats)}",
+                    lambda entry: any(fnmatchcase(entry["name"], p) for p in pats))
 
 
-def column_ranges(layout: list[dict], names: list[str]) -> list[tuple[int, int, tuple[str, ...]]]:
-    """Contiguous column ranges (lo, hi, estimands that read them), merged where the set agrees."""
-    ranges = []
-    for entry in layout:
-        lo, hi = entry["offset"], entry["offset"] + entry["numel"]
-        views = tuple(n for n in names if ESTIMANDS[n].selects(entry))
-        if ranges and ranges[-1][2] == views and ranges[-1][1] == lo:
-            ranges[-1] = (ranges[-1][0], hi, views)
-        else:
-            ranges.append((lo, hi, views))
-    return ranges
+def registry(groups: dict | None = None) -> dict[str, Estimand]:
+    """The built-in estimands, then one per configured group (reduce.groups), in that order."""
+    return {**ESTIMANDS, **{name: group(name, pats) for name, pats in (groups or {}).items()}}
 
 
-def max_shift(x: torch.Tensor, y: torch.Tensor, layout: list[dict], name: str) -> float:
-    """Max relative difference of the sums over the estimand's columns: max |x − y| / max |y|.
-
-    Used wherever two arms measured on the same draws are compared for identity (gates, the
-    replicate, references). For `residual` the difference of the views is the difference of the
-    sums (the same twin mean is removed from both), so it reads the same columns as `all`.
-    """
-    worst, scale = 0.0, 0.0
-    for lo, hi, views in column_ranges(layout, [name]):
-        if views:
-            worst = max(worst, float((x[:, lo:hi].double() - y[:, lo:hi].double()).abs().max()))
-            scale = max(scale, float(y[:, lo:hi].abs().max()))
-    if worst == 0.0:
-        return 0.0
-    return worst / scale if scale > 0 else float("inf")
+def available(layout: list[dict], groups: dict | None = None) -> list[str]:
+    """Estimands that select at least one probed parameter of this layout, in registry order."""
+    return [name for name, e in registry(groups).items() if any(e.selects(entry) for entry in layout)]
 
 
-def grams(arm_names: list[str], n_bins: int, stores: dict, twin: str, names: list[str],
-          chunk_params: int = 1_000_000) -> dict[str, np.ndarray]:
-    """Same-bin Gram blocks per estimand, as arrays [bin, arm, fold, arm, fold] (float64).
+def check_groups(groups) -> None:
+    """reduce.groups: {name: [fnmatch pattern, ...]} with names that are not built-ins."""
+    if not isinstance(groups, dict):
+        raise ConfigError("reduce.groups", groups, "must map a group name to a list of parameter-name patterns, "
+                          'e.g. reduce.groups={block0:["blocks.0.*"]}')
+    for name, pats in groups.items():
+        key = f"reduce.groups.{name}"
+        if not isinstance(name, str) or not GROUP_NAME.fullmatch(name) or name in ESTIMANDS:
+            raise ConfigError(key, pats, f"a group name is a letter then letters, digits or '_', and not one of the "
+                              f"built-in estimands ({', '.join(ESTIMANDS)}); rename the group")
+        if not isinstance(pats, list | tuple) or not pats or not all(isinstance(p, str) and p for p in pats):
+            raise ConfigError(key, pats, 'must be a non-empty list of fnmatch patterns, e.g. ["blocks.0.*"]')
 
-    stores: {(arm, bin): Store}, every arm in every bin, one layout. Every estimate (gates,
-    effects, the replicate, a reference) pairs two arms of one bin, so only the blocks within a
-    bin are computed: n_bins x (n_arms·F)² products instead of (n_bins·n_arms·F)². One pass over
-    the columns, in chunks of ≤ chunk_params capped so that the float64 working copy stays under
-    128 MiB. A residual view is the Gram of R^{arm}_{b,f} = S^{arm}_{b,f} − M_f with
-    M_f = mean_b' S^{twin}_{b',f}: ⟨R,R'⟩ = ⟨S,S'⟩ − ⟨S,M⟩ − ⟨M,S'⟩ + ⟨M,M⟩, so besides the
-    within-bin products it needs only every row against the F rows of M.
-    """
-    first = next(iter(stores.values()))
-    layout, n_folds = first.meta["layout"], first.sums.shape[0]
-    n_arms, t = len(arm_names), arm_names.index(twin)
-    width = n_arms * n_folds  # rows of one bin's block
-    chunk = max(1, min(chunk_params, (128 * 2**20) // (n_bins * width * 8)))
-    buffer = torch.empty(n_bins * width * chunk, dtype=torch.float64)  # reused: no page faults per chunk
-    g = {n: torch.zeros(n_bins, width, width, dtype=torch.float64) for n in names}
-    s_m = {n: torch.zeros(n_bins, n_arms, n_folds, n_folds, dtype=torch.float64) for n in names}  # ⟨S_{b,a,f}, M_g⟩
-    m_m = {n: torch.zeros(n_folds, n_folds, dtype=torch.float64) for n in names}  # ⟨M_f, M_g⟩
-    for lo, hi, views in column_ranges(layout, names):
-        for start in range(lo, hi, chunk) if views else ():
-            stop = min(start + chunk, hi)
-            x = buffer[: n_bins * width * (stop - start)].view(n_bins, n_arms, n_folds, stop - start)
-            for a, arm in enumerate(arm_names):
-                for b in range(n_bins):
-                    x[b, a] = stores[arm, b].sums[:, start:stop]
-            rows = x.view(n_bins, width, stop - start)
-            block = torch.bmm(rows, rows.transpose(1, 2))
-            mean = x[:, t].mean(0)
-            for n in views:
-                g[n] += block
-                if ESTIMANDS[n].residual:
-                    s_m[n] += (x.view(-1, stop - start) @ mean.T).view_as(s_m[n])
-                    m_m[n] += mean @ mean.T
-    shape = (n_bins, n_arms, n_folds, n_arms, n_folds)
-    out = {}
-    for n in names:
-        if ESTIMANDS[n].residual:
-            # ⟨R_{a,f}, R_{a',g}⟩ = ⟨S_{a,f}, S_{a',g}⟩ − ⟨S_{a,f}, M_g⟩ − ⟨M_f, S_{a',g}⟩ + ⟨M_f, M_g⟩, per bin.
-            rows_m = s_m[n].view(n_bins, width, n_folds).repeat(1, 1, n_arms)  # [b, (a,f), (a',g)] = ⟨S_{a,f}, M_g⟩
-            g[n] = g[n] - rows_m - rows_m.transpose(1, 2) + m_m[n].repeat(n_arms, n_arms)
-        out[n] = g[n].view(shape).numpy()
-    return out
+
+def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduce.estimands") -> None:
+    """Refuse, as one line naming the key, an unknown estimand or a group that selects no probed parameter.
+
+    layout None: the names only (the parameters are not known yet)."""
+    check_groups(groups)
+    known = registry(groups)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ConfigError(what, list(names), f"{unknown or 'empty'}: choose from {', '.join(known)} (a new one is a "
+                          'group: reduce.groups={NAME:["PATTERN", ...]})')
+    if layout is None:
+        return
+    for name in (n for n in names if n in groups):
+        if not any(known[name].selects(entry) for entry in layout):
+            raise ConfigError(f"reduce.groups.{name}", list(groups[name]), "matches no probed parameter (parameters "
+                              f"look like {', '.join(e['name'] for e in layout[:3])}); fix the pattern or probe.params")
+    if "cond" in names and not any(known["cond"].selects(entry) for entry in layout):
+        raise ConfigError(what, list(names), "`cond` needs conditioning parameters among probe.params (the model "
+                          "declares none among them); drop `cond` or probe them")
+
+
+def views(layout_entry: dict, names: list[str], groups: dict | None = None) -> tuple[str, ...]:
+    """The estimands (of `names`) that read this parameter's columns."""
+    known = registry(groups)
+    return tuple(n for n in names if known[n].selects(layout_entry))

@@ -6,10 +6,7 @@ The twin's replicate (the twin measured again in the same job: every bin with ar
 else automatically at a gate bin whose arms differ) tells the two cases apart.
 """
 
-import torch
-
 from twinrun.checks import REPLICATE, TWIN
-from twinrun.estimands import max_shift
 
 GATE_RULES = ("replicate", "bit_identical")
 
@@ -57,32 +54,28 @@ def gate_row(b: dict, name: str, est, identical: bool, shift: float, replicate_s
             "max_shift": shift, "replicate_max_shift": replicate_shift, "detail": detail}
 
 
-def gates(run: dict, stores: dict, estimates: dict, inter: str, names: list[str], rule: str, layout: list) -> list[dict]:
-    """One row per gate bin and estimand; estimates: {(bin index, estimand): Estimate} (intervention vs twin)."""
+def gates(run: dict, found, estimates: dict, inter: str, names: list[str], rule: str) -> list[dict]:
+    """One row per gate bin and estimand; found: the run's Scan; estimates: {(bin index, estimand):
+    Estimate} (intervention vs twin)."""
     rows = []
     for b in (b for b in run["bins"] if b["gate"]):
-        x, y = stores[inter, b["index"]].sums, stores[TWIN, b["index"]].sums
-        identical = torch.equal(x, y)
-        rep = stores.get((REPLICATE, b["index"]))
+        pair = found.pairs[inter, TWIN, b["index"]]
+        rep = found.pairs.get((REPLICATE, TWIN, b["index"]))
         for name in names:
-            rep_shift = None if rep is None else max_shift(rep.sums, y, layout, name)
-            shift = 0.0 if identical else max_shift(x, y, layout, name)
-            rows.append(gate_row(b, name, estimates[b["index"], name], identical, shift, rep_shift, rule))
+            rep_shift = None if rep is None else rep.shift(name)
+            shift = 0.0 if pair.identical else pair.shift(name)
+            rows.append(gate_row(b, name, estimates[b["index"], name], pair.identical, shift, rep_shift, rule))
     return rows
 
 
-def replicate_report(run: dict, stores: dict, layout: list) -> dict | None:
+def replicate_report(run: dict, found) -> dict | None:
     """The native twin measured twice in one job: bit-identical, or how far apart (per bin)."""
-    bins = [b for b in run["bins"] if (REPLICATE, b["index"]) in stores]
+    bins = [(b, found.pairs[REPLICATE, TWIN, b["index"]]) for b in run["bins"]
+            if (REPLICATE, TWIN, b["index"]) in found.pairs]
     if not bins:
         return None
-    rows = []
-    for b in bins:
-        x, y = stores[REPLICATE, b["index"]].sums, stores[TWIN, b["index"]].sums
-        identical = torch.equal(x, y)
-        rows.append({"sigma": b["sigma"], "bit_identical": identical,
-                     "max_abs_diff": 0.0 if identical else float((x.double() - y.double()).abs().max()),
-                     "max_shift": 0.0 if identical else max_shift(x, y, layout, "all")})
+    rows = [{"sigma": b["sigma"], "bit_identical": p.identical, "max_abs_diff": 0.0 if p.identical else p.max_abs_diff,
+             "max_shift": 0.0 if p.identical else p.shift("all")} for b, p in bins]
     differ = sum(not r["bit_identical"] for r in rows)
     detail = f"{differ} / {len(rows)} tensors differ between the native twin and its replicate"
     if differ:

@@ -10,14 +10,16 @@ twin than the replicate is (max relative difference of the sums). Otherwise dead
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from twinrun.arms import config_diff, for_compute
-from twinrun.checks import PROTOCOL_KEYS, REPLICATE, TWIN, arm_config, arm_stores
+from twinrun.checks import REPLICATE, TWIN, arm_config, arm_stores, close
+from twinrun.config import STORE_PROTOCOL_KEYS
 from twinrun.env import kernel_path_diff
 from twinrun.errors import TwinrunError
-from twinrun.estimands import ESTIMANDS, available, grams, max_shift
+from twinrun.estimands import ESTIMANDS, available
 from twinrun.estimator import estimate
+from twinrun.scan import scan
+from twinrun.store import StoreReader
 
 
 def pair_row(est, **keys) -> dict:
@@ -27,27 +29,40 @@ def pair_row(est, **keys) -> dict:
             "norm2_base": est.norm2_b, "norm2_base_se": est.norm2_b_se, "t_crit": est.t_crit}
 
 
-def cross_estimates(base: dict, other: dict, alpha: float, names: list[str] | None = None,
-                    chunk_params: int = 1_000_000) -> list[dict]:
-    """other against base bin by bin ({σ: Store} each, same protocol), every available estimand:
-    debiased cos, norm ratio |μ_other| / |μ_base|, bit-identity and max relative difference.
-    `residual` removes base's mean over bins from both."""
-    sigmas = sorted(base)
-    layout = base[sigmas[0]].meta["layout"]
+def cross_scan(sides: dict[str, dict], pairs: list[tuple[str, str]], names: list[str] | None,
+               chunk_params: int = 1_000_000):
+    """One pass over several arms' stores ({label: {σ: StoreReader}}, same protocol and grid): Grams
+    for every available estimand (residual views against the mean of each pair's base) and each
+    (x, base) pair's bit-identity and differences. Returns (scan, sigmas, names)."""
+    sigmas = sorted(next(iter(sides.values())))
+    layout = next(iter(sides.values()))[sigmas[0]].meta["layout"]
     names = [n for n in (names or ESTIMANDS) if n in available(layout)]
-    stores = {**{("base", i): base[s] for i, s in enumerate(sigmas)}, **{("other", i): other[s] for i, s in enumerate(sigmas)}}
-    g = grams(["other", "base"], len(sigmas), stores, "base", names, chunk_params)
-    sizes = np.asarray(base[sigmas[0]].meta["fold_sizes"], dtype=np.float64)
+    readers = {(label, i): stores[s] for label, stores in sides.items() for i, s in enumerate(sigmas)}
+    bases = list(dict.fromkeys(base for _, base in pairs))
+    return scan(readers, list(sides), len(sigmas), names, None, bases, pairs, chunk_params), sigmas, names
+
+
+def cross_rows(found, sigmas: list[float], names: list[str], other: str, base: str, sizes, alpha: float) -> list[dict]:
+    """other against base bin by bin: debiased cos, norm ratio |μ_other| / |μ_base|, bit-identity and
+    max relative difference. `residual` removes base's mean over bins from both."""
+    o, b = found.arms.index(other), found.arms.index(base)
     rows = []
     for i, sigma in enumerate(sigmas):
-        x, y = other[sigma].sums, base[sigma].sums
-        identical = torch.equal(x, y)
+        pair = found.pairs[other, base, i]
         for n in names:
-            blocks = g[n][i]
-            est = estimate(blocks[0, :, 1], blocks[0, :, 0], blocks[1, :, 1], sizes, sizes, alpha)
-            rows.append(pair_row(est, sigma=sigma, estimand=n, bit_identical=identical,
-                                 max_shift=0.0 if identical else max_shift(x, y, layout, n)))
+            g = found.gram(n, base)[i]
+            est = estimate(g[o, :, b], g[o, :, o], g[b, :, b], sizes, sizes, alpha)
+            rows.append(pair_row(est, sigma=sigma, estimand=n, bit_identical=pair.identical,
+                                 max_shift=0.0 if pair.identical else pair.shift(n)))
     return rows
+
+
+def cross_estimates(base: dict, other: dict, alpha: float, names: list[str] | None = None,
+                    chunk_params: int = 1_000_000) -> list[dict]:
+    """other against base ({σ: StoreReader} each, same protocol), every available estimand, in one pass."""
+    found, sigmas, names = cross_scan({"other": other, "base": base}, [("other", "base")], names, chunk_params)
+    sizes = np.asarray(base[sigmas[0]].meta["fold_sizes"], dtype=np.float64)
+    return cross_rows(found, sigmas, names, "other", "base", sizes, alpha)
 
 
 def protocol_mismatch(a: dict, b: dict) -> list[str]:
@@ -55,13 +70,13 @@ def protocol_mismatch(a: dict, b: dict) -> list[str]:
     if sorted(a) != sorted(b):
         return [f"sigma grid {sorted(a)} vs {sorted(b)}"]
     ma, mb = next(iter(a.values())).meta, next(iter(b.values())).meta
-    return [k for k in (*PROTOCOL_KEYS, "image_ids", "seed") if ma.get(k) != mb.get(k)]
+    return [k for k in (*STORE_PROTOCOL_KEYS, "image_ids", "seed") if ma.get(k) != mb.get(k)]
 
 
-def replicate_shifts(run: dict, stores: dict, layout: list) -> dict:
+def replicate_shifts(run: dict, found) -> dict:
     """{σ: max relative difference twin vs replicate (estimand all)} where a replicate was measured."""
-    return {b["sigma"]: max_shift(stores[REPLICATE, b["index"]].sums, stores[TWIN, b["index"]].sums, layout, "all")
-            for b in run["bins"] if (REPLICATE, b["index"]) in stores}
+    return {b["sigma"]: found.pairs[REPLICATE, TWIN, b["index"]].shift("all") for b in run["bins"]
+            if (REPLICATE, TWIN, b["index"]) in found.pairs}
 
 
 def reproduced(rows: list[dict], rep: dict) -> tuple[bool, str]:
@@ -99,25 +114,30 @@ def _dead_detail(kp: list[str], cfg: list[str], rows: list[dict]) -> str:
     return text + " Nothing is read against it; read effects against the twin only."
 
 
-def reference_report(run_dir: Path, run: dict, stores: dict, inter: str, ref_dir: Path, alpha: float,
+def reference_report(run_dir: Path, run: dict, readers: dict, found, inter: str, ref_dir: Path, alpha: float,
                      run_ok: bool) -> dict:
     """Is the reference alive in this environment? Its native arm against today's native twin.
 
-    A reference that cannot be read or was measured under another protocol is reported as
-    unusable: the run's own verdict, checked against its twin, stands either way.
+    A second pass (the run's own pass, `found`, is done): the reference's twin stores, read once,
+    beside this run's twin (and, when the run passed, its intervention) read again. A reference that
+    cannot be read or was measured under another protocol is reported as unusable: the run's own
+    verdict, checked against its twin, stands either way.
     """
-    mine = {b["sigma"]: stores[TWIN, b["index"]] for b in run["bins"]}
+    mine = {b["sigma"]: readers[TWIN, b["index"]] for b in run["bins"]}
+    ref = {}
     try:
         _, ref = arm_stores(ref_dir, TWIN)
         bad = protocol_mismatch(mine, ref)
+        if not bad:
+            rows, inter_rows = _against_reference(run, readers, ref, inter if run_ok else None, alpha)
     except TwinrunError as err:
         bad = [str(err)]
+    finally:
+        close(ref)
     if bad:
         return {"path": str(ref_dir), "alive": False, "status": "unusable",
                 "detail": f"reference UNUSABLE: {'; '.join(bad)}. Read effects against the twin only."}
-    layout = next(iter(mine.values())).meta["layout"]
-    rows = cross_estimates(mine, ref, alpha)
-    alive, rule = reproduced(rows, replicate_shifts(run, stores, layout))
+    alive, rule = reproduced(rows, replicate_shifts(run, found))
     kp, cfg = cause_fields(run_dir, ref_dir, mine, ref)
     out = {"path": str(ref_dir), "alive": alive, "status": "alive" if alive else "dead", "rule": rule,
            "kernel_path_differs_in": kp, "config_differs_in": cfg, "native_vs_reference": rows}
@@ -126,8 +146,31 @@ def reference_report(run_dir: Path, run: dict, stores: dict, inter: str, ref_dir
         out["detail"] = (f"reference ALIVE in this environment ({rule}: {n_identical} / {len(mine)} bins "
                          "bit-identical). Comparisons against it are labelled 'vs reference'.")
         if run_ok:
-            inter_stores = {b["sigma"]: stores[inter, b["index"]] for b in run["bins"]}
-            out["intervention_vs_reference"] = cross_estimates(ref, inter_stores, alpha)
+            out["intervention_vs_reference"] = inter_rows
     else:
         out["detail"] = _dead_detail(kp, cfg, rows)
     return out
+
+
+def _against_reference(run: dict, readers: dict, ref: dict, inter: str | None, alpha: float):
+    """(today's twin vs the reference, the intervention vs the reference or None), in one pass that
+    reopens this run's stores (their sha256 from run.json is checked again)."""
+    sides = {"reference": ref, "native": _reopen(run, readers, TWIN)}
+    pairs = [("reference", "native")]
+    if inter is not None:
+        sides["intervention"] = _reopen(run, readers, inter)
+        pairs.append(("intervention", "reference"))
+    try:
+        found, sigmas, names = cross_scan(sides, pairs, None)
+    finally:
+        for label in ("native", "intervention"):
+            close(sides.get(label, {}))
+    sizes = np.asarray(ref[sigmas[0]].meta["fold_sizes"], dtype=np.float64)
+    rows = cross_rows(found, sigmas, names, "reference", "native", sizes, alpha)
+    inter_rows = None if inter is None else cross_rows(found, sigmas, names, "intervention", "reference", sizes, alpha)
+    return rows, inter_rows
+
+
+def _reopen(run: dict, readers: dict, arm: str) -> dict:
+    return {b["sigma"]: StoreReader(r.path, r.expected_sha256) for b in run["bins"]
+            for r in [readers[arm, b["index"]]]}

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from twinrun.errors import StoreError
-from twinrun.estimands import ESTIMANDS
+from twinrun.estimands import registry
 from twinrun.render import noise_note, pm
 from twinrun.rundir import RunDir
 from twinrun.store import atomic_write, read_json
@@ -51,7 +51,7 @@ def plot_effect(summary: dict, path: Path) -> Path:
     gate bins marked; below-noise bins drawn as x on the no-effect line, never joined by a line."""
     fig = Figure(figsize=(6.4, 6.4), dpi=110)
     ax_cos, ax_ratio = fig.subplots(2, 1, sharex=True)
-    names = [n for n in ESTIMANDS if any(e["estimand"] == n for e in summary["effects"])]
+    names = [n for n in registry((summary.get("used") or {}).get("groups")) if any(e["estimand"] == n for e in summary["effects"])]
     for k, name in enumerate(names):
         rows = [e for e in summary["effects"] if e["estimand"] == name]
         _panel(ax_cos, rows, "cos", "se", f"C{k}", name)

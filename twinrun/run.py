@@ -38,12 +38,20 @@ from twinrun.errors import (
     StoreError,
     TwinrunError,
 )
-from twinrun.estimands import ESTIMANDS, available
+from twinrun.estimands import check_estimands
 from twinrun.gates import GATE_RULES
 from twinrun.interventions import Intervention, Native, attached
 from twinrun.lock import run_lock
 from twinrun.rundir import RunDir, RunIndex
-from twinrun.store import atomic_write, max_store_bytes, read_config, store_name, write_json, write_store
+from twinrun.store import (
+    atomic_write,
+    max_store_bytes,
+    read_config,
+    store_name,
+    store_size,
+    write_json,
+    write_store,
+)
 
 # The builders a run directory may name without the user vouching for them: twinrun's own
 # model, data and interventions. Anything else must come from a config the user composed (its
@@ -129,8 +137,9 @@ def check_paths(cfg: DictConfig, run_dir: Path | None) -> None:
                               "~/.cache/twinrun/compile)")
 
 
-def check_sizes(cfg: DictConfig, image_shape, n_params: int, n_arms: int, run_dir: Path | None) -> None:
-    """Refuse at plan time what could never fit: a bin's noise in memory, the stores on disk."""
+def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, run_dir: Path | None) -> None:
+    """Refuse at plan time what could never fit: a bin's noise in memory, the stores on disk. Prints
+    the run's store size (every arm and bin, the gate replicate at its gate bins)."""
     p = cfg.probe
     noise_bytes = 4 * p.n_images * p.n_draws * math.prod(image_shape)
     memory = max_store_bytes()
@@ -138,21 +147,23 @@ def check_sizes(cfg: DictConfig, image_shape, n_params: int, n_arms: int, run_di
         raise ConfigError("probe.n_draws", p.n_draws, f"a bin's noise for probe.n_images={p.n_images} would take "
                           f"{noise_bytes / 2**30:.1f} GiB, over half this machine's {memory / 2**30:.0f} GiB; "
                           "use fewer draws or images")
-    store_bytes = 4 * p.n_folds * n_params * n_arms * len(cfg.sigma_grid.sigmas)
+    n_params = sum(numels)  # numels: one per probed parameter tensor
+    store_bytes = n_stores * store_size(p.n_folds, n_params, len(numels), p.n_images)
     where = Path(run_dir) if run_dir is not None else Path.cwd()
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
+    print(f"twinrun: the stores will take about {store_bytes / 1e6:,.1f} MB ({store_bytes:,} bytes: {n_stores} "
+          f"stores of {p.n_folds} folds x {n_params:,} parameters); {free / 1e9:,.1f} GB free at {where}", flush=True)
     if store_bytes > free:
-        raise ConfigError("probe.params", list(p.params), f"the stores would take {store_bytes / 2**30:.1f} GiB, "
-                          f"more than the {free / 2**30:.1f} GiB free at {where}; probe fewer parameters or folds")
+        raise ConfigError("probe.params", list(p.params), f"the stores would take {store_bytes / 2**30:.2f} GiB "
+                          f"({store_bytes} bytes), more than the {free / 2**30:.2f} GiB free at {where}; probe fewer "
+                          "parameters or folds, or put the run directory on a file system with room (hydra.run.dir=...)")
 
 
 def validate_reduce(r: DictConfig) -> None:
     """The analysis registered at plan time: estimands from the registry, a known gate rule."""
-    unknown = [e for e in r.estimands if e not in ESTIMANDS]
-    if unknown or not r.estimands:
-        raise ConfigError("reduce.estimands", list(r.estimands), f"choose from {', '.join(ESTIMANDS)}")
+    check_estimands(list(r.estimands), OmegaConf.to_container(r, resolve=True)["groups"] or {}, None)
     if r.gate_rule not in GATE_RULES:
         raise ConfigError("reduce.gate_rule", r.gate_rule, f"choose one of {', '.join(GATE_RULES)}")
     if not 0 < r.signal_alpha < 0.5:
@@ -180,13 +191,10 @@ def check_measures_something(intervention, grid: list[float]) -> None:
 
 
 def check_params(c: "Components", cfg: DictConfig) -> None:
-    """`cond` needs conditioning parameters among probe.params (which the builder matched)."""
-    model = c.model
-    if [e for e in cfg.reduce.estimands if e not in available(c.layout)]:
-        raise ConfigError("reduce.estimands", list(cfg.reduce.estimands),
-                          f"`cond` needs conditioning parameters among probe.params={list(cfg.probe.params)} "
-                          f"(the model's are {probe.cond_patterns(model) or 'not declared'}); drop `cond` "
-                          "or probe them")
+    """Every registered estimand (built-in or a reduce.groups entry) selects probed parameters of
+    this model (`cond` needs conditioning ones among probe.params, which the builder matched)."""
+    check_estimands(list(cfg.reduce.estimands), OmegaConf.to_container(cfg.reduce, resolve=True)["groups"] or {},
+                    c.layout)
 
 
 def check_reference(reference: str | None, mine: dict) -> str | None:
@@ -276,8 +284,9 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     check_measures_something(intervention, grid)  # after derive_arms: "no intervention declared" comes first
     check_paths(cfg, run_dir)
     intervention.check_model(c.model)
-    n_params = sum(group["numel"] for group in c.layout)
-    check_sizes(cfg, images.shape[1:], n_params, len(arms) + 1, run_dir)  # + 1: the gate replicate
+    numels = [group["numel"] for group in c.layout]
+    n_gate_replicates = 0 if any(a.name == GATE_REPLICATE for a in arms) else len(intervention.gate_sigmas(grid))
+    check_sizes(cfg, images.shape[1:], numels, len(arms) * len(grid) + n_gate_replicates, run_dir)
     trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
     run = {
         "format": "twinrun-run/1",
@@ -287,7 +296,8 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
         "arms": [{"name": a.name, "role": a.role, "config_hash": config_hash(a.config)} for a in arms],
         # The analysis registered before any compute; `reduce` with other settings is a post-hoc view.
         "registered": {"estimands": list(cfg.reduce.estimands), "gate_rule": cfg.reduce.gate_rule,
-                       "signal_alpha": float(cfg.reduce.signal_alpha)},
+                       "signal_alpha": float(cfg.reduce.signal_alpha),
+                       **({"groups": OmegaConf.to_container(cfg.reduce, resolve=True)["groups"]} if cfg.reduce.groups else {})},
         "bins": [
             {"index": i, "sigma": s, "gate": s in intervention.gate_sigmas(grid),
              "stores": {a.name: {"file": store_name(i, s), "status": "pending"} for a in arms}}

@@ -26,6 +26,7 @@ INDEX_LOCK_NAME = ".run.json.lock"  # held for one read-modify-write of run.json
 ARMS_DIR = "arms"
 ENV_DIR = "env"
 ARM_CONFIG = "config.yaml"
+VIEWS_DIR = "views"
 LOG_NAME = "twinrun.log"
 
 # Arm directories and store files: one path component, no traversal, nothing a shell expands.
@@ -89,6 +90,10 @@ class RunDir:
     @property
     def log(self) -> Path:
         return self.path / LOG_NAME
+
+    def view_dir(self, name: str) -> Path:
+        """A post-hoc view's directory (RUN/views/<what changed>/)."""
+        return self.inside(self.path / VIEWS_DIR / name)
 
     def job_env(self, index: int) -> Path:
         return self.env_dir / f"job{index:03d}.json"
@@ -462,6 +467,9 @@ def validate_store_meta(path: Path, meta: dict) -> dict:
         if c.get(g, "offset", f"metadata.layout[{i}].offset", int) != offset or numel < 0:
             c.fail(f"metadata.layout[{i}]", "offsets and sizes do not tile the columns")
         offset += numel
+    names = [g["name"] for g in layout]
+    if len(set(names)) != len(names):
+        c.fail("metadata.layout", "parameter names repeat: each names one tensor of the store")
     for key in ("env", "kernel_path"):
         c.get(meta, key, f"metadata.{key}", dict, optional=True)
     return meta
@@ -552,13 +560,13 @@ class RunIndex:
 
     def is_done(self, b: BinEntry, arm: str) -> bool:
         """The store is recorded done, exists, and verifies against its sha256 in run.json."""
-        from twinrun.store import read_store
+        from twinrun.store import verify_store
 
         entry = b["stores"][arm]
         if entry["status"] != "done":
             return False
         try:
-            read_store(self.store_path(b, arm), entry["sha256"])
+            verify_store(self.store_path(b, arm), entry["sha256"])
         except StoreError as err:
             print(f"twinrun: re-measuring {err}", flush=True)
             return False

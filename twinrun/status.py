@@ -12,7 +12,7 @@ from pathlib import Path
 from twinrun.errors import EXIT_OK, EXIT_USAGE, StoreError, fail
 from twinrun.lock import holder_alive, read_holder
 from twinrun.rundir import RUN_JSON, RunDir, RunIndex
-from twinrun.store import read_json, read_store
+from twinrun.store import read_json, verify_store
 
 
 def find_runs(path: Path) -> list[Path]:
@@ -65,7 +65,7 @@ def progress(run_dir: Path, verify: bool = False) -> dict:
 
 def _verified(index: RunIndex, b: dict, arm: str, damaged: list) -> bool:
     try:
-        read_store(index.store_path(b, arm), b["stores"][arm]["sha256"])
+        verify_store(index.store_path(b, arm), b["stores"][arm]["sha256"])
     except StoreError as err:
         damaged.append(str(err))
         return False

@@ -8,19 +8,25 @@ reading a store checks it, and nothing read from a run directory is unpickled or
 import hashlib
 import json
 import os
+import re
 import stat
 import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import safetensors.torch
 import torch
 
 from twinrun.errors import StoreError
 
-STORE_FORMAT = "twinrun-store/1"
+STORE_FORMAT = "twinrun-store/2"  # one float32 [numel, n_folds] tensor per probed parameter
+OLD_STORE_FORMAT = "twinrun-store/1"  # one [n_folds, n_params] matrix `sums`: refused, never migrated
+TENSOR_SHA256 = "tensor_sha256"  # metadata key: {parameter name: sha256 of its tensor's bytes}
+HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+MAX_STORE_BYTES = 1 << 44  # 16 TiB: streamed, never held whole; the header must describe the size exactly
 MAX_JSON_BYTES = 256 * 1024 * 1024  # run.json of a 10⁵-bin run is a few MB
 
 
@@ -128,38 +134,46 @@ def store_name(bin_index: int, sigma: float) -> str:
 
 
 def write_store(path: Path, sums: torch.Tensor, meta: dict) -> str:
-    """Write `sums` [n_folds, n_params] float32 with string metadata; return the file's sha256."""
+    """Write the fold sums [n_folds, n_params] float32 as one tensor per probed parameter (meta's
+    layout), each [numel, n_folds]; return the file's sha256.
+
+    Parameter-major: a parameter's column range [lo, hi) is one contiguous byte range, so the
+    reducer streams every store front to back in column chunks, reading and hashing each byte once.
+    """
     assert sums.dtype == torch.float32 and sums.dim() == 2, (sums.dtype, sums.shape)
-    sums = sums.contiguous().cpu()
-    # The payload's own digest travels inside the store, so a store handed around without its
+    sums = sums.cpu()
+    tensors = {g["name"]: sums[:, g["offset"] : g["offset"] + g["numel"]].T.contiguous() for g in meta["layout"]}
+    # Each tensor's own digest travels inside the store, so a store handed around without its
     # run.json still proves its numbers intact (a flipped byte is caught by compare too).
-    strings = {"format": STORE_FORMAT, "sums_sha256": hashlib.sha256(sums.numpy().tobytes()).hexdigest()}
+    digests = {name: hashlib.sha256(t.numpy().tobytes()).hexdigest() for name, t in tensors.items()}
+    strings = {"format": STORE_FORMAT, TENSOR_SHA256: json.dumps(digests)}
     strings.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
-    data = safetensors.torch.save({"sums": sums}, metadata=strings)
-    return atomic_write(path, data)
+    return atomic_write(path, safetensors.torch.save(tensors, metadata=strings))
+
+
+def store_size(n_folds: int, n_params: int, n_tensors: int, n_images: int) -> int:
+    """A store's size on disk, for planning: the payload exactly, the header estimated (its metadata:
+    the layout and a digest per tensor, the image ids, the environment record)."""
+    return 4 * n_folds * n_params + 16 * 1024 + 400 * n_tensors + 8 * n_images
 
 
 @dataclass
 class Store:
+    """A store read whole (small tools and tests); the reducer streams through StoreReader instead."""
+
     path: Path
-    sums: torch.Tensor  # [n_folds, n_params] float32
-    meta: dict  # decoded metadata (JSON values decoded)
+    sums: torch.Tensor  # [n_folds, n_params] float32, columns in layout order
+    meta: dict  # decoded metadata (JSON values decoded), without the format and digest fields
     sha256: str
 
 
-def _header(path: Path, data: bytes) -> dict:
-    if len(data) < 8:
-        raise StoreError(path, f"truncated ({len(data)} bytes): not a safetensors store")
-    (n,) = struct.unpack("<Q", bytes(data[:8]))
-    if n > MAX_HEADER_BYTES or 8 + n > len(data):
-        raise StoreError(path, "truncated or corrupt safetensors header")
-    try:
-        header = json.loads(bytes(data[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise StoreError(path, "corrupt safetensors header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise StoreError(path, "corrupt safetensors header")
-    return header
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter's tensor in a store: its name, where its payload starts (absolute) and its numel."""
+
+    name: str
+    start: int
+    numel: int
 
 
 def _decode(value: str):
@@ -169,90 +183,184 @@ def _decode(value: str):
         return value
 
 
-def read_store(path: Path, sha256: str | None = None) -> Store:
-    """Read and check one store; any problem is a StoreError naming the path.
+class StoreReader:
+    """One store opened for streaming: its header parsed and checked against the file's size before
+    any payload is read; the payload then read front to back, column chunk by column chunk.
 
-    The header is read first and the file's size checked against it (and against this machine's
-    memory) before the payload is allocated, so a planted FIFO or a 1 TiB sparse file is refused
-    at once. The file is then read once into one buffer, hashed there, and `sums` is a view of that
-    buffer (safetensors' own loader copies a store three times; at P = 10⁶ loading dominated reducing).
+    Every chunk is hashed as it is read (its tensor's sha256 from the metadata, the whole file's from
+    run.json) and refused if it holds NaN or inf; `finish()` proves every byte was read and the file
+    digest matches. Nothing is mapped or unpickled. Use as a context manager (it holds a descriptor).
     """
-    path = Path(path)
-    fd, size = open_regular(path, max_store_bytes(), "store")
-    try:
-        with os.fdopen(fd, "rb") as f:
-            _check_size(path, f, size)
-            data = bytearray(size)
-            n_read = f.readinto(data)
-    except OSError as err:
-        raise StoreError(path, f"cannot read ({err.strerror})") from None
-    if n_read != len(data):
-        raise StoreError(path, "changed size while being read")
-    digest = hashlib.sha256(data).hexdigest()
-    if sha256 is not None and digest != sha256:
-        raise StoreError(path, "sha256 does not match run.json: the store was altered or damaged")
-    try:
-        sums, meta = _parse(path, data)
-    except StoreError:
-        raise
-    except Exception as err:  # noqa: BLE001 — a hostile or damaged file must end as a named error, never a traceback
-        raise StoreError(path, f"malformed store ({type(err).__name__})") from None
-    return Store(path, sums, meta, digest)
+
+    def __init__(self, path: Path, sha256: str | None = None):
+        self.path, self.expected_sha256 = Path(path), sha256
+        self.fd, size = open_regular(self.path, MAX_STORE_BYTES, "store")
+        try:
+            head = self._parse_header(size)
+        except BaseException:
+            self.close()
+            raise
+        self._file_hash = hashlib.sha256(head)
+        self._tensor_hash, self._pos, self._current = None, len(head), 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    # ---- the header
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        try:
+            data = os.pread(self.fd, n, offset)
+        except OSError as err:
+            raise StoreError(self.path, f"cannot read ({err.strerror})") from None
+        if len(data) != n:
+            raise StoreError(self.path, "changed size while being read")
+        return data
+
+    def _parse_header(self, size: int) -> bytes:
+        if size < 8:
+            raise StoreError(self.path, f"truncated ({size} bytes): not a safetensors store")
+        (n,) = struct.unpack("<Q", self._pread(8, 0))
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise StoreError(self.path, "truncated or corrupt safetensors header")
+        head = self._pread(8 + n, 0)
+        try:
+            header = json.loads(head[8:])
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise StoreError(self.path, "corrupt safetensors header (not JSON)") from None
+        if not isinstance(header, dict):
+            raise StoreError(self.path, "corrupt safetensors header")
+        try:
+            self._read_metadata(header.pop("__metadata__", None))
+            self._read_tensors(header, 8 + n, size)
+        except StoreError:
+            raise
+        except Exception as err:  # noqa: BLE001 — a hostile or damaged header ends as a named error, never a traceback
+            raise StoreError(self.path, f"malformed store header ({type(err).__name__})") from None
+        return head
+
+    def _read_metadata(self, raw) -> None:
+        fmt = raw.get("format") if isinstance(raw, dict) else None
+        if fmt == OLD_STORE_FORMAT:
+            raise StoreError(self.path, f"format {OLD_STORE_FORMAT} (one [n_folds, n_params] matrix) is no longer "
+                             f"read; measure the run again into a new run directory (stores are now {STORE_FORMAT})")
+        if fmt != STORE_FORMAT:
+            raise StoreError(self.path, f"not a twinrun store (format {fmt!r}, expected {STORE_FORMAT})")
+        digests = _decode(raw.get(TENSOR_SHA256, "null")) if isinstance(raw.get(TENSOR_SHA256), str) else None
+        if not (isinstance(digests, dict) and all(isinstance(d, str) and HEX64.fullmatch(d) for d in digests.values())):
+            raise StoreError(self.path, f"metadata field {TENSOR_SHA256} is not a map of sha256 digests: damaged")
+        from twinrun.rundir import validate_store_meta
+
+        self.digests = digests
+        self.meta = validate_store_meta(self.path, {k: _decode(v) for k, v in raw.items()
+                                                    if isinstance(v, str) and k not in ("format", TENSOR_SHA256)})
+        self.layout, self.n_folds = self.meta["layout"], len(self.meta["fold_sizes"])
+
+    def _read_tensors(self, header: dict, start: int, size: int) -> None:
+        """One float32 [numel, n_folds] tensor per layout entry, tiling the payload exactly to the file's end."""
+        numel = {g["name"]: g["numel"] for g in self.layout}
+        if set(header) != set(numel) or set(self.digests) != set(numel):
+            raise StoreError(self.path, f"its tensors {sorted(header)[:4]} are not its layout's parameters "
+                             f"{sorted(numel)[:4]} (or lack a digest): damaged or forged")
+        entries = []
+        for name, info in header.items():
+            if not (isinstance(info, dict) and info.get("dtype") == "F32"
+                    and info.get("shape") == [numel[name], self.n_folds]):
+                raise StoreError(self.path, f"tensor {name!r} is not float32 [{numel[name]}, {self.n_folds}] "
+                                 "(numel, folds) as its layout says")
+            begin, end = info["data_offsets"]
+            if not (type(begin) is int and type(end) is int and end - begin == 4 * numel[name] * self.n_folds):
+                raise StoreError(self.path, f"tensor {name!r}: offsets do not match its shape")
+            entries.append(Tensor(name, start + begin, numel[name]))
+        entries.sort(key=lambda e: e.start)
+        expected = start
+        for e in entries:
+            if e.start != expected:
+                raise StoreError(self.path, "tensor offsets overlap or leave gaps: damaged")
+            expected += 4 * e.numel * self.n_folds
+        if expected != size:
+            raise StoreError(self.path, f"{size} bytes, but its header describes {expected}: truncated or padded")
+        self.tensors = entries  # in file order: the order a streaming reader reads them in
+
+    # ---- the payload, front to back
+
+    def columns(self, tensor: Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Columns [lo, hi) of one parameter as float32 [n_folds, hi − lo]; calls must walk the file in
+        order (tensors in self.tensors' order, each from column 0 to its end without gaps)."""
+        offset = tensor.start + 4 * lo * self.n_folds
+        expected = self.tensors[self._current] if self._current < len(self.tensors) else None
+        if offset != self._pos or tensor != expected or not 0 <= lo <= hi <= tensor.numel:
+            raise AssertionError(f"{self.path}: read out of order (twinrun reads stores front to back)")
+        if lo == 0:
+            self._tensor_hash = hashlib.sha256()
+        data = self._pread(4 * (hi - lo) * self.n_folds, offset)
+        self._file_hash.update(data)
+        self._tensor_hash.update(data)
+        self._pos += len(data)
+        if hi == tensor.numel:
+            if self._tensor_hash.hexdigest() != self.digests[tensor.name]:
+                raise StoreError(self.path, f"tensor {tensor.name!r} does not match its sha256 in the store's "
+                                 "metadata: damaged or altered")
+            self._current += 1
+        # safetensors stores little-endian; this view is exact on the little-endian machines torch targets.
+        assert sys.byteorder == "little", "twinrun reads stores on little-endian machines only"
+        chunk = torch.frombuffer(bytearray(data), dtype=torch.float32).view(hi - lo, self.n_folds).T
+        if not bool(torch.isfinite(chunk).all()):
+            raise StoreError(self.path, f"tensor {tensor.name!r} holds NaN or inf (twinrun never writes such a "
+                             "store): damaged or forged")
+        return chunk
+
+    def finish(self) -> str:
+        """After the last chunk: every byte was read, and the file matches run.json's sha256. Returns it."""
+        if self._current != len(self.tensors):
+            raise AssertionError(f"{self.path}: finish() before every tensor was read")
+        digest = self._file_hash.hexdigest()
+        if self.expected_sha256 is not None and digest != self.expected_sha256:
+            raise StoreError(self.path, "sha256 does not match run.json: the store was altered or damaged")
+        return digest
+
+    def walk(self, chunk_params: int):
+        """(tensor, lo, hi) over the whole payload in file order, at most chunk_params columns at a time."""
+        for t in self.tensors:
+            for lo in range(0, max(t.numel, 1), max(1, chunk_params)):  # an empty tensor is one empty read
+                yield t, lo, min(lo + chunk_params, t.numel)
 
 
-def _check_size(path: Path, f, size: int) -> None:
-    """The size the header promises (header + one float32 [n_folds, n_params] tensor) is the file's."""
-    head = f.read(min(size, 8 + MAX_HEADER_BYTES))
-    header = _header(path, head)
-    info = header.get("sums")
-    shape = info.get("shape") if isinstance(info, dict) else None
-    if not (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n >= 0 for n in shape)):
-        raise StoreError(path, "not a twinrun store (no float32 [n_folds, n_params] tensor 'sums' in its header)")
-    expected = 8 + struct.unpack("<Q", head[:8])[0] + 4 * shape[0] * shape[1]
-    if expected != size:
-        raise StoreError(path, f"{size} bytes, but its header describes {expected}: truncated or padded")
-    f.seek(0)
+def verify_store(path: Path, sha256: str | None = None, chunk_bytes: int = 16 * 2**20) -> dict:
+    """Read a store once, front to back, checking everything (no payload kept); return its metadata."""
+    with StoreReader(path, sha256) as reader:
+        for t, lo, hi in reader.walk(max(1, chunk_bytes // (4 * max(1, reader.n_folds)))):
+            reader.columns(t, lo, hi)
+        reader.finish()
+        return reader.meta
 
 
-def _parse(path: Path, data: bytearray) -> tuple[torch.Tensor, dict]:
-    header = _header(path, data)
-    raw_meta = header.get("__metadata__") or {}
-    if not isinstance(raw_meta, dict) or raw_meta.get("format") != STORE_FORMAT:
-        fmt = raw_meta.get("format") if isinstance(raw_meta, dict) else None
-        raise StoreError(path, f"not a twinrun store (format {fmt!r}, expected {STORE_FORMAT})")
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    info = tensors.get("sums")
-    if set(tensors) != {"sums"} or not isinstance(info, dict) or info.get("dtype") != "F32" \
-            or len(info.get("shape", [])) != 2:
-        raise StoreError(path, f"must hold exactly one tensor 'sums', float32 [n_folds, n_params]; found {tensors}")
-    (n_folds, n_params), (begin, end) = info["shape"], info["data_offsets"]
-    start = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
-    if not (isinstance(n_folds, int) and isinstance(n_params, int) and n_folds >= 0 and n_params >= 0
-            and begin == 0 and end == 4 * n_folds * n_params and start + end == len(data)):
-        raise StoreError(path, "damaged safetensors payload (offsets do not match the shape or the file size)")
-    # safetensors stores little-endian; this view is exact on the little-endian machines torch targets.
-    assert sys.byteorder == "little", "twinrun reads stores on little-endian machines only"
-    sums = torch.frombuffer(data, dtype=torch.float32, offset=start, count=n_folds * n_params)
-    sums = sums.view(n_folds, n_params)
-    payload = memoryview(data)[start : start + end]
-    if raw_meta.get("sums_sha256") != hashlib.sha256(payload).hexdigest():
-        raise StoreError(path, "the numbers do not match the store's own sums_sha256: damaged or altered")
-    meta = {k: _decode(v) for k, v in raw_meta.items() if isinstance(v, str)}
-    _check_meta(path, sums, meta)
-    return sums, meta
+def read_store(path: Path, sha256: str | None = None) -> Store:
+    """Read and check one whole store: its sums as one [n_folds, n_params] matrix in layout order.
 
-
-def _check_meta(path: Path, sums: torch.Tensor, meta: dict) -> None:
-    """The metadata every reader relies on, field by field, and numbers that are numbers."""
-    from twinrun.rundir import validate_store_meta
-
-    validate_store_meta(path, meta)
-    n_params = sum(g["numel"] for g in meta["layout"])
-    if tuple(sums.shape) != (len(meta["fold_sizes"]), n_params):
-        raise StoreError(path, f"'sums' has shape {list(sums.shape)}, metadata says "
-                         f"[{len(meta['fold_sizes'])}, {n_params}]")
-    if not bool(torch.isfinite(sums).all()):
-        raise StoreError(path, "'sums' holds NaN or inf (twinrun never writes such a store): damaged or forged")
+    For small tools and tests; the reducer streams (StoreReader) and never holds a store whole.
+    """
+    with StoreReader(path, sha256) as reader:
+        offsets = {g["name"]: g["offset"] for g in reader.layout}
+        n_params = sum(g["numel"] for g in reader.layout)
+        if 4 * reader.n_folds * n_params > max_store_bytes():
+            raise StoreError(path, f"{4 * reader.n_folds * n_params} bytes of sums do not fit in this machine's "
+                             "memory: read it with the streaming reducer")
+        sums = torch.empty(reader.n_folds, n_params, dtype=torch.float32)
+        for t in reader.tensors:
+            sums[:, offsets[t.name] : offsets[t.name] + t.numel] = reader.columns(t, 0, t.numel)
+        return Store(Path(path), sums, reader.meta, reader.finish())
 
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024

@@ -1,0 +1,67 @@
+"""Plan time for stores: the run's store size (the gate replicate at gate bins only), a file system too
+small refused before compute, and per-layer estimands declared in config only."""
+
+import re
+from collections import namedtuple
+
+import pytest
+from conftest import TINY
+
+from twinrun.errors import ConfigError
+from twinrun.run import plan_run
+
+DiskUsage = namedtuple("DiskUsage", "total used free")
+
+
+def size_line(out: str) -> tuple[int, int]:
+    m = re.search(r"the stores will take about [\d.,]+ MB \(([\d,]+) bytes: (\d+) stores", out)
+    assert m, out
+    return int(m.group(1).replace(",", "")), int(m.group(2))
+
+
+def test_the_store_size_counts_the_gate_replicate_at_gate_bins_only(compose_cfg, tmp_path, capsys):
+    plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path / "run", dry_run=True)
+    n_stores = size_line(capsys.readouterr().out)[1]
+    assert n_stores == 2 * 3 + 1  # 2 arms x 3 bins, + the replicate at the one gate bin (σ = 0.5)
+    plan_run(compose_cfg(["+experiment=pin_sigma", *TINY, "arms.replicate=true"]), tmp_path / "run", dry_run=True)
+    assert size_line(capsys.readouterr().out)[1] == 3 * 3  # a replicate arm in every bin: no extra one
+
+
+def test_the_printed_size_is_the_size_on_disk(compose_cfg, tmp_path, capsys):
+    from twinrun.run import run_job
+    from twinrun.rundir import RunIndex
+
+    plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path / "run")
+    size, _ = size_line(capsys.readouterr().out)
+    run_job(tmp_path / "run")
+    index = RunIndex.load(tmp_path / "run")
+    on_disk = sum(index.store_path(b, a).stat().st_size for b in index.bins for a in b["stores"])
+    assert abs(size - on_disk) / on_disk < 0.25  # the payload exactly, the header estimated
+
+
+def test_a_file_system_too_small_is_refused_at_plan_time(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.setattr("twinrun.run.shutil.disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(ConfigError) as err:
+        plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path / "run")
+    text = str(err.value)
+    assert err.value.key == "probe.params" and "GiB free at" in text and "file system with room" in text
+    assert not (tmp_path / "run").exists(), "nothing written, nothing computed"
+
+
+def test_a_per_layer_estimand_needs_only_config(compose_cfg, tmp_path):
+    run = plan_run(compose_cfg(["+experiment=pin_sigma", *TINY, "reduce.groups={block0:[blocks.0.*]}",
+                                "reduce.estimands=[all,cond,residual,block0]"]), tmp_path / "run", dry_run=True)
+    assert run["registered"]["groups"] == {"block0": ["blocks.0.*"]}
+    assert run["registered"]["estimands"] == ["all", "cond", "residual", "block0"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["reduce.estimands=[all,block0]"], "reduce.estimands"),
+    (["reduce.groups={none:[decoder.*]}", "reduce.estimands=[all,none]"], "reduce.groups.none"),
+    (["reduce.groups={block0:3}"], "reduce.groups.block0"),
+    (["reduce.groups={cond:[blocks.*]}"], "reduce.groups.cond"),
+])
+def test_a_bad_estimand_or_group_is_refused_at_plan_time(compose_cfg, tmp_path, overrides, key):
+    with pytest.raises(ConfigError) as err:
+        plan_run(compose_cfg(["+experiment=pin_sigma", *TINY, *overrides]), tmp_path / "run", dry_run=True)
+    assert err.value.key == key

@@ -59,8 +59,14 @@ def _unique() -> str:
     return secrets.token_hex(3)
 
 
+@functools.cache
 def _config_groups() -> str:
-    """`--help`'s list of choices: Hydra's groups minus its own and the typed schema/* ones."""
+    """`--help`'s list of choices: Hydra's groups minus its own and the typed schema/* ones.
+
+    Hydra resolves its own config (help template included) on every run, and listing the groups
+    walks the whole search path: seconds of CPU that only `--help` needs."""
+    if not {"--help", "-h"} & set(sys.argv[1:]):
+        return "(listed by --help)"
     from hydra.core.global_hydra import GlobalHydra
 
     def chosen_by_users(group: str) -> bool:

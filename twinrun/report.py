@@ -15,11 +15,9 @@ from matplotlib.figure import Figure
 from twinrun.errors import StoreError
 from twinrun.estimands import registry
 from twinrun.render import noise_note, pm
-from twinrun.rundir import RunDir
+from twinrun.rundir import EFFECT_PNG, REPORT_MD, RunDir
 from twinrun.store import atomic_write, read_json
 
-EFFECT_PNG = "effect.png"
-REPORT_MD = "report.md"
 HEATMAP_PNG = "sweep_effect.png"
 
 

@@ -28,6 +28,8 @@ ENV_DIR = "env"
 ARM_CONFIG = "config.yaml"
 VIEWS_DIR = "views"
 LOG_NAME = "twinrun.log"
+REPORT_MD = "report.md"  # in the run directory and in each post-hoc view
+EFFECT_PNG = "effect.png"
 
 # Arm directories and store files: one path component, no traversal, nothing a shell expands.
 SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")

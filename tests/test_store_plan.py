@@ -48,6 +48,33 @@ def test_a_file_system_too_small_is_refused_at_plan_time(compose_cfg, tmp_path, 
     assert not (tmp_path / "run").exists(), "nothing written, nothing computed"
 
 
+def test_resuming_a_run_is_not_refused_for_the_stores_already_on_disk(compose_cfg, tmp_path, monkeypatch):
+    """Planning again into an existing run (rerunning the command to resume) writes only the missing
+    stores, beside those already there: the whole run's size is not held against the free space."""
+    cfg = compose_cfg(["+experiment=pin_sigma", *TINY])
+    plan_run(cfg, tmp_path / "run")
+    monkeypatch.setattr("twinrun.run.shutil.disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    assert plan_run(cfg, tmp_path / "run")["status"] == "planned"
+
+
+def test_a_sweep_is_sized_where_it_will_write(compose_cfg, tmp_path, monkeypatch):
+    """A sweep's points are checked against the sweep directory's file system, not the one the command
+    was started from (a sweep aimed at a large scratch disk from a small home directory)."""
+    from hydra import initialize_config_dir
+
+    from twinrun.app import CONF_DIR, check_sweep
+
+    seen = []
+    monkeypatch.setattr("twinrun.run.shutil.disk_usage", lambda path: seen.append(path) or DiskUsage(10**12, 0, 10**12))
+    monkeypatch.chdir(tmp_path)
+    sweep_dir = tmp_path / "scratch" / "sweep"
+    (tmp_path / "scratch").mkdir()
+    compose_cfg()  # registers the structured configs
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        check_sweep([["+experiment=pin_sigma", *TINY]], {"experiment", "launcher"}, sweep_dir)
+    assert seen and all(path == tmp_path / "scratch" for path in seen)
+
+
 def test_a_per_layer_estimand_needs_only_config(compose_cfg, tmp_path):
     run = plan_run(compose_cfg(["+experiment=pin_sigma", *TINY, "reduce.groups={block0:[blocks.0.*]}",
                                 "reduce.estimands=[all,cond,residual,block0]"]), tmp_path / "run", dry_run=True)

@@ -185,7 +185,8 @@ class SweepCallback(Callback):
 
         _release_stderr()
         try:
-            check_sweep(expand(list(config.hydra.overrides.task)), set(config.hydra.runtime.choices))
+            check_sweep(expand(list(config.hydra.overrides.task)), set(config.hydra.runtime.choices),
+                        Path(config.hydra.sweep.dir))
         except TwinrunError as err:
             fail(err)  # nothing was written yet: Hydra makes the sweep directory when the jobs start
 
@@ -283,10 +284,11 @@ class _Tee:
         return getattr(self.stream, name)
 
 
-def check_sweep(points: list[list[str]], choices: set[str]) -> None:
+def check_sweep(points: list[list[str]], choices: set[str], sweep_dir: Path | None = None) -> None:
     """Every point of the sweep validated (planned dry) before the first one runs: a bad point is
     one line naming its overrides, and nothing has been measured. The points share one launcher
-    config: a submitit sweep goes out as one job array."""
+    config: a submitit sweep goes out as one job array. Paths and free space are judged where the
+    sweep will write (sweep_dir), not where the command was started."""
     from hydra import compose
 
     from twinrun import launch
@@ -299,7 +301,7 @@ def check_sweep(points: list[list[str]], choices: set[str]) -> None:
             cfg = compose(config_name="config", overrides=list(overrides))
             launchers.append(OmegaConf.to_container(cfg.launcher, resolve=True))
             launch.check(launchers[-1])
-            plan_run(cfg, None, dry_run=True)
+            plan_run(cfg, sweep_dir, dry_run=True)
         except TwinrunError as err:
             raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): {err}; nothing was run") from None
         if launchers[-1] != launchers[0]:

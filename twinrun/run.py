@@ -155,10 +155,12 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
     free = shutil.disk_usage(where).free
     print(f"twinrun: the stores will take about {store_bytes / 1e6:,.1f} MB ({store_bytes:,} bytes: {n_stores} "
           f"stores of {p.n_folds} folds x {n_params:,} parameters); {free / 1e9:,.1f} GB free at {where}", flush=True)
-    if store_bytes > free:
+    if store_bytes > free and not (run_dir is not None and RunDir(run_dir).is_run()):
+        # (A resume writes only the missing stores, beside those already on this disk: not refused here.)
         raise ConfigError("probe.params", list(p.params), f"the stores would take {store_bytes / 2**30:.2f} GiB "
                           f"({store_bytes} bytes), more than the {free / 2**30:.2f} GiB free at {where}; probe fewer "
-                          "parameters or folds, or put the run directory on a file system with room (hydra.run.dir=...)")
+                          "parameters or folds, or put the run directory on a file system with room (hydra.run.dir=..., "
+                          "or hydra.sweep.dir=... for a sweep)")
 
 
 def validate_reduce(r: DictConfig) -> None:

@@ -104,7 +104,8 @@ def sweep_axis(intervention: dict) -> dict | None:
 
     module, _, name = str(intervention.get("_target_", "")).rpartition(".")
     owner = interventions if module == interventions.__name__ else sys.modules.get(module)
-    cls = getattr(owner, name, None) if isinstance(owner, ModuleType) else None
+    # vars(), not getattr: a module's __getattr__ (PEP 562 lazy loaders) could import on a name read from disk.
+    cls = vars(owner).get(name) if isinstance(owner, ModuleType) else None
     axis = getattr(cls, "sweep_axis", None) if isinstance(cls, type) else None
     if not isinstance(axis, str) or axis not in intervention:
         return None

@@ -163,7 +163,7 @@ def test_fold_pair_variance_recovers_the_known_hoeffding_parts():
     assert np.mean(z2) == pytest.approx(zeta2, rel=0.05)
 
 
-def test_pair_corrected_se_removes_half_the_excess_and_never_more_than_half_of_zeta2():
+def test_pair_corrected_se_removes_six_tenths_of_the_excess_and_never_more_than_that_of_zeta2():
     rng = np.random.default_rng(9)
     m = 0.3 + rng.standard_normal((6, 40))
     g = m @ m.T
@@ -172,8 +172,23 @@ def test_pair_corrected_se_removes_half_the_excess_and_never_more_than_half_of_z
     excess = (4 / (f * (f - 2)) - 2 / (f * (f - 1))) * zeta2
     most = jack * (1 - (f - 2) / (2 * (f - 1)))
     se = pair_corrected_se([np.zeros_like(g), g, np.zeros_like(g)], np.array([0.0, 1.0, 0.0]))
-    assert se**2 == pytest.approx(jack - min(excess, most) / 2, rel=1e-12)
-    assert jack * (1 - most / jack / 2) <= se**2 < jack
+    assert se**2 == pytest.approx(jack - 0.6 * min(excess, most), rel=1e-12)
+    assert jack - 0.6 * most <= se**2 < jack
+
+
+def test_three_folds_give_the_plain_jackknife_se():
+    """probe.n_folds=3 is allowed: ζ2 is not identifiable there (the moment equations are singular),
+    so nothing is removed and the SEs are the plain jackknife's (never a LinAlgError)."""
+    rng = np.random.default_rng(3)
+    m = 0.5 + rng.standard_normal((3, 50))
+    g = m @ m.T
+    jack, zeta2 = fold_pair_variance(g)
+    assert zeta2 == 0.0 and np.isfinite(jack) and jack > 0
+    se = pair_corrected_se([np.zeros_like(g), g, np.zeros_like(g)], np.array([0.0, 1.0, 0.0]))
+    assert se == pytest.approx(np.sqrt(jack), rel=1e-12)
+    sizes = np.array([10.0, 10.0, 10.0])
+    est = estimate(g * 100, g * 100, g * 100, sizes, sizes, ALPHA)
+    assert est.cos is not None and np.isfinite(est.se)
 
 
 @pytest.mark.slow

@@ -327,3 +327,18 @@ def test_a_job_pending_for_a_reason_waiting_cannot_resolve_is_cancelled(tmp_path
     assert failed == {run_dir: 2} and job.cancelled
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and reason in err[0] and "launcher.timeout_min" in err[0], err
+
+
+@pytest.mark.parametrize("knobs, key", [
+    ({"constraint": "a100\ntouch /tmp/x\n#"}, "launcher.constraint"),
+    ({"qos": "high\n"}, "launcher.qos"),
+    ({"account": 'a"b'}, "launcher.account"),
+    ({"additional_parameters": {"comment": "x\nrm -rf ~"}}, "launcher.additional_parameters.comment"),
+    ({"additional_parameters": {"x\ny": "1"}}, "launcher.additional_parameters.x\ny"),
+])
+def test_a_knob_that_would_write_a_shell_line_into_sbatch_is_exit_2(knobs, key):
+    with pytest.raises(ConfigError) as err:
+        launch.check(launcher(name="slurm", **knobs))
+    assert err.value.key == key
+    # the user's own options may name paths (not so from launch.json, see test_untrusted)
+    assert launch.unsafe_sbatch_knob(launcher(additional_parameters={"export": "ALL,PATH=/opt/bin"}), True) is None

@@ -452,3 +452,20 @@ def test_a_forged_tensor_with_a_matching_file_digest_yields_no_number(run_copy, 
 def test_an_estimand_the_run_did_not_register_is_one_line(run_copy, capsys):
     code, out, err = cli(reduce.main, [run_copy, "--estimands", "all,block9"], capsys)
     one_line_refusal(code, out, err, "--estimands", "block9", "reduce.groups")
+
+
+@pytest.mark.parametrize("knob, value, field", [
+    ("constraint", "a100\ntouch /tmp/x\n#", "launcher.constraint"),
+    ("partition", "gpu;id", "launcher.partition"),
+    ("additional_parameters", {"export": "ALL,LD_PRELOAD=RUN/x.so"}, "launcher.additional_parameters"),
+])
+def test_launch_json_writes_no_line_into_the_sbatch_script(tmp_path, knob, value, field):
+    # resume resubmits with launch.json's launcher: nothing in it may become a shell line of sbatch's script
+    job = {"job_id": "999999", "result": str(tmp_path / "r"), "stdout": "o", "stderr": "e"}
+    launched = {"cluster": "slurm", **job, "folder": "f", "launcher": {"name": "slurm", knob: value}}
+    (tmp_path / "launch.json").write_text(json.dumps(launched))
+    from twinrun.rundir import RunDir
+
+    with pytest.raises(StoreError, match=rf"launch.json: field {field}\b.*resume with --local") as err:
+        resume.submitted_launcher(RunDir(tmp_path))
+    assert "\n" not in str(err.value).replace(repr(value), "") and "Traceback" not in str(err.value)

@@ -12,6 +12,7 @@ Adding a launcher is one entry in LAUNCHERS.
 
 import datetime
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,6 +39,11 @@ SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "
                "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
 GONE = "GONE"  # the scheduler no longer knows the job (accounting off, or past MinJobAge)
 ACTIVE = ("RUNNING", "PENDING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED")
+# submitit writes each SLURM knob into the sbatch script as `#SBATCH --key=value`: a newline in one
+# would become a shell line of the script. What a partition, account, qos, constraint (or an
+# additional_parameters key) may hold: SLURM's names and constraint expressions, nothing a shell reads.
+SBATCH_WORD = re.compile(r"[A-Za-z0-9_.,:@%+=|&()\[\]*-]+")
+SBATCH_WORD_KNOBS = ("partition", "account", "qos", "constraint")
 SCHEDULER_TIMEOUT_S = 20
 # After USR2 the job needs this long to checkpoint, requeue itself and exit before SLURM kills it.
 CHECKPOINT_MARGIN_S = 30
@@ -142,7 +148,31 @@ def check(launcher: dict) -> None:
     split = launcher.get("split", "pair")
     if split not in SPLITS:
         raise ConfigError("launcher.split", split, "choose pair (one job per run) or bins (one job per bin)")
+    bad = unsafe_sbatch_knob(launcher, trusted=True)
+    if bad is not None:
+        raise ConfigError(f"launcher.{bad[0]}", bad[1], "may hold only letters, digits and _.,:@%+=|&()[]*- "
+                          "(it becomes a line of the sbatch script)")
     LAUNCHERS[name].check(launcher)
+
+
+def unsafe_sbatch_knob(launcher: dict, trusted: bool) -> tuple[str, object] | None:
+    """(knob, value) of the first SLURM knob that could write a shell line into the sbatch script, or None.
+
+    trusted (the user's own command line): additional_parameters' values may hold anything but a
+    control character (e.g. `export: ALL,PATH=/opt/bin`); their keys must be SBATCH_WORD like the knobs."""
+    for key in SBATCH_WORD_KNOBS:
+        value = launcher.get(key)
+        if value is not None and not (isinstance(value, str) and SBATCH_WORD.fullmatch(value)):
+            return key, value
+    for key, value in (launcher.get("additional_parameters") or {}).items():
+        name = f"additional_parameters.{key}"
+        if not (isinstance(key, str) and SBATCH_WORD.fullmatch(key)):
+            return name, key
+        text = value if isinstance(value, str) else str(value)
+        allowed = not re.search(r"[\x00-\x1f\x7f]", text) if trusted else SBATCH_WORD.fullmatch(text)
+        if not allowed:
+            return name, value
+    return None
 
 
 def _check_in_process(launcher: dict) -> None:

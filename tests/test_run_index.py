@@ -141,3 +141,12 @@ def test_run_job_measures_only_the_bins_given_and_is_measured_once_all_are_whole
     index = RunIndex.load(tmp_path)
     assert [b["index"] for b in index.whole_bins()] == [0, 1, 2] and index.status == "measured"
     assert [j["index"] for j in index.doc["jobs"]] == [0, 1]
+
+
+def test_the_first_update_keeps_the_document_in_memory(tmp_path):
+    # run.json not written yet: the document in memory is the record, and stays whole after the update
+    index = RunIndex(RunDir(tmp_path), record([[None, None], [None, None]]))
+    held = index.doc
+    index.set_status("running")
+    assert index.doc is held and len(index.bins) == 2 and index.doc["status"] == "running"
+    assert json.loads((tmp_path / "run.json").read_text()) == index.doc

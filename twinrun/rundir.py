@@ -594,8 +594,9 @@ class RunIndex:
             doc = read_json(self.run_dir.run_json) if os.path.lexists(self.run_dir.run_json) else self.doc
             change(doc)
             write_json(self.run_dir.run_json, doc)
-        self.doc.clear()
-        self.doc.update(doc)  # in place: callers holding `index.doc` see the fresh document
+        if doc is not self.doc:  # (clearing the very document read back would empty it)
+            self.doc.clear()
+            self.doc.update(doc)  # in place: callers holding `index.doc` see the fresh document
 
     def set_status(self, status: str, bins: list[int] | None = None) -> None:
         """bins: the bins this job measures; a failure recorded at another bin (another array

@@ -434,7 +434,7 @@ def pending_bins(index: RunIndex, bins: list[int] | None) -> list[dict]:
     """The bins to measure: every bin not whole on disk (among `bins`, if given). The bin is the unit
     of twin validity: if any arm of it is missing, all of its arms are measured again, back to back
     in this process, rather than pair stores from two processes."""
-    whole = [b["index"] for b in index.whole_bins()]
+    whole = [b["index"] for b in index.whole_bins(only=bins)]  # an element hashes its own bins' stores only
     if whole:
         print(f"twinrun: resuming: {len(whole)} of {len(index.bins)} bins already measured", flush=True)
     return [b for b in index.bins if b["index"] not in whole and (bins is None or b["index"] in bins)]

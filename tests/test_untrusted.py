@@ -469,3 +469,12 @@ def test_launch_json_writes_no_line_into_the_sbatch_script(tmp_path, knob, value
     with pytest.raises(StoreError, match=rf"launch.json: field {field}\b.*resume with --local") as err:
         resume.submitted_launcher(RunDir(tmp_path))
     assert "\n" not in str(err.value).replace(repr(value), "") and "Traceback" not in str(err.value)
+
+
+@pytest.mark.parametrize("job_id", ["99999999999999999999", "0", "7_1", str(2**22)])
+def test_a_local_job_id_that_is_no_process_id_is_refused(run_copy, capsys, job_id):
+    # status signals a local job's pid: a huge one overflowed, 0 read RUNNING forever (kill(0, 0))
+    job = {"job_id": job_id, "result": str(run_copy / "r"), "stdout": "o", "stderr": "e"}
+    (run_copy / "launch.json").write_text(json.dumps({"cluster": "local", **job, "folder": "f", "launcher": {}}))
+    code, out, err = cli(status.main, [run_copy], capsys)
+    one_line_refusal(code, out, err, "launch.json", "field job_id", "not a local job's process id")

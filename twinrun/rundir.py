@@ -480,8 +480,8 @@ def validate_store_meta(path: Path, meta: dict) -> dict:
 def validate_launch(path: Path, launch: dict) -> dict:
     """launch.json: the job a run was submitted as (its id reaches squeue/sacct as an argument)."""
     c = _Check(Path(path))
-    c.one_of(launch, "cluster", "cluster", ("local", "slurm"))
-    _validate_job_record(c, launch, "")
+    cluster = c.one_of(launch, "cluster", "cluster", ("local", "slurm"))
+    _validate_job_record(c, launch, "", cluster)
     c.get(launch, "folder", "folder", str)
     c.get(launch, "launcher", "launcher", dict)
     # launcher.split=bins: every element's job (its bins, id and logs)
@@ -491,14 +491,21 @@ def validate_launch(path: Path, launch: dict) -> dict:
         bins = c.get(element, "bins", f"elements[{i}].bins", list)
         if not all(type(k) is int and k >= 0 for k in bins):
             c.fail(f"elements[{i}].bins", f"{_show(bins)} is not a list of bin indices")
-        _validate_job_record(c, element, f"elements[{i}].")
+        _validate_job_record(c, element, f"elements[{i}].", cluster)
     return launch
 
 
-def _validate_job_record(c: _Check, record: dict, where: str) -> None:
+# A local job's id is its controller's pid, which status signals (kill(pid, 0)): Linux's pids lie in
+# [1, 2**22) (pid_max's ceiling); 0 would signal status's own process group.
+LOCAL_JOB_ID_END = 2**22
+
+
+def _validate_job_record(c: _Check, record: dict, where: str, cluster: str) -> None:
     job_id = c.get(record, "job_id", f"{where}job_id", str)
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
         c.fail(f"{where}job_id", f"{_show(job_id)} is not a job id")
+    if cluster == "local" and not (job_id.isdigit() and 1 <= int(job_id) < LOCAL_JOB_ID_END):
+        c.fail(f"{where}job_id", f"{_show(job_id)} is not a local job's process id (1 to {LOCAL_JOB_ID_END - 1})")
     for key in ("result", "stdout", "stderr"):
         c.get(record, key, f"{where}{key}", str)
 

@@ -478,3 +478,17 @@ def test_a_local_job_id_that_is_no_process_id_is_refused(run_copy, capsys, job_i
     (run_copy / "launch.json").write_text(json.dumps({"cluster": "local", **job, "folder": "f", "launcher": {}}))
     code, out, err = cli(status.main, [run_copy], capsys)
     one_line_refusal(code, out, err, "launch.json", "field job_id", "not a local job's process id")
+
+
+def test_a_symlinked_env_directory_is_refused_before_a_job_writes_through_it(run_copy, tmp_path):
+    from twinrun.run import start_job
+    from twinrun.rundir import RunIndex
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.rmtree(run_copy / "env")
+    (run_copy / "env").symlink_to(outside)
+    fp = {"kernel_path": {"threads": {"intra_op": 1}}, "info": {}}
+    with pytest.raises(StoreError, match="resolves outside the run directory"):
+        start_job(RunIndex.load(run_copy), fp, {}, {"digest": "0" * 64})
+    assert list(outside.iterdir()) == []

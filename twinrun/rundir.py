@@ -87,7 +87,7 @@ class RunDir:
 
     @property
     def env_dir(self) -> Path:
-        return self.path / ENV_DIR
+        return self.inside(self.path / ENV_DIR)  # start_job writes here: a symlinked env/ is refused
 
     @property
     def log(self) -> Path:
@@ -98,10 +98,10 @@ class RunDir:
         return self.inside(self.path / VIEWS_DIR / name)
 
     def job_env(self, index: int) -> Path:
-        return self.env_dir / f"job{index:03d}.json"
+        return self.inside(self.env_dir / f"job{int(index):03d}.json")
 
     def kernel_path_env(self, sha: str) -> Path:
-        return self.env_dir / f"kernel_path-{sha[:12]}.json"
+        return self.inside(self.env_dir / f"kernel_path-{sha[:12]}.json")
 
     def arm_dir(self, arm: str) -> Path:
         return self.inside(self.path / ARMS_DIR / safe_name(arm, "arm name", self.run_json))

@@ -342,3 +342,15 @@ def test_a_knob_that_would_write_a_shell_line_into_sbatch_is_exit_2(knobs, key):
     assert err.value.key == key
     # the user's own options may name paths (not so from launch.json, see test_untrusted)
     assert launch.unsafe_sbatch_knob(launcher(additional_parameters={"export": "ALL,PATH=/opt/bin"}), True) is None
+
+
+def test_split_bins_with_a_compiled_probe_is_refused_before_planning(tmp_path):
+    # the bins' concurrent jobs would compile into one cache and land on different kernel paths
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, "launcher=submitit_local", "launcher.split=bins",
+                        "probe.compile=default", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "launcher.split='bins'" in err[0] and "probe.compile='default'" in err[0], err
+    assert "launcher.split=pair, or probe.compile=false" in err[0] and not (run_dir / "run.json").exists()
+    launch.check(launcher(name="submitit_local", split="bins"), False)  # uncompiled: fine

@@ -137,10 +137,11 @@ def _stores_done(run_dir: Path) -> str:
 # ----------------------------------------------------------------------------- bad input
 
 
-def check(launcher: dict) -> None:
+def check(launcher: dict, probe_compile=False) -> None:
     """Refuse launcher settings that cannot work, naming the knob (ConfigError: exit 2).
 
-    For SLURM, asks sinfo about the partition and its GPUs; call it before planning to fail early.
+    probe_compile: the run's probe.compile. For SLURM, asks sinfo about the partition and its GPUs;
+    call it before planning to fail early.
     """
     name = launcher["name"]
     if name not in LAUNCHERS:
@@ -148,6 +149,12 @@ def check(launcher: dict) -> None:
     split = launcher.get("split", "pair")
     if split not in SPLITS:
         raise ConfigError("launcher.split", split, "choose pair (one job per run) or bins (one job per bin)")
+    if split == "bins" and probe_compile is not False and probe_compile is not None:
+        # Concurrent elements would compile into one shared cache, each fingerprinting another cache
+        # digest: every bin on its own kernel path, and the run refused as straddling.
+        raise ConfigError("launcher.split", split, f"cannot run with probe.compile={probe_compile!r}: the bins' "
+                          "jobs would share one compile cache and land on different kernel paths; use "
+                          "launcher.split=pair, or probe.compile=false")
     bad = unsafe_sbatch_knob(launcher, trusted=True)
     if bad is not None:
         raise ConfigError(f"launcher.{bad[0]}", bad[1], "may hold only letters, digits and _.,:@%+=|&()[]*- "

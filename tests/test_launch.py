@@ -102,6 +102,8 @@ def test_zero_gpus_and_no_memory_are_not_requested(tmp_path):
     ({"name": "slurm", "mem_gb": 0}, "launcher.mem_gb"),
     ({"name": "slurm", "max_num_timeout": -1}, "launcher.max_num_timeout"),
     ({"name": "submitit_local", "poll_s": 0}, "launcher.poll_s"),
+    ({"name": "local", "constraint": "a100"}, "launcher.constraint"),  # would be ignored silently
+    ({"name": "submitit_local", "constraint": "a100"}, "launcher.constraint"),
 ])
 def test_impossible_settings_name_the_knob(knobs, key):
     with pytest.raises(ConfigError) as err:

@@ -155,6 +155,9 @@ def check(launcher: dict, probe_compile=False) -> None:
         raise ConfigError("launcher.split", split, f"cannot run with probe.compile={probe_compile!r}: the bins' "
                           "jobs would share one compile cache and land on different kernel paths; use "
                           "launcher.split=pair, or probe.compile=false")
+    if LAUNCHERS[name].cluster != "slurm" and launcher.get("constraint") is not None:
+        raise ConfigError("launcher.constraint", launcher["constraint"], f"launcher={name} runs on this machine "
+                          "and would ignore it: remove it, or use launcher=slurm")
     bad = unsafe_sbatch_knob(launcher, trusted=True)
     if bad is not None:
         raise ConfigError(f"launcher.{bad[0]}", bad[1], "may hold only letters, digits and _.,:@%+=|&()[]*- "

@@ -145,3 +145,22 @@ def test_a_forged_element_in_launch_json_is_refused_naming_the_field(tmp_path):
     (tmp_path / "launch.json").write_text(json.dumps(launch_json))
     with pytest.raises(StoreError, match=r"field elements\[1\]\.job_id: '7_1,--help' is not a job id"):
         read_json(tmp_path / "launch.json")
+
+
+def test_two_failed_elements_each_report_their_own_bin_and_cause(tmp_path, capsys):
+    (tmp_path / "run.json").write_text(json.dumps(_run_json(3)))
+    index = RunIndex.load(tmp_path)
+    index.mark_failed(index.bins[0], "pin_sigma", {"type": "ValueError", "message": "boom"})
+    index.mark_failed(index.bins[2], "native")  # later, another element: the run's `failure` is this one
+    run = RunIndex.load(tmp_path)  # (the validator reads the stores' failures)
+    assert run.doc["failure"]["bin_index"] == 2 and run.bins[0]["stores"]["pin_sigma"]["failure"]["type"] == "ValueError"
+    assert launch._report(launch.Element(tmp_path, [0], _Job), "FAILED 1:0", []) == 4  # the model raised
+    assert launch._report(launch.Element(tmp_path, [2], _Job), "FAILED 1:0", []) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert "bin 0: job 7_2 FAILED 1:0: arm pin_sigma failed at bin 0" in err[0], err
+    assert "bin 2: job 7_2 FAILED 1:0: arm native failed at bin 2" in err[2], err
+    # bin 0's element restarts: its own failure goes, bin 2's stays
+    run.set_status("running", [0])
+    run = RunIndex.load(tmp_path)
+    assert "failure" not in run.bins[0]["stores"]["pin_sigma"] and run.bins[2]["stores"]["native"]["failure"]
+    assert run.doc["failure"]["bin_index"] == 2

@@ -551,10 +551,23 @@ def _final_state(job, state: str) -> str:
     return queued
 
 
+def _own_failure(e: Element) -> dict | None:
+    """The failure run.json records at this element's bins (never another element's), or None."""
+    index = RunIndex.load(e.run_dir)
+    failure = index.doc.get("failure")
+    if e.bins is None:
+        return failure
+    for b in index.bins:
+        if b["index"] in e.bins:
+            for entry in b["stores"].values():
+                if entry.get("failure"):
+                    return entry["failure"]
+    # (a run.json written before stores recorded their own failure: the run's latest, if it is ours)
+    return failure if failure and failure["bin_index"] in e.bins else None
+
+
 def _report(e: Element, state: str, tail: list[str]) -> int:
-    failure = status.progress(e.run_dir)["failure"]
-    if failure and e.bins is not None and failure["bin_index"] not in e.bins:
-        failure = None  # another element's failure: that element reports it
+    failure = _own_failure(e)
     where = (f"arm {failure['arm']} failed at bin {failure['bin_index']} (σ={failure['sigma']:g})"
              if failure else "the job failed")
     print(f"twinrun: error: {_label(e)}: job {e.job.job_id} {state}: {where}; finished bins are kept "

@@ -213,11 +213,21 @@ class ArmEntry(TypedDict):
     config_hash: HexDigest  # of its resolved config.yaml (run.config_hash)
 
 
+class Failure(TypedDict):
+    """Where the run failed (plus, when the model raised, its exception's type, message, frame)."""
+
+    arm: str
+    bin_index: int
+    sigma: Sigma
+
+
 class StoreEntry(TypedDict):
     file: SafeName  # in arms/<arm>/
     status: StoreStatus
     sha256: NotRequired[HexDigest | None]  # of the whole file; present once done
     kernel_path_sha256: NotRequired[HexDigest | None]  # the kernel path it was measured on
+    # why it failed (each array element of a split run records its own; run.json's `failure` is the latest)
+    failure: NotRequired[Failure | None]
 
 
 class BinEntry(TypedDict):
@@ -243,14 +253,6 @@ class JobRecord(TypedDict):
     hostname: str | None
     boot_id: str | None
     slurm_job_id: str | None
-
-
-class Failure(TypedDict):
-    """Where the run failed (plus, when the model raised, its exception's type, message, frame)."""
-
-    arm: str
-    bin_index: int
-    sigma: Sigma
 
 
 class RunRecord(TypedDict):
@@ -619,6 +621,11 @@ class RunIndex:
             other = bins is not None and failure is not None and failure["bin_index"] not in bins
             if status == "running" and not other:
                 doc.pop("failure", None)
+            if status == "running":  # this job's bins start afresh; another element's failures stay
+                for b in doc["bins"]:
+                    if bins is None or b["index"] in bins:
+                        for entry in b["stores"].values():
+                            entry.pop("failure", None)
             if not (status == "running" and other):
                 doc["status"] = status
 
@@ -660,9 +667,10 @@ class RunIndex:
         """Record which arm and bin failed (and, when the model raised, its exception's type, message
         and frame); best effort (on a full disk run.json may not be writable)."""
         def change(doc: dict) -> None:
-            doc["bins"][b["index"]]["stores"][arm]["status"] = "failed"
+            failure = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"], **(cause or {})}
+            doc["bins"][b["index"]]["stores"][arm].update(status="failed", failure=failure)
             doc["status"] = "failed"
-            doc["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"], **(cause or {})}
+            doc["failure"] = failure  # the latest; the bin's store entry keeps its own
 
         self._update_best_effort(change)
 

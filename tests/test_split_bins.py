@@ -164,3 +164,20 @@ def test_two_failed_elements_each_report_their_own_bin_and_cause(tmp_path, capsy
     run = RunIndex.load(tmp_path)
     assert "failure" not in run.bins[0]["stores"]["pin_sigma"] and run.bins[2]["stores"]["native"]["failure"]
     assert run.doc["failure"]["bin_index"] == 2
+
+
+def test_a_bin_finished_meanwhile_on_another_kernel_path_is_refused_at_mark_done(tmp_path, capsys):
+    from twinrun.provenance import KernelPathRefused
+
+    path_a, path_b, sha = "a" * 64, "b" * 64, "c" * 64
+    (tmp_path / "run.json").write_text(json.dumps(_run_json(3)))
+    mine, other = RunIndex.load(tmp_path), RunIndex.load(tmp_path)  # two elements, loaded at their start
+    other.mark_done(other.bins[0], "native", sha, path_a)  # a bin cut short commits the run to nothing:
+    mine.mark_done(mine.bins[1], "native", sha, path_b)
+    other.mark_done(other.bins[0], "pin_sigma", sha, path_a)  # bin 0 whole on path A, concurrently
+    with pytest.raises(KernelPathRefused, match="bin 1: another job finished bins of this run on another"):
+        mine.mark_done(mine.bins[1], "pin_sigma", sha, path_b)
+    assert RunIndex.load(tmp_path).bins[1]["stores"]["pin_sigma"]["status"] == "pending"
+    # recorded at the element's bin (as measure's failure_recorded does), the launcher says exit 3
+    mine.mark_failed(mine.bins[1], "pin_sigma", {"refused": "kernel_path"})
+    assert launch._report(launch.Element(tmp_path, [1], _Job), "FAILED 1:0", []) == 3

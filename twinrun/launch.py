@@ -27,7 +27,7 @@ import submitit
 from submitit.core.utils import UncompletedJobError
 
 from twinrun import status
-from twinrun.errors import EXIT_GATE, EXIT_MODEL, EXIT_USAGE, ConfigError, TwinrunError
+from twinrun.errors import EXIT_GATE, EXIT_MODEL, EXIT_REFUSED, EXIT_USAGE, ConfigError, TwinrunError
 from twinrun.run import run_job
 from twinrun.rundir import RunDir, RunIndex
 from twinrun.store import read_json, write_json
@@ -577,6 +577,8 @@ def _report(e: Element, state: str, tail: list[str]) -> int:
     print(f"  logs: {e.job.paths.stderr}", file=sys.stderr, flush=True)
     if failure and failure.get("type"):  # the model raised (run.json records its exception): exit 4
         return EXIT_MODEL
+    if failure and failure.get("refused") == "kernel_path":  # the job refused to straddle kernel paths
+        return EXIT_REFUSED
     return EXIT_GATE if failure else EXIT_USAGE
 
 

@@ -465,7 +465,12 @@ def measure(
     # so it joins the kernel path. A job may not add bins on another path than the whole ones.
     fp = fingerprint(mode)
     fp["kernel_path"]["probe"] = provenance.probe_arithmetic(p, method, c.device.type)
-    provenance.refuse_straddling(index, fp, todo)
+    try:
+        provenance.refuse_straddling(index, fp, todo)
+    except provenance.KernelPathRefused as err:
+        if bins is not None:  # an array element: recorded at its bin, so the waiting launcher says exit 3
+            index.mark_failed(todo[0], next(iter(todo[0]["stores"])), trial.failure_record(err))
+        raise
     job = start_job(index, fp, determinism, provenance.read_sentinel(forward, c.device, image_shape))
     record = provenance.bin_record(fp, job["sentinel_start"])
     index.set_status("running", bins)  # an element never clears a failure recorded at another's bin

@@ -657,7 +657,19 @@ class RunIndex:
         self._update(change)
 
     def mark_done(self, b: dict, arm: str, sha256: str, kernel_path_sha256: str) -> None:
+        """Record the store done, unless a whole bin of run.json as it is now (another array element's,
+        finished since this job started) holds another kernel path: KernelPathRefused (exit 3)."""
+        from twinrun.provenance import KernelPathRefused
+
         def change(doc: dict) -> None:
+            others = {e.get("kernel_path_sha256") for other in doc["bins"] if other["index"] != b["index"]
+                      and all(e["status"] == "done" for e in other["stores"].values())
+                      for e in other["stores"].values()} - {kernel_path_sha256, None}
+            if others:
+                raise KernelPathRefused(
+                    f"{self.run_dir.path}: bin {b['index']}: another job finished bins of this run on another "
+                    "kernel path meanwhile; twins must not straddle environments: resume it where those "
+                    "bins ran, or start a new run directory")
             doc["bins"][b["index"]]["stores"][arm].update(sha256=sha256, status="done",
                                                         kernel_path_sha256=kernel_path_sha256)
 

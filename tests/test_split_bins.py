@@ -181,3 +181,16 @@ def test_a_bin_finished_meanwhile_on_another_kernel_path_is_refused_at_mark_done
     # recorded at the element's bin (as measure's failure_recorded does), the launcher says exit 3
     mine.mark_failed(mine.bins[1], "pin_sigma", {"refused": "kernel_path"})
     assert launch._report(launch.Element(tmp_path, [1], _Job), "FAILED 1:0", []) == 3
+
+
+def test_a_whole_run_job_meets_an_element_on_another_host_at_its_bin_lock(tmp_path):
+    # elements hold .lock shared and record no holder there; across hosts (flocks per host) the
+    # whole-run job sees the element only through the holder record in its bin lock
+    (tmp_path / "run.json").write_text(json.dumps(_run_json(3)))
+    (tmp_path / ".lock-bin002").write_text(json.dumps({"pid": 1, "host": "some-other-node"}))
+    with pytest.raises(StoreError, match=r"some-other-node.*\.lock-bin002"), run_lock(tmp_path):
+        pass
+    (tmp_path / ".lock-bin002").write_text("")
+    with run_lock(tmp_path):  # the whole run holds every bin: an element here is refused
+        assert json.loads((tmp_path / ".lock-bin001").read_text())["pid"] == os.getpid()
+    assert (tmp_path / ".lock-bin001").read_bytes() == b"" and (tmp_path / ".lock").read_bytes() == b""

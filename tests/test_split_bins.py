@@ -194,3 +194,11 @@ def test_a_whole_run_job_meets_an_element_on_another_host_at_its_bin_lock(tmp_pa
     with run_lock(tmp_path):  # the whole run holds every bin: an element here is refused
         assert json.loads((tmp_path / ".lock-bin001").read_text())["pid"] == os.getpid()
     assert (tmp_path / ".lock-bin001").read_bytes() == b"" and (tmp_path / ".lock").read_bytes() == b""
+
+
+def test_one_elements_interrupt_leaves_the_run_to_the_others(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps(_run_json(3)))
+    RunIndex.load(tmp_path).mark_interrupted([1])  # one element's SIGTERM: the others still measure
+    assert RunIndex.load(tmp_path).status == "running"
+    RunIndex.load(tmp_path).mark_interrupted()  # a whole-run job's
+    assert RunIndex.load(tmp_path).status == "interrupted"

@@ -402,7 +402,7 @@ def run_job(run_dir: str | Path, trusted=(), bins: list[int] | None = None) -> d
         try:
             return _measure(index, load_arms(index, trusted), bins)
         except (KeyboardInterrupt, Interrupted) as err:
-            index.mark_interrupted()
+            index.mark_interrupted(bins)
             if isinstance(err, KeyboardInterrupt):
                 raise Interrupted(EXIT_INTERRUPTED) from None
             raise

@@ -686,9 +686,12 @@ class RunIndex:
 
         self._update_best_effort(change)
 
-    def mark_interrupted(self) -> None:
+    def mark_interrupted(self, bins: list[int] | None = None) -> None:
+        """The run is "interrupted" (resume continues); not so when one array element (`bins`) was:
+        the others may still be measuring, and its bins stay pending for a resume."""
         def change(doc: dict) -> None:
-            doc["status"] = "interrupted"
+            if bins is None:
+                doc["status"] = "interrupted"
 
         self._update_best_effort(change)
 

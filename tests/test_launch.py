@@ -102,6 +102,8 @@ def test_zero_gpus_and_no_memory_are_not_requested(tmp_path):
     ({"name": "slurm", "mem_gb": 0}, "launcher.mem_gb"),
     ({"name": "slurm", "max_num_timeout": -1}, "launcher.max_num_timeout"),
     ({"name": "submitit_local", "poll_s": 0}, "launcher.poll_s"),
+    ({"name": "local", "constraint": "a100"}, "launcher.constraint"),  # would be ignored silently
+    ({"name": "submitit_local", "constraint": "a100"}, "launcher.constraint"),
 ])
 def test_impossible_settings_name_the_knob(knobs, key):
     with pytest.raises(ConfigError) as err:
@@ -327,3 +329,30 @@ def test_a_job_pending_for_a_reason_waiting_cannot_resolve_is_cancelled(tmp_path
     assert failed == {run_dir: 2} and job.cancelled
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and reason in err[0] and "launcher.timeout_min" in err[0], err
+
+
+@pytest.mark.parametrize("knobs, key", [
+    ({"constraint": "a100\ntouch /tmp/x\n#"}, "launcher.constraint"),
+    ({"qos": "high\n"}, "launcher.qos"),
+    ({"account": 'a"b'}, "launcher.account"),
+    ({"additional_parameters": {"comment": "x\nrm -rf ~"}}, "launcher.additional_parameters.comment"),
+    ({"additional_parameters": {"x\ny": "1"}}, "launcher.additional_parameters.x\ny"),
+])
+def test_a_knob_that_would_write_a_shell_line_into_sbatch_is_exit_2(knobs, key):
+    with pytest.raises(ConfigError) as err:
+        launch.check(launcher(name="slurm", **knobs))
+    assert err.value.key == key
+    # the user's own options may name paths (not so from launch.json, see test_untrusted)
+    assert launch.unsafe_sbatch_knob(launcher(additional_parameters={"export": "ALL,PATH=/opt/bin"}), True) is None
+
+
+def test_split_bins_with_a_compiled_probe_is_refused_before_planning(tmp_path):
+    # the bins' concurrent jobs would compile into one cache and land on different kernel paths
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, "launcher=submitit_local", "launcher.split=bins",
+                        "probe.compile=default", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "launcher.split='bins'" in err[0] and "probe.compile='default'" in err[0], err
+    assert "launcher.split=pair, or probe.compile=false" in err[0] and not (run_dir / "run.json").exists()
+    launch.check(launcher(name="submitit_local", split="bins"), False)  # uncompiled: fine

@@ -141,3 +141,32 @@ def test_run_job_measures_only_the_bins_given_and_is_measured_once_all_are_whole
     index = RunIndex.load(tmp_path)
     assert [b["index"] for b in index.whole_bins()] == [0, 1, 2] and index.status == "measured"
     assert [j["index"] for j in index.doc["jobs"]] == [0, 1]
+
+
+def test_the_first_update_keeps_the_document_in_memory(tmp_path):
+    # run.json not written yet: the document in memory is the record, and stays whole after the update
+    index = RunIndex(RunDir(tmp_path), record([[None, None], [None, None]]))
+    held = index.doc
+    index.set_status("running")
+    assert index.doc is held and len(index.bins) == 2 and index.doc["status"] == "running"
+    assert json.loads((tmp_path / "run.json").read_text()) == index.doc
+
+
+def test_an_element_hashes_only_its_own_bins_stores(tmp_path, monkeypatch):
+    from twinrun import store
+    from twinrun.run import pending_bins
+
+    read = []
+
+    def verify_store(path, sha256):
+        read.append(path.name)
+        raise StoreError(path, "missing")
+
+    monkeypatch.setattr(store, "verify_store", verify_store)
+    index = RunIndex(RunDir(tmp_path), record([[SHA_A, SHA_A], [SHA_A, SHA_A], [None, None]]))
+    # bin 1's stores are read (missing: measured again); bin 0 is judged by its record, bin 2 is pending
+    assert [b["index"] for b in pending_bins(index, [1, 2])] == [1, 2]
+    assert set(read) == {"bin1.safetensors"}
+    read.clear()
+    assert [b["index"] for b in pending_bins(index, None)] == [0, 1, 2] and set(read) == {"bin0.safetensors",
+                                                                                           "bin1.safetensors"}

@@ -145,3 +145,60 @@ def test_a_forged_element_in_launch_json_is_refused_naming_the_field(tmp_path):
     (tmp_path / "launch.json").write_text(json.dumps(launch_json))
     with pytest.raises(StoreError, match=r"field elements\[1\]\.job_id: '7_1,--help' is not a job id"):
         read_json(tmp_path / "launch.json")
+
+
+def test_two_failed_elements_each_report_their_own_bin_and_cause(tmp_path, capsys):
+    (tmp_path / "run.json").write_text(json.dumps(_run_json(3)))
+    index = RunIndex.load(tmp_path)
+    index.mark_failed(index.bins[0], "pin_sigma", {"type": "ValueError", "message": "boom"})
+    index.mark_failed(index.bins[2], "native")  # later, another element: the run's `failure` is this one
+    run = RunIndex.load(tmp_path)  # (the validator reads the stores' failures)
+    assert run.doc["failure"]["bin_index"] == 2 and run.bins[0]["stores"]["pin_sigma"]["failure"]["type"] == "ValueError"
+    assert launch._report(launch.Element(tmp_path, [0], _Job), "FAILED 1:0", []) == 4  # the model raised
+    assert launch._report(launch.Element(tmp_path, [2], _Job), "FAILED 1:0", []) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert "bin 0: job 7_2 FAILED 1:0: arm pin_sigma failed at bin 0" in err[0], err
+    assert "bin 2: job 7_2 FAILED 1:0: arm native failed at bin 2" in err[2], err
+    # bin 0's element restarts: its own failure goes, bin 2's stays
+    run.set_status("running", [0])
+    run = RunIndex.load(tmp_path)
+    assert "failure" not in run.bins[0]["stores"]["pin_sigma"] and run.bins[2]["stores"]["native"]["failure"]
+    assert run.doc["failure"]["bin_index"] == 2
+
+
+def test_a_bin_finished_meanwhile_on_another_kernel_path_is_refused_at_mark_done(tmp_path, capsys):
+    from twinrun.provenance import KernelPathRefused
+
+    path_a, path_b, sha = "a" * 64, "b" * 64, "c" * 64
+    (tmp_path / "run.json").write_text(json.dumps(_run_json(3)))
+    mine, other = RunIndex.load(tmp_path), RunIndex.load(tmp_path)  # two elements, loaded at their start
+    other.mark_done(other.bins[0], "native", sha, path_a)  # a bin cut short commits the run to nothing:
+    mine.mark_done(mine.bins[1], "native", sha, path_b)
+    other.mark_done(other.bins[0], "pin_sigma", sha, path_a)  # bin 0 whole on path A, concurrently
+    with pytest.raises(KernelPathRefused, match="bin 1: another job finished bins of this run on another"):
+        mine.mark_done(mine.bins[1], "pin_sigma", sha, path_b)
+    assert RunIndex.load(tmp_path).bins[1]["stores"]["pin_sigma"]["status"] == "pending"
+    # recorded at the element's bin (as measure's failure_recorded does), the launcher says exit 3
+    mine.mark_failed(mine.bins[1], "pin_sigma", {"refused": "kernel_path"})
+    assert launch._report(launch.Element(tmp_path, [1], _Job), "FAILED 1:0", []) == 3
+
+
+def test_a_whole_run_job_meets_an_element_on_another_host_at_its_bin_lock(tmp_path):
+    # elements hold .lock shared and record no holder there; across hosts (flocks per host) the
+    # whole-run job sees the element only through the holder record in its bin lock
+    (tmp_path / "run.json").write_text(json.dumps(_run_json(3)))
+    (tmp_path / ".lock-bin002").write_text(json.dumps({"pid": 1, "host": "some-other-node"}))
+    with pytest.raises(StoreError, match=r"some-other-node.*\.lock-bin002"), run_lock(tmp_path):
+        pass
+    (tmp_path / ".lock-bin002").write_text("")
+    with run_lock(tmp_path):  # the whole run holds every bin: an element here is refused
+        assert json.loads((tmp_path / ".lock-bin001").read_text())["pid"] == os.getpid()
+    assert (tmp_path / ".lock-bin001").read_bytes() == b"" and (tmp_path / ".lock").read_bytes() == b""
+
+
+def test_one_elements_interrupt_leaves_the_run_to_the_others(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps(_run_json(3)))
+    RunIndex.load(tmp_path).mark_interrupted([1])  # one element's SIGTERM: the others still measure
+    assert RunIndex.load(tmp_path).status == "running"
+    RunIndex.load(tmp_path).mark_interrupted()  # a whole-run job's
+    assert RunIndex.load(tmp_path).status == "interrupted"

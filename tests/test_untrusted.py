@@ -452,3 +452,43 @@ def test_a_forged_tensor_with_a_matching_file_digest_yields_no_number(run_copy, 
 def test_an_estimand_the_run_did_not_register_is_one_line(run_copy, capsys):
     code, out, err = cli(reduce.main, [run_copy, "--estimands", "all,block9"], capsys)
     one_line_refusal(code, out, err, "--estimands", "block9", "reduce.groups")
+
+
+@pytest.mark.parametrize("knob, value, field", [
+    ("constraint", "a100\ntouch /tmp/x\n#", "launcher.constraint"),
+    ("partition", "gpu;id", "launcher.partition"),
+    ("additional_parameters", {"export": "ALL,LD_PRELOAD=RUN/x.so"}, "launcher.additional_parameters"),
+])
+def test_launch_json_writes_no_line_into_the_sbatch_script(tmp_path, knob, value, field):
+    # resume resubmits with launch.json's launcher: nothing in it may become a shell line of sbatch's script
+    job = {"job_id": "999999", "result": str(tmp_path / "r"), "stdout": "o", "stderr": "e"}
+    launched = {"cluster": "slurm", **job, "folder": "f", "launcher": {"name": "slurm", knob: value}}
+    (tmp_path / "launch.json").write_text(json.dumps(launched))
+    from twinrun.rundir import RunDir
+
+    with pytest.raises(StoreError, match=rf"launch.json: field {field}\b.*resume with --local") as err:
+        resume.submitted_launcher(RunDir(tmp_path))
+    assert "\n" not in str(err.value).replace(repr(value), "") and "Traceback" not in str(err.value)
+
+
+@pytest.mark.parametrize("job_id", ["99999999999999999999", "0", "7_1", str(2**22)])
+def test_a_local_job_id_that_is_no_process_id_is_refused(run_copy, capsys, job_id):
+    # status signals a local job's pid: a huge one overflowed, 0 read RUNNING forever (kill(0, 0))
+    job = {"job_id": job_id, "result": str(run_copy / "r"), "stdout": "o", "stderr": "e"}
+    (run_copy / "launch.json").write_text(json.dumps({"cluster": "local", **job, "folder": "f", "launcher": {}}))
+    code, out, err = cli(status.main, [run_copy], capsys)
+    one_line_refusal(code, out, err, "launch.json", "field job_id", "not a local job's process id")
+
+
+def test_a_symlinked_env_directory_is_refused_before_a_job_writes_through_it(run_copy, tmp_path):
+    from twinrun.run import start_job
+    from twinrun.rundir import RunIndex
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.rmtree(run_copy / "env")
+    (run_copy / "env").symlink_to(outside)
+    fp = {"kernel_path": {"threads": {"intra_op": 1}}, "info": {}}
+    with pytest.raises(StoreError, match="resolves outside the run directory"):
+        start_job(RunIndex.load(run_copy), fp, {}, {"digest": "0" * 64})
+    assert list(outside.iterdir()) == []

@@ -101,7 +101,7 @@ def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Point:
 
     trusted = tuple(trusted_targets(cfg))  # the user composed this config: its builders may run
     launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
-    launch.check(launcher)  # bad launcher settings fail before a run directory is written
+    launch.check(launcher, cfg.probe.compile)  # bad launcher settings fail before a run directory is written
     plan_run(cfg, run_dir, command=reproduce_command())
     print(f"twinrun: run directory {run_dir}", flush=True)
     if launch.LAUNCHERS[launcher["name"]].in_process:
@@ -300,7 +300,7 @@ def check_sweep(points: list[list[str]], choices: set[str], sweep_dir: Path | No
             refuse_unknown_additions(list(overrides), choices)
             cfg = compose(config_name="config", overrides=list(overrides))
             launchers.append(OmegaConf.to_container(cfg.launcher, resolve=True))
-            launch.check(launchers[-1])
+            launch.check(launchers[-1], cfg.probe.compile)
             plan_run(cfg, sweep_dir, dry_run=True)
         except TwinrunError as err:
             raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): {err}; nothing was run") from None

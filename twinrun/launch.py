@@ -12,6 +12,7 @@ Adding a launcher is one entry in LAUNCHERS.
 
 import datetime
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,7 +27,7 @@ import submitit
 from submitit.core.utils import UncompletedJobError
 
 from twinrun import status
-from twinrun.errors import EXIT_GATE, EXIT_MODEL, EXIT_USAGE, ConfigError, TwinrunError
+from twinrun.errors import EXIT_GATE, EXIT_MODEL, EXIT_REFUSED, EXIT_USAGE, ConfigError, TwinrunError
 from twinrun.run import run_job
 from twinrun.rundir import RunDir, RunIndex
 from twinrun.store import read_json, write_json
@@ -38,6 +39,11 @@ SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "
                "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
 GONE = "GONE"  # the scheduler no longer knows the job (accounting off, or past MinJobAge)
 ACTIVE = ("RUNNING", "PENDING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED")
+# submitit writes each SLURM knob into the sbatch script as `#SBATCH --key=value`: a newline in one
+# would become a shell line of the script. What a partition, account, qos, constraint (or an
+# additional_parameters key) may hold: SLURM's names and constraint expressions, nothing a shell reads.
+SBATCH_WORD = re.compile(r"[A-Za-z0-9_.,:@%+=|&()\[\]*-]+")
+SBATCH_WORD_KNOBS = ("partition", "account", "qos", "constraint")
 SCHEDULER_TIMEOUT_S = 20
 # After USR2 the job needs this long to checkpoint, requeue itself and exit before SLURM kills it.
 CHECKPOINT_MARGIN_S = 30
@@ -131,10 +137,11 @@ def _stores_done(run_dir: Path) -> str:
 # ----------------------------------------------------------------------------- bad input
 
 
-def check(launcher: dict) -> None:
+def check(launcher: dict, probe_compile=False) -> None:
     """Refuse launcher settings that cannot work, naming the knob (ConfigError: exit 2).
 
-    For SLURM, asks sinfo about the partition and its GPUs; call it before planning to fail early.
+    probe_compile: the run's probe.compile. For SLURM, asks sinfo about the partition and its GPUs;
+    call it before planning to fail early.
     """
     name = launcher["name"]
     if name not in LAUNCHERS:
@@ -142,7 +149,40 @@ def check(launcher: dict) -> None:
     split = launcher.get("split", "pair")
     if split not in SPLITS:
         raise ConfigError("launcher.split", split, "choose pair (one job per run) or bins (one job per bin)")
+    if split == "bins" and probe_compile is not False and probe_compile is not None:
+        # Concurrent elements would compile into one shared cache, each fingerprinting another cache
+        # digest: every bin on its own kernel path, and the run refused as straddling.
+        raise ConfigError("launcher.split", split, f"cannot run with probe.compile={probe_compile!r}: the bins' "
+                          "jobs would share one compile cache and land on different kernel paths; use "
+                          "launcher.split=pair, or probe.compile=false")
+    if LAUNCHERS[name].cluster != "slurm" and launcher.get("constraint") is not None:
+        raise ConfigError("launcher.constraint", launcher["constraint"], f"launcher={name} runs on this machine "
+                          "and would ignore it: remove it, or use launcher=slurm")
+    bad = unsafe_sbatch_knob(launcher, trusted=True)
+    if bad is not None:
+        raise ConfigError(f"launcher.{bad[0]}", bad[1], "may hold only letters, digits and _.,:@%+=|&()[]*- "
+                          "(it becomes a line of the sbatch script)")
     LAUNCHERS[name].check(launcher)
+
+
+def unsafe_sbatch_knob(launcher: dict, trusted: bool) -> tuple[str, object] | None:
+    """(knob, value) of the first SLURM knob that could write a shell line into the sbatch script, or None.
+
+    trusted (the user's own command line): additional_parameters' values may hold anything but a
+    control character (e.g. `export: ALL,PATH=/opt/bin`); their keys must be SBATCH_WORD like the knobs."""
+    for key in SBATCH_WORD_KNOBS:
+        value = launcher.get(key)
+        if value is not None and not (isinstance(value, str) and SBATCH_WORD.fullmatch(value)):
+            return key, value
+    for key, value in (launcher.get("additional_parameters") or {}).items():
+        name = f"additional_parameters.{key}"
+        if not (isinstance(key, str) and SBATCH_WORD.fullmatch(key)):
+            return name, key
+        text = value if isinstance(value, str) else str(value)
+        allowed = not re.search(r"[\x00-\x1f\x7f]", text) if trusted else SBATCH_WORD.fullmatch(text)
+        if not allowed:
+            return name, value
+    return None
 
 
 def _check_in_process(launcher: dict) -> None:
@@ -511,10 +551,23 @@ def _final_state(job, state: str) -> str:
     return queued
 
 
+def _own_failure(e: Element) -> dict | None:
+    """The failure run.json records at this element's bins (never another element's), or None."""
+    index = RunIndex.load(e.run_dir)
+    failure = index.doc.get("failure")
+    if e.bins is None:
+        return failure
+    for b in index.bins:
+        if b["index"] in e.bins:
+            for entry in b["stores"].values():
+                if entry.get("failure"):
+                    return entry["failure"]
+    # (a run.json written before stores recorded their own failure: the run's latest, if it is ours)
+    return failure if failure and failure["bin_index"] in e.bins else None
+
+
 def _report(e: Element, state: str, tail: list[str]) -> int:
-    failure = status.progress(e.run_dir)["failure"]
-    if failure and e.bins is not None and failure["bin_index"] not in e.bins:
-        failure = None  # another element's failure: that element reports it
+    failure = _own_failure(e)
     where = (f"arm {failure['arm']} failed at bin {failure['bin_index']} (σ={failure['sigma']:g})"
              if failure else "the job failed")
     print(f"twinrun: error: {_label(e)}: job {e.job.job_id} {state}: {where}; finished bins are kept "
@@ -524,6 +577,8 @@ def _report(e: Element, state: str, tail: list[str]) -> int:
     print(f"  logs: {e.job.paths.stderr}", file=sys.stderr, flush=True)
     if failure and failure.get("type"):  # the model raised (run.json records its exception): exit 4
         return EXIT_MODEL
+    if failure and failure.get("refused") == "kernel_path":  # the job refused to straddle kernel paths
+        return EXIT_REFUSED
     return EXIT_GATE if failure else EXIT_USAGE
 
 

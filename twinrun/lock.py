@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import socket
 import stat
 import time
@@ -151,11 +152,17 @@ def _take_over(path: Path, fd: int, mine: dict) -> None:
 
 @contextmanager
 def run_lock(run_dir: Path, bins: list[int] | None = None):
-    """Hold the run for the block: RUN_DIR/.lock exclusively, or with `bins` (an array element's
-    bins) RUN_DIR/.lock shared and each bin's RUN_DIR/.lock-bin<k> exclusively."""
+    """Hold the run for the block: RUN_DIR/.lock and every bin's RUN_DIR/.lock-bin<k> exclusively, or
+    with `bins` (an array element's bins) RUN_DIR/.lock shared and each of those bins' locks exclusively.
+
+    The whole-run job takes the bin locks too, recording itself in each: elements record no holder in
+    the shared .lock, so across hosts (flocks per host) only their bin locks' records meet it."""
     rd = RunDir(run_dir)
     if bins is None:
-        with _held(rd.lock):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_held(rd.lock))
+            for index in _every_bin(rd):
+                stack.enter_context(_held(rd.bin_lock(index)))
             yield
         return
     with contextlib.ExitStack() as stack:
@@ -164,6 +171,20 @@ def run_lock(run_dir: Path, bins: list[int] | None = None):
         for index in sorted(set(bins)):
             stack.enter_context(_held(rd.bin_lock(index)))
         yield
+
+
+def _every_bin(rd: RunDir) -> list[int]:
+    """The run's bins (run.json's, if readable) and any bin whose lock file an element left."""
+    from twinrun.store import read_json
+
+    pattern = re.compile(re.escape(rd.lock.name) + r"-bin([0-9]{3,6})")
+    found = {int(m.group(1)) for p in rd.path.glob(f"{rd.lock.name}-bin*") if (m := pattern.fullmatch(p.name))}
+    if rd.is_run():
+        try:
+            found.update(range(len(read_json(rd.run_json)["bins"])))
+        except StoreError:
+            pass  # a damaged run.json is refused by whoever reads it next, with its own message
+    return sorted(found)
 
 
 @contextmanager

@@ -24,6 +24,11 @@ class KernelPathRefused(TwinrunError):
 
     exit_code = EXIT_REFUSED
 
+    @property
+    def record(self) -> dict:
+        """run.json's failure fields when a job refuses (the launcher then reports exit 3)."""
+        return {"refused": "kernel_path"}
+
 
 def kernel_path_sha256(fp: dict) -> str:
     return hashlib.sha256(json.dumps(fp["kernel_path"], sort_keys=True).encode()).hexdigest()

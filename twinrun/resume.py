@@ -58,7 +58,7 @@ def resume_run(rd: RunDir, local: bool, trusted: list[str]) -> int:
 def submitted_launcher(rd: RunDir) -> dict | None:
     """The SLURM launcher settings launch.json recorded, checked like a config; None if not a SLURM run."""
     from twinrun.config import LauncherConfig
-    from twinrun.launch import ACTIVE, job_state
+    from twinrun.launch import ACTIVE, job_state, unsafe_sbatch_knob
 
     if not rd.launch_json.is_file():
         return None
@@ -78,6 +78,16 @@ def submitted_launcher(rd: RunDir) -> dict | None:
         # Shell lines from a file anyone could have edited: run them only from the user's own command.
         raise StoreError(rd.launch_json, f"field launcher.setup holds shell lines {launcher['setup']}; a run "
                          "directory never runs code: rerun your original command with hydra.run.dir=RUN_DIR, "
+                         "or resume with --local")
+    if launcher["additional_parameters"]:
+        # sbatch options from a file anyone could have edited (`export: LD_PRELOAD=…`): the user's own only.
+        raise StoreError(rd.launch_json, f"field launcher.additional_parameters holds sbatch options "
+                         f"{launcher['additional_parameters']}; a run directory chooses no job options: rerun your "
+                         "original command with hydra.run.dir=RUN_DIR, or resume with --local")
+    bad = unsafe_sbatch_knob(launcher, trusted=False)
+    if bad is not None:
+        raise StoreError(rd.launch_json, f"field launcher.{bad[0]}: {bad[1]!r} may hold only letters, digits "
+                         "and _.,:@%+=|&()[]*- (it becomes a line of the sbatch script); fix or remove it, "
                          "or resume with --local")
     print(f"twinrun: {rd.path} was a SLURM run: submitting it again (--local to measure here)", flush=True)
     return launcher

@@ -404,7 +404,7 @@ def run_job(run_dir: str | Path, trusted=(), bins: list[int] | None = None) -> d
         try:
             return _measure(index, load_arms(index, trusted), bins)
         except (KeyboardInterrupt, Interrupted) as err:
-            index.mark_interrupted()
+            index.mark_interrupted(bins)
             if isinstance(err, KeyboardInterrupt):
                 raise Interrupted(EXIT_INTERRUPTED) from None
             raise
@@ -436,7 +436,7 @@ def pending_bins(index: RunIndex, bins: list[int] | None) -> list[dict]:
     """The bins to measure: every bin not whole on disk (among `bins`, if given). The bin is the unit
     of twin validity: if any arm of it is missing, all of its arms are measured again, back to back
     in this process, rather than pair stores from two processes."""
-    whole = [b["index"] for b in index.whole_bins()]
+    whole = [b["index"] for b in index.whole_bins(only=bins)]  # an element hashes its own bins' stores only
     if whole:
         print(f"twinrun: resuming: {len(whole)} of {len(index.bins)} bins already measured", flush=True)
     return [b for b in index.bins if b["index"] not in whole and (bins is None or b["index"] in bins)]
@@ -467,7 +467,12 @@ def measure(
     # so it joins the kernel path. A job may not add bins on another path than the whole ones.
     fp = fingerprint(mode)
     fp["kernel_path"]["probe"] = provenance.probe_arithmetic(p, method, c.device.type)
-    provenance.refuse_straddling(index, fp, todo)
+    try:
+        provenance.refuse_straddling(index, fp, todo)
+    except provenance.KernelPathRefused as err:
+        if bins is not None:  # an array element: recorded at its bin, so the waiting launcher says exit 3
+            index.mark_failed(todo[0], next(iter(todo[0]["stores"])), trial.failure_record(err))
+        raise
     job = start_job(index, fp, determinism, provenance.read_sentinel(forward, c.device, image_shape))
     record = provenance.bin_record(fp, job["sentinel_start"])
     index.set_status("running", bins)  # an element never clears a failure recorded at another's bin

@@ -87,7 +87,7 @@ class RunDir:
 
     @property
     def env_dir(self) -> Path:
-        return self.path / ENV_DIR
+        return self.inside(self.path / ENV_DIR)  # start_job writes here: a symlinked env/ is refused
 
     @property
     def log(self) -> Path:
@@ -98,10 +98,10 @@ class RunDir:
         return self.inside(self.path / VIEWS_DIR / name)
 
     def job_env(self, index: int) -> Path:
-        return self.env_dir / f"job{index:03d}.json"
+        return self.inside(self.env_dir / f"job{int(index):03d}.json")
 
     def kernel_path_env(self, sha: str) -> Path:
-        return self.env_dir / f"kernel_path-{sha[:12]}.json"
+        return self.inside(self.env_dir / f"kernel_path-{sha[:12]}.json")
 
     def arm_dir(self, arm: str) -> Path:
         return self.inside(self.path / ARMS_DIR / safe_name(arm, "arm name", self.run_json))
@@ -213,11 +213,21 @@ class ArmEntry(TypedDict):
     config_hash: HexDigest  # of its resolved config.yaml (run.config_hash)
 
 
+class Failure(TypedDict):
+    """Where the run failed (plus, when the model raised, its exception's type, message, frame)."""
+
+    arm: str
+    bin_index: int
+    sigma: Sigma
+
+
 class StoreEntry(TypedDict):
     file: SafeName  # in arms/<arm>/
     status: StoreStatus
     sha256: NotRequired[HexDigest | None]  # of the whole file; present once done
     kernel_path_sha256: NotRequired[HexDigest | None]  # the kernel path it was measured on
+    # why it failed (each array element of a split run records its own; run.json's `failure` is the latest)
+    failure: NotRequired[Failure | None]
 
 
 class BinEntry(TypedDict):
@@ -243,14 +253,6 @@ class JobRecord(TypedDict):
     hostname: str | None
     boot_id: str | None
     slurm_job_id: str | None
-
-
-class Failure(TypedDict):
-    """Where the run failed (plus, when the model raised, its exception's type, message, frame)."""
-
-    arm: str
-    bin_index: int
-    sigma: Sigma
 
 
 class RunRecord(TypedDict):
@@ -480,8 +482,8 @@ def validate_store_meta(path: Path, meta: dict) -> dict:
 def validate_launch(path: Path, launch: dict) -> dict:
     """launch.json: the job a run was submitted as (its id reaches squeue/sacct as an argument)."""
     c = _Check(Path(path))
-    c.one_of(launch, "cluster", "cluster", ("local", "slurm"))
-    _validate_job_record(c, launch, "")
+    cluster = c.one_of(launch, "cluster", "cluster", ("local", "slurm"))
+    _validate_job_record(c, launch, "", cluster)
     c.get(launch, "folder", "folder", str)
     c.get(launch, "launcher", "launcher", dict)
     # launcher.split=bins: every element's job (its bins, id and logs)
@@ -491,14 +493,21 @@ def validate_launch(path: Path, launch: dict) -> dict:
         bins = c.get(element, "bins", f"elements[{i}].bins", list)
         if not all(type(k) is int and k >= 0 for k in bins):
             c.fail(f"elements[{i}].bins", f"{_show(bins)} is not a list of bin indices")
-        _validate_job_record(c, element, f"elements[{i}].")
+        _validate_job_record(c, element, f"elements[{i}].", cluster)
     return launch
 
 
-def _validate_job_record(c: _Check, record: dict, where: str) -> None:
+# A local job's id is its controller's pid, which status signals (kill(pid, 0)): Linux's pids lie in
+# [1, 2**22) (pid_max's ceiling); 0 would signal status's own process group.
+LOCAL_JOB_ID_END = 2**22
+
+
+def _validate_job_record(c: _Check, record: dict, where: str, cluster: str) -> None:
     job_id = c.get(record, "job_id", f"{where}job_id", str)
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
         c.fail(f"{where}job_id", f"{_show(job_id)} is not a job id")
+    if cluster == "local" and not (job_id.isdigit() and 1 <= int(job_id) < LOCAL_JOB_ID_END):
+        c.fail(f"{where}job_id", f"{_show(job_id)} is not a local job's process id (1 to {LOCAL_JOB_ID_END - 1})")
     for key in ("result", "stdout", "stderr"):
         c.get(record, key, f"{where}{key}", str)
 
@@ -574,11 +583,15 @@ class RunIndex:
             return False
         return True
 
-    def whole_bins(self, verify: bool = True) -> list[BinEntry]:
-        """The bins whose every arm is done (verified on disk unless verify=False)."""
-        if not verify:
-            return [b for b in self.bins if self.marked_done(b)]
-        return [b for b in self.bins if all(self.is_done(b, a) for a in b["stores"])]
+    def whole_bins(self, verify: bool = True, only: list[int] | None = None) -> list[BinEntry]:
+        """The bins whose every arm is done (verified on disk unless verify=False). only: verify just
+        these bins (an array element's own); the others are judged by their record, no file read."""
+        def whole(b: BinEntry) -> bool:
+            if not verify or (only is not None and b["index"] not in only):
+                return self.marked_done(b)
+            return all(self.is_done(b, a) for a in b["stores"])
+
+        return [b for b in self.bins if whole(b)]
 
     # ---- updates (each a read-modify-write of run.json under its lock)
 
@@ -594,8 +607,9 @@ class RunIndex:
             doc = read_json(self.run_dir.run_json) if os.path.lexists(self.run_dir.run_json) else self.doc
             change(doc)
             write_json(self.run_dir.run_json, doc)
-        self.doc.clear()
-        self.doc.update(doc)  # in place: callers holding `index.doc` see the fresh document
+        if doc is not self.doc:  # (clearing the very document read back would empty it)
+            self.doc.clear()
+            self.doc.update(doc)  # in place: callers holding `index.doc` see the fresh document
 
     def set_status(self, status: str, bins: list[int] | None = None) -> None:
         """bins: the bins this job measures; a failure recorded at another bin (another array
@@ -607,6 +621,11 @@ class RunIndex:
             other = bins is not None and failure is not None and failure["bin_index"] not in bins
             if status == "running" and not other:
                 doc.pop("failure", None)
+            if status == "running":  # this job's bins start afresh; another element's failures stay
+                for b in doc["bins"]:
+                    if bins is None or b["index"] in bins:
+                        for entry in b["stores"].values():
+                            entry.pop("failure", None)
             if not (status == "running" and other):
                 doc["status"] = status
 
@@ -638,7 +657,19 @@ class RunIndex:
         self._update(change)
 
     def mark_done(self, b: dict, arm: str, sha256: str, kernel_path_sha256: str) -> None:
+        """Record the store done, unless a whole bin of run.json as it is now (another array element's,
+        finished since this job started) holds another kernel path: KernelPathRefused (exit 3)."""
+        from twinrun.provenance import KernelPathRefused
+
         def change(doc: dict) -> None:
+            others = {e.get("kernel_path_sha256") for other in doc["bins"] if other["index"] != b["index"]
+                      and all(e["status"] == "done" for e in other["stores"].values())
+                      for e in other["stores"].values()} - {kernel_path_sha256, None}
+            if others:
+                raise KernelPathRefused(
+                    f"{self.run_dir.path}: bin {b['index']}: another job finished bins of this run on another "
+                    "kernel path meanwhile; twins must not straddle environments: resume it where those "
+                    "bins ran, or start a new run directory")
             doc["bins"][b["index"]]["stores"][arm].update(sha256=sha256, status="done",
                                                         kernel_path_sha256=kernel_path_sha256)
 
@@ -648,15 +679,19 @@ class RunIndex:
         """Record which arm and bin failed (and, when the model raised, its exception's type, message
         and frame); best effort (on a full disk run.json may not be writable)."""
         def change(doc: dict) -> None:
-            doc["bins"][b["index"]]["stores"][arm]["status"] = "failed"
+            failure = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"], **(cause or {})}
+            doc["bins"][b["index"]]["stores"][arm].update(status="failed", failure=failure)
             doc["status"] = "failed"
-            doc["failure"] = {"arm": arm, "bin_index": b["index"], "sigma": b["sigma"], **(cause or {})}
+            doc["failure"] = failure  # the latest; the bin's store entry keeps its own
 
         self._update_best_effort(change)
 
-    def mark_interrupted(self) -> None:
+    def mark_interrupted(self, bins: list[int] | None = None) -> None:
+        """The run is "interrupted" (resume continues); not so when one array element (`bins`) was:
+        the others may still be measuring, and its bins stay pending for a resume."""
         def change(doc: dict) -> None:
-            doc["status"] = "interrupted"
+            if bins is None:
+                doc["status"] = "interrupted"
 
         self._update_best_effort(change)
 

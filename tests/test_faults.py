@@ -131,11 +131,12 @@ def test_nan_gradient_stops_with_arm_bin_and_sigma_named(tmp_path):
 def test_disk_full_is_a_clear_error_and_finished_bins_stay_valid(tmp_path, compose_cfg, monkeypatch):
     cfg = compose_cfg(FAULT_RUN)
     plan_run(cfg, tmp_path)
-    real_fsync, calls = os.fsync, {"n": 0}
+    real_fsync = os.fsync
 
     def fsync_until_full(fd):
-        calls["n"] += 1
-        if calls["n"] > 12:  # the lock, a few stores and run.json updates succeed, then the disk is full
+        # The disk fills once two stores are on it (counted by file, not by fsync: how many fsyncs
+        # the locks and run.json updates take is not this test's business).
+        if len(list(tmp_path.glob("arms/*/bin*.safetensors"))) >= 2:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 

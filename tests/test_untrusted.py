@@ -332,12 +332,6 @@ def test_hypothesis_mutated_store_metadata_never_yields_a_number(made_run, tmp_p
 # ----------------------------------------------------------------------------- truthful state
 
 
-def _default_sigint() -> None:
-    # A shell starts background commands with SIGINT ignored, and Python then installs no
-    # KeyboardInterrupt handler: give the child the disposition of a foreground command.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _interrupt(tmp_path, sig) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "inject"),
@@ -345,9 +339,16 @@ def _interrupt(tmp_path, sig) -> tuple[subprocess.Popen, Path]:
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(
         "import os, time\n_f = os.fsync\nos.fsync = lambda fd: (time.sleep(0.3), _f(fd))[1]\n")
-    proc = subprocess.Popen([sys.executable, "-m", "twinrun", "+experiment=pin_sigma", *TINY,
-                             f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    # A shell starts background commands with SIGINT ignored, and an ignored signal stays ignored
+    # across exec (Python then installs no KeyboardInterrupt handler): while the child starts, this
+    # process handles SIGINT, so the child begins with the disposition of a foreground command.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "twinrun", "+experiment=pin_sigma", *TINY,
+                                 f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 300
     while not list(run_dir.glob("arms/*/*.safetensors")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

@@ -149,7 +149,7 @@ def check(launcher: dict, probe_compile=False) -> None:
     split = launcher.get("split", "pair")
     if split not in SPLITS:
         raise ConfigError("launcher.split", split, "choose pair (one job per run) or bins (one job per bin)")
-    if split == "bins" and probe_compile is not False and probe_compile is not None:
+    if split == "bins" and probe_compile:  # false/None: eager; "default"/"max-autotune": compiled
         # Concurrent elements would compile into one shared cache, each fingerprinting another cache
         # digest: every bin on its own kernel path, and the run refused as straddling.
         raise ConfigError("launcher.split", split, f"cannot run with probe.compile={probe_compile!r}: the bins' "

@@ -165,7 +165,7 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
 
 def validate_reduce(r: DictConfig) -> None:
     """The analysis registered at plan time: estimands from the registry, a known gate rule."""
-    check_estimands(list(r.estimands), OmegaConf.to_container(r, resolve=True)["groups"] or {}, None)
+    check_estimands(list(r.estimands), declared_groups(r), None)
     if r.gate_rule not in GATE_RULES:
         raise ConfigError("reduce.gate_rule", r.gate_rule, f"choose one of {', '.join(GATE_RULES)}")
     if not 0 < r.signal_alpha < 0.5:
@@ -192,11 +192,15 @@ def check_measures_something(intervention, grid: list[float]) -> None:
                           "every bin); choose settings that change something (e.g. gamma ≠ 1, factor ≠ 1)")
 
 
+def declared_groups(r: DictConfig) -> dict[str, list[str]]:
+    """reduce.groups as plain data ({} when none is declared): the estimand groups of the config."""
+    return OmegaConf.to_container(r, resolve=True)["groups"] or {}
+
+
 def check_params(c: "Components", cfg: DictConfig) -> None:
     """Every registered estimand (built-in or a reduce.groups entry) selects probed parameters of
     this model (`cond` needs conditioning ones among probe.params, which the builder matched)."""
-    check_estimands(list(cfg.reduce.estimands), OmegaConf.to_container(cfg.reduce, resolve=True)["groups"] or {},
-                    c.layout)
+    check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), c.layout)
 
 
 def check_reference(reference: str | None, mine: dict) -> str | None:
@@ -246,11 +250,13 @@ class Components:
     device: torch.device
 
 
-def build_components(config: dict, p: ProbeConfig, arms: list[Arm], device: torch.device) -> Components:
+def build_components(config: dict, p: ProbeConfig, arms: list[Arm], device: torch.device,
+                     data: tuple | None = None) -> Components:
     """Model, data and each arm's intervention from the arms' shared resolved config (one level of
-    instantiate each), and the probe's parameter selection, layout and folds (`p`: config's probe, typed)."""
+    instantiate each), and the probe's parameter selection, layout and folds (`p`: config's probe, typed).
+    data: (images, ids) when the caller has already built them (planning validates their count first)."""
     model = build(config["model"], "model").to(device)
-    images, image_ids = build(config["data"], "data")
+    images, image_ids = data if data is not None else build(config["data"], "data")
     names = probe.select_params(model, list(p.params))
     sizes = fold_sizes(p.n_images, p.n_folds)
     return Components(
@@ -275,20 +281,20 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     dry_run: validate only, write nothing (a sweep checks every point before the first runs).
     """
     intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
-    images, _ = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
-    validate(cfg, n_available_images=images.shape[0])
+    data = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
+    validate(cfg, n_available_images=data[0].shape[0])
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     intervention.check(grid)
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
     p = typed(ProbeConfig, arms[0].config["probe"], "probe")
-    c = build_components(arms[0].config, p, arms, torch.device("cpu"))  # what the job builds, on the CPU here
+    c = build_components(arms[0].config, p, arms, torch.device("cpu"), data)  # what the job builds, on the CPU
     check_params(c, cfg)
     check_measures_something(intervention, grid)  # after derive_arms: "no intervention declared" comes first
     check_paths(cfg, run_dir)
     intervention.check_model(c.model)
     numels = [group["numel"] for group in c.layout]
     n_gate_replicates = 0 if any(a.name == GATE_REPLICATE for a in arms) else len(intervention.gate_sigmas(grid))
-    check_sizes(cfg, images.shape[1:], numels, len(arms) * len(grid) + n_gate_replicates, run_dir)
+    check_sizes(cfg, c.images.shape[1:], numels, len(arms) * len(grid) + n_gate_replicates, run_dir)
     trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
     run = {
         "format": "twinrun-run/1",
@@ -299,7 +305,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
         # The analysis registered before any compute; `reduce` with other settings is a post-hoc view.
         "registered": {"estimands": list(cfg.reduce.estimands), "gate_rule": cfg.reduce.gate_rule,
                        "signal_alpha": float(cfg.reduce.signal_alpha),
-                       **({"groups": OmegaConf.to_container(cfg.reduce, resolve=True)["groups"]} if cfg.reduce.groups else {})},
+                       **({"groups": declared_groups(cfg.reduce)} if cfg.reduce.groups else {})},
         "bins": [
             {"index": i, "sigma": s, "gate": s in intervention.gate_sigmas(grid),
              "stores": {a.name: {"file": store_name(i, s), "status": "pending"} for a in arms}}

@@ -14,17 +14,25 @@ import os
 import secrets
 import shlex
 import sys
+import traceback
 from pathlib import Path
-from typing import NamedTuple
 
 import hydra
+from hydra import compose
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from twinrun.config import register_configs
-from twinrun.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Interrupted, TwinrunError, fail
+from twinrun.config import TwinrunConfig, expand_sweep, register_configs
+from twinrun.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, ConfigError, Interrupted, TwinrunError, fail
+from twinrun.job import raise_on_sigterm
+from twinrun.pipeline import Point, check_launcher, run_point, submit_sweep
+from twinrun.plan import plan_run
+from twinrun.publish.sweep import write_sweep_summary
+from twinrun.storage.rundir import RunDir
 
 
 def _conf_dir() -> Path:
@@ -43,15 +51,6 @@ CONF_DIR = _conf_dir()
 _state = {"task_started": False, "held_stderr": None}
 
 
-class Point(NamedTuple):
-    """What one sweep point's task hands its SweepCallback: its exit code, or None when it waits to be
-    submitted with the others as one array."""
-    run_dir: Path
-    code: int | None
-    launcher: dict | None
-    trusted: tuple
-
-
 @functools.cache
 def _unique() -> str:
     # Hydra's ${now:} has one-second resolution: two runs started in the same second would share
@@ -67,7 +66,6 @@ def _config_groups() -> str:
     walks the whole search path: seconds of CPU that only `--help` needs."""
     if not {"--help", "-h"} & set(sys.argv[1:]):
         return "(listed by --help)"
-    from hydra.core.global_hydra import GlobalHydra
 
     def chosen_by_users(group: str) -> bool:
         return not group.startswith(("hydra/", "schema/")) and group not in ("hydra", "schema")
@@ -86,47 +84,6 @@ def reproduce_command() -> str:
     return " ".join(["python -m twinrun", *map(shlex.quote, args)])
 
 
-def reduce_and_report(run_dir: Path) -> int:
-    from twinrun.reduce import reduce_run, render
-
-    summary, code = reduce_run(run_dir)
-    print(render(summary), flush=True)
-    return code
-
-
-def run_point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Point:
-    """Plan one run, then measure and reduce it (local), submit it, or defer it to the sweep's array."""
-    from twinrun import launch
-    from twinrun.run import plan_run, run_job, trusted_targets
-
-    trusted = tuple(trusted_targets(cfg))  # the user composed this config: its builders may run
-    launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
-    launch.check(launcher, cfg.probe.compile)  # bad launcher settings fail before a run directory is written
-    plan_run(cfg, run_dir, command=reproduce_command())
-    print(f"twinrun: run directory {run_dir}", flush=True)
-    if launch.LAUNCHERS[launcher["name"]].in_process:
-        run_job(run_dir, trusted)
-        return Point(run_dir, reduce_and_report(run_dir), launcher, trusted)
-    if sweeping:
-        return Point(run_dir, None, launcher, trusted)
-    return Point(run_dir, submit_and_collect([run_dir], launcher, run_dir, trusted), launcher, trusted)
-
-
-def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> int:
-    """Submit the runs (one job, or one array), wait unless told not to, reduce each."""
-    from twinrun import launch
-
-    elements = launch.submit(run_dirs, launcher, folder_root, trusted)
-    if not launcher["wait"]:
-        where = run_dirs[0] if len(run_dirs) == 1 else folder_root
-        print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`, "
-              "then reduce each run with `python -m twinrun.reduce RUN_DIR`")
-        return EXIT_OK
-    failed = launch.wait(elements, launcher)
-    codes = [failed.get(Path(r).resolve()) or reduce_and_report(r) for r in run_dirs]
-    return max(codes)
-
-
 def _task(cfg: DictConfig) -> Point:
     _release_stderr()
     hc = HydraConfig.get()
@@ -135,7 +92,7 @@ def _task(cfg: DictConfig) -> Point:
     try:
         refuse_unknown_additions(list(hc.overrides.task), set(hc.runtime.choices))
         with tee_output(run_dir / f"{hc.job.name}.log"):
-            point = run_point(cfg, run_dir, sweeping)
+            point = run_point(cfg, run_dir, reproduce_command(), sweeping)
     except TwinrunError as err:
         discard_unplanned(run_dir)
         if not sweeping:
@@ -162,8 +119,6 @@ def _loud(method):
         try:
             return method(*args, **kwargs)
         except Exception:  # noqa: BLE001 — re-raised as the exit below, after the traceback
-            import traceback
-
             traceback.print_exc()
             raise SystemExit(1) from None
 
@@ -181,11 +136,9 @@ class SweepCallback(Callback):
 
     @_loud
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        from twinrun.sweep import expand
-
         _release_stderr()
         try:
-            check_sweep(expand(list(config.hydra.overrides.task)), set(config.hydra.runtime.choices),
+            check_sweep(expand_sweep(list(config.hydra.overrides.task)), set(config.hydra.runtime.choices),
                         Path(config.hydra.sweep.dir))
         except TwinrunError as err:
             fail(err)  # nothing was written yet: Hydra makes the sweep directory when the jobs start
@@ -200,15 +153,11 @@ class SweepCallback(Callback):
 
     @_loud
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        from twinrun.sweep import write_sweep_summary
-
         sweep_dir = Path(config.hydra.sweep.dir)
         launcher = self.deferred[0].launcher if self.deferred else None
         if self.deferred:
-            trusted = sorted({t for p in self.deferred for t in p.trusted})
             try:
-                self.codes.append(submit_and_collect([p.run_dir for p in self.deferred], launcher, sweep_dir,
-                                                     trusted))
+                self.codes.append(submit_sweep(self.deferred, sweep_dir))
             except TwinrunError as err:
                 fail(err)
         if launcher is None or launcher["wait"]:
@@ -221,12 +170,6 @@ def refuse_unknown_additions(overrides: list[str], groups: set[str]) -> None:
     so `+probe.n_draw=100` would be silently ignored: refuse a key the schema does not declare,
     listing the keys it does. Config groups (`+experiment=...`) and free-form nodes (the model's,
     data's and intervention's own builder arguments, launcher.additional_parameters) stay open."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import DictConfig
-
-    from twinrun.config import TwinrunConfig
-    from twinrun.errors import ConfigError
-
     schema = OmegaConf.structured(TwinrunConfig)
     for o in OverridesParser.create().parse_overrides(overrides):
         key = o.key_or_group
@@ -289,18 +232,12 @@ def check_sweep(points: list[list[str]], choices: set[str], sweep_dir: Path | No
     one line naming its overrides, and nothing has been measured. The points share one launcher
     config: a submitit sweep goes out as one job array. Paths and free space are judged where the
     sweep will write (sweep_dir), not where the command was started."""
-    from hydra import compose
-
-    from twinrun import launch
-    from twinrun.run import plan_run
-
     launchers = []
     for number, overrides in enumerate(points):
         try:
             refuse_unknown_additions(list(overrides), choices)
             cfg = compose(config_name="config", overrides=list(overrides))
-            launchers.append(OmegaConf.to_container(cfg.launcher, resolve=True))
-            launch.check(launchers[-1], cfg.probe.compile)
+            launchers.append(check_launcher(cfg))
             plan_run(cfg, sweep_dir, dry_run=True)
         except TwinrunError as err:
             raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): {err}; nothing was run") from None
@@ -315,8 +252,6 @@ def check_sweep(points: list[list[str]], choices: set[str], sweep_dir: Path | No
 def discard_unplanned(run_dir: Path, own_files=(".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")):
     """A rejected config leaves nothing on disk: remove the directory Hydra made for it (a run's or a
     sweep's), if it holds nothing twinrun wrote (no run.json) but Hydra's own record and empty logs."""
-    from twinrun.rundir import RunDir
-
     rd = RunDir(run_dir)
     if rd.run_json.exists() or not rd.path.is_dir():
         return
@@ -375,8 +310,6 @@ def main() -> None:
     if not OmegaConf.has_resolver("twinrun.config_groups"):
         OmegaConf.register_new_resolver("twinrun.config_groups", _config_groups)
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
-    from twinrun.run import raise_on_sigterm
-
     raise_on_sigterm()
     held = _HeldStderr()
     _state["held_stderr"] = held

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.errors import TwinrunError
-from twinrun.rundir import SAFE_NAME
+from twinrun.files import SAFE_NAME
 
 INTERVENTION_KEY = "intervention"
 NATIVE = {"_target_": "twinrun.interventions.Native"}

@@ -14,14 +14,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinrun.checks import arm_stores, close, load_run, registered, scan_run
+from twinrun.analysis.checks import arm_stores, close, load_run, registered, scan_run
+from twinrun.analysis.estimands import SHIFT_VIEW
+from twinrun.analysis.references import cross_estimates, protocol_mismatch, reference_report
 from twinrun.config import ReduceConfig
-from twinrun.env import kernel_path_diff
 from twinrun.errors import EXIT_OK, EXIT_REFUSED, StoreError, TwinrunError, fail
-from twinrun.references import cross_estimates, protocol_mismatch, reference_report
-from twinrun.render import pm
-from twinrun.rundir import ARMS_DIR, RunDir
-from twinrun.store import StoreReader
+from twinrun.provenance.fingerprint import kernel_path_diff
+from twinrun.publish.render import pm
+from twinrun.storage.rundir import ARMS_DIR, RunDir
+from twinrun.storage.store import StoreReader
 
 
 def resolve(path: Path, arm: str) -> tuple[Path | None, dict]:
@@ -67,13 +68,13 @@ def vouched(run_a: Path | None, run_b: Path | None) -> bool:
     stores of both runs now (summary.json is never trusted)."""
     if run_a is None or run_b is None:
         return False
-    run, readers = load_run(run_a)
+    index, readers = load_run(run_a)
     try:
-        if not run.get("reference") or Path(run["reference"]).resolve() != run_b.resolve():
+        if not index.reference or Path(index.reference).resolve() != run_b.resolve():
             return False
-        found = scan_run(run, readers, ["all"], None, 1_000_000)  # the replicate's shifts; every store checked
-        inter = next(a["name"] for a in run["arms"] if a["role"] == "intervention")
-        verdict = reference_report(run_a, run, readers, found, inter, run_b, registered(run)["signal_alpha"],
+        found = scan_run(index, readers, [SHIFT_VIEW], None, 1_000_000)  # the replicate's shifts; every store checked
+        inter = index.arm("intervention")["name"]
+        verdict = reference_report(index, readers, found, inter, run_b, registered(index)["signal_alpha"],
                                    run_ok=False)
     finally:
         close(readers)

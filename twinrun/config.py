@@ -7,15 +7,21 @@ entry points, never at import). The YAML files in conf/ select and fill these sc
 from dataclasses import dataclass, field
 from typing import Any
 
+import hydra
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # Hydra's own expansion of a sweep
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from twinrun.errors import StoreError
+from twinrun.errors import ConfigError, StoreError
+from twinrun.interventions import INTERVENTIONS, schema
 
 # ----------------------------------------------------------------------------- components built
 # through one level of `_target_` (model, data, intervention): a user's own config may point
-# `_target_` at their own builder; these schemas type-check the built-in options.
+# `_target_` at their own builder; these schemas type-check the built-in options. Each intervention
+# class is its own schema (twinrun.interventions.INTERVENTIONS, registered below).
 
 
 @dataclass
@@ -29,41 +35,6 @@ class DiTModelConfig:
 class DigitsDataConfig:
     # scikit-learn's 8x8 digits, held-out split (ships inside the package: no download).
     _target_: str = "twinrun.data.load_heldout_images"
-
-
-@dataclass
-class NativeConfig:
-    _target_: str = "twinrun.interventions.Native"
-
-
-@dataclass
-class PinSigmaConfig:
-    _target_: str = "twinrun.interventions.PinSigma"
-    # σ fed to the conditioning pathway in every bin; must be a bin of the grid (its no-op gate).
-    sigma_pin: float = 0.5
-
-
-@dataclass
-class ScaleCondConfig:
-    _target_: str = "twinrun.interventions.ScaleCond"
-    # ln σ_cond = ln anchor_sigma + gamma·(ln σ − ln anchor_sigma); anchor_sigma must be a bin (its gate).
-    anchor_sigma: float = 0.5
-    gamma: float = 0.5  # 1 = native, 0 = pin at anchor_sigma
-
-
-@dataclass
-class ScaleModuleConfig:
-    _target_: str = "twinrun.interventions.ScaleModule"
-    # A name from model.named_modules() whose output is scaled at every σ (a forward hook).
-    module: str = "blocks.1.attn"
-    factor: float = 0.5  # 0 ablates the module; 1 is its no-op setting (the machinery arm runs it)
-
-
-@dataclass
-class ScaleInputConfig:
-    _target_: str = "twinrun.interventions.ScaleInput"
-    # The denoiser's noisy input x is multiplied by this before the model sees it, at every σ.
-    factor: float = 0.9  # 1 is its no-op setting (the machinery arm runs it)
 
 
 # ----------------------------------------------------------------------------- plain settings
@@ -190,6 +161,8 @@ class ArmsConfig:
 
 @dataclass
 class TwinrunConfig:
+    # The measurement kind (twinrun/measures: MEASURES): probe = per-fold gradient sums at each σ bin.
+    measure: str = "probe"
     model: Any = MISSING
     data: Any = MISSING
     intervention: Any = MISSING
@@ -226,9 +199,19 @@ def _at(config: dict, dotted: str):
     return node
 
 
-def protocol_differences(a: dict, b: dict) -> list[str]:
+def protocol_differences(a: dict, b: dict, keys=PROTOCOL_KEYS) -> list[str]:
     """The protocol keys at which two resolved configs differ (empty: they measure the same thing)."""
-    return [k for k in PROTOCOL_KEYS if _at(a, k) != _at(b, k)]
+    return [k for k in keys if _at(a, k) != _at(b, k)]
+
+
+def build(node: dict, key: str):
+    """One level of Hydra instantiate (a config node becomes its object), with a one-line error naming the key."""
+    try:
+        return hydra.utils.instantiate(node)
+    except Exception as err:  # noqa: BLE001 — instantiate wraps every builder failure in its own exception
+        cause = err.__cause__ or err
+        msg = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
+        raise ConfigError(f"{key}._target_", node.get("_target_"), f"could not be built: {msg}") from None
 
 
 def typed(schema: type, node: dict, where) -> Any:
@@ -246,11 +229,16 @@ def register_configs() -> None:
     cs.store(name="twinrun_schema", node=TwinrunConfig)
     cs.store(group="schema/model", name="dit", node=DiTModelConfig)
     cs.store(group="schema/data", name="digits", node=DigitsDataConfig)
-    cs.store(group="schema/intervention", name="native", node=NativeConfig)
-    cs.store(group="schema/intervention", name="pin_sigma", node=PinSigmaConfig)
-    cs.store(group="schema/intervention", name="scale_cond", node=ScaleCondConfig)
-    cs.store(group="schema/intervention", name="scale_module", node=ScaleModuleConfig)
-    cs.store(group="schema/intervention", name="scale_input", node=ScaleInputConfig)
+    for cls in INTERVENTIONS:
+        cs.store(group="schema/intervention", name=cls.name, node=schema(cls))
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
+
+
+def expand_sweep(task: list[str]) -> list[list[str]]:
+    """A sweep's command-line overrides expanded into each point's, in job order (Hydra's basic sweeper)."""
+    try:
+        return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)[0]
+    except HydraException as err:
+        raise StoreError("sweep overrides", str(err).splitlines()[0]) from None

@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 
 from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
-from twinrun.store import OLD_STORE_FORMAT, STORE_FORMAT, StoreReader, max_store_bytes, open_regular
+from twinrun.files import memory_bytes, open_regular
+from twinrun.storage.store import OLD_STORE_FORMAT, STORE_FORMAT, StoreReader
 
 
 @dataclass
@@ -45,7 +46,7 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _file_tensors(path: Path) -> dict[str, torch.Tensor]:
     """One file's tensors: a regular file of plausible size; a twinrun store is verified first."""
-    os.close(open_regular(path, max_store_bytes(), "safetensors file")[0])  # no FIFO, no 1 TiB
+    os.close(open_regular(path, memory_bytes(), "safetensors file")[0])  # no FIFO, no 1 TiB
     try:
         with safe_open(str(path), framework="pt") as handle:
             if (handle.metadata() or {}).get("format") in (STORE_FORMAT, OLD_STORE_FORMAT):

@@ -38,6 +38,17 @@ class ConfigError(TwinrunError):
         self.key, self.value = key, value
 
 
+class KernelPathRefused(TwinrunError):
+    """Twins or comparisons must not straddle kernel paths (exit 3)."""
+
+    exit_code = EXIT_REFUSED
+
+    @property
+    def record(self) -> dict:
+        """run.json's failure fields when a job refuses (the launcher then reports exit 3)."""
+        return {"refused": "kernel_path"}
+
+
 class StoreError(TwinrunError):
     """A store or run directory is missing, damaged, or foreign; the message names the path."""
 

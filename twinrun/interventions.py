@@ -1,7 +1,9 @@
 """Interventions: what an arm changes. The native twin changes nothing.
 
-An intervention is a small object built from config by one level of Hydra `_target_`. It may act
-at three places, each optional (the base class's defaults do nothing):
+An intervention is one class and one YAML file: the class is a dataclass whose fields are its config
+keys (its own schema: `register_schemas` puts every class of INTERVENTIONS into Hydra's ConfigStore,
+so a typo'd key or a wrong type fails in Hydra), built from config by one level of Hydra `_target_`.
+It may act at these places, each optional (the base class's defaults do nothing):
   sigma_cond(sigma)    the σ fed to the denoiser's conditioning pathway at noising σ,
   attach(model)        forward hooks by module name: a module's output, the model's inputs,
                        returning the handles that remove them after the arm's measurement,
@@ -15,19 +17,25 @@ and it declares how it can be checked against its twin:
 An intervention with neither a gate bin nor a no-op setting proves nothing and is refused.
 """
 
+import dataclasses
 import difflib
 import math
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import ClassVar
 
 import torch
 
 from twinrun.errors import ConfigError
 
 
+@dataclass
 class Intervention:
     """Defaults: the twin's behaviour everywhere, no gate bin, no no-op setting."""
 
-    name = "intervention"
-    sweep_axis: str | None = None
+    name: ClassVar[str] = "intervention"  # its arm directory
+    sweep_axis: ClassVar[str | None] = None  # the config key a sweep over it varies
 
     def sigma_cond(self, sigma: torch.Tensor) -> torch.Tensor:
         return sigma
@@ -48,24 +56,28 @@ class Intervention:
         pass
 
 
+@dataclass
 class Native(Intervention):
     """The twin: σ_cond = σ, no hooks."""
 
-    name = "native"
+    name: ClassVar[str] = "native"
 
     def gate_sigmas(self, grid: list[float]) -> list[float]:
         return list(grid)
 
 
+@dataclass
 class PinSigma(Intervention):
     """Pin σ_cond at sigma_pin in every bin; a no-op in the bin σ = sigma_pin (its gate). It has no
     no-op setting of its own: a pin that follows σ is no longer a pin."""
 
-    name = "pin_sigma"
-    sweep_axis = "sigma_pin"
+    # σ fed to the conditioning pathway in every bin; must be a bin of the grid (its no-op gate).
+    sigma_pin: float = 0.5
+    name: ClassVar[str] = "pin_sigma"
+    sweep_axis: ClassVar[str] = "sigma_pin"
 
-    def __init__(self, sigma_pin: float):
-        self.sigma_pin = float(sigma_pin)
+    def __post_init__(self):
+        self.sigma_pin = float(self.sigma_pin)
 
     def sigma_cond(self, sigma: torch.Tensor) -> torch.Tensor:
         # Same dtype and device as σ so that at the gate bin both arms feed bit-identical inputs.
@@ -86,6 +98,7 @@ class PinSigma(Intervention):
             )
 
 
+@dataclass
 class ScaleCond(Intervention):
     """Scale the conditioning signal c_noise = ln(σ)/4 about an anchor σ_a:
     ln σ_cond = ln σ_a + gamma·(ln σ − ln σ_a). gamma = 1 is native, gamma = 0 is pin_sigma at σ_a;
@@ -93,11 +106,14 @@ class ScaleCond(Intervention):
     σ = σ_a: that bin is its gate. gamma = 1 is not declared its no-op setting: exp(ln σ) need not
     round back to σ, so that code path is close to the twin, not bit-identical to it."""
 
-    name = "scale_cond"
-    sweep_axis = "gamma"
+    # ln σ_cond = ln anchor_sigma + gamma·(ln σ − ln anchor_sigma); anchor_sigma must be a bin (its gate).
+    anchor_sigma: float = 0.5
+    gamma: float = 0.5  # 1 = native, 0 = pin at anchor_sigma
+    name: ClassVar[str] = "scale_cond"
+    sweep_axis: ClassVar[str] = "gamma"
 
-    def __init__(self, anchor_sigma: float, gamma: float):
-        self.anchor_sigma, self.gamma = float(anchor_sigma), float(gamma)
+    def __post_init__(self):
+        self.anchor_sigma, self.gamma = float(self.anchor_sigma), float(self.gamma)
 
     def sigma_cond(self, sigma: torch.Tensor) -> torch.Tensor:
         if self.gamma == 1:  # native exactly (exp∘log does not round-trip): refused as a no-op everywhere
@@ -128,16 +144,20 @@ def _scaled(output, factor: float):
     return type(output)(_scaled(o, factor) for o in output)
 
 
+@dataclass
 class ScaleModule(Intervention):
     """Scale a named module's output by `factor` at every σ (forward hook). factor = 0 ablates the
     module, factor = 1 is its no-op setting (x·1 == x exactly in IEEE arithmetic, so the machinery
     arm must be bit-identical to the twin). No bin is a no-op: the machinery arm is its gate."""
 
-    name = "scale_module"
-    sweep_axis = "factor"
+    # A name from model.named_modules() whose output is scaled at every σ (a forward hook).
+    module: str = "blocks.1.attn"
+    factor: float = 0.5  # 0 ablates the module; 1 is its no-op setting (the machinery arm runs it)
+    name: ClassVar[str] = "scale_module"
+    sweep_axis: ClassVar[str] = "factor"
 
-    def __init__(self, module: str, factor: float):
-        self.module, self.factor = str(module), float(factor)
+    def __post_init__(self):
+        self.module, self.factor = str(self.module), float(self.factor)
 
     def attach(self, model: torch.nn.Module) -> list:
         target = dict(model.named_modules())[self.module]
@@ -159,16 +179,19 @@ class ScaleModule(Intervention):
                               f"{len(names)} names of model.named_modules())")
 
 
+@dataclass
 class ScaleInput(Intervention):
     """Scale the denoiser's noisy input x by `factor` before the model sees it (a forward pre-hook on
     the model), at every σ: how much the model relies on the input's calibrated scale (EDM's c_in and
     c_skip both read x). factor = 1 is its no-op setting; the machinery arm is its gate."""
 
-    name = "scale_input"
-    sweep_axis = "factor"
+    # The denoiser's noisy input x is multiplied by this before the model sees it, at every σ.
+    factor: float = 0.9  # 1 is its no-op setting (the machinery arm runs it)
+    name: ClassVar[str] = "scale_input"
+    sweep_axis: ClassVar[str] = "factor"
 
-    def __init__(self, factor: float):
-        self.factor = float(factor)
+    def __post_init__(self):
+        self.factor = float(self.factor)
 
     def attach(self, model: torch.nn.Module) -> list:
         def scale_x(mod, args):
@@ -197,3 +220,34 @@ class attached:
     def __exit__(self, *exc) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+# The built-in interventions, each registered as its own schema under schema/intervention/<name>.
+INTERVENTIONS: tuple[type[Intervention], ...] = (Native, PinSigma, ScaleCond, ScaleModule, ScaleInput)
+
+
+def target(cls: type) -> str:
+    """The `_target_` that builds the class."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def schema(cls: type[Intervention]) -> type:
+    """The class's config schema: its own fields, with the `_target_` that builds it first."""
+    own = [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(cls)]
+    return dataclasses.make_dataclass(f"{cls.__name__}Config", [("_target_", str, target(cls)), *own])
+
+
+def sweep_axis(node: dict) -> dict | None:
+    """The axis an arm's `intervention` node declares (its class's `sweep_axis`) and its value there,
+    {"key": "intervention.<axis>", "value": ...}; None if it declares none.
+
+    The class is looked up, never imported: twinrun's own interventions, or one this process already
+    imported to build it (a run directory names code; reading one must not run any)."""
+    module, _, name = str(node.get("_target_", "")).rpartition(".")
+    owner = sys.modules[__name__] if module == __name__ else sys.modules.get(module)
+    # vars(), not getattr: a module's __getattr__ (PEP 562 lazy loaders) could import on a name read from disk.
+    cls = vars(owner).get(name) if isinstance(owner, ModuleType) else None
+    axis = getattr(cls, "sweep_axis", None) if isinstance(cls, type) else None
+    if not isinstance(axis, str) or axis not in node:
+        return None
+    return {"key": f"intervention.{axis}", "value": node[axis]}

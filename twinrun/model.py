@@ -14,7 +14,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 from torch import nn
+
+from twinrun.files import atomic_write
 
 # Kwargs of the committed model (sigma_data comes from the data and is stored beside them).
 # mlp_ratio 2 keeps P near 49k: the probe stores F x P float32 per arm and bin.
@@ -241,10 +245,6 @@ def save_pretrained(model: DiTDenoiser, path: str | Path, metadata: dict[str, st
     """Atomically write the model's parameters; metadata gets `arch` (JSON kwargs incl. sigma_data)."""
     path = Path(path)
     tensors = {name: p.detach().to("cpu", torch.float32).contiguous() for name, p in model.named_parameters()}
-    from safetensors.torch import save
-
-    from twinrun.store import atomic_write
-
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, save(tensors, metadata={**(metadata or {}), "arch": json.dumps(model.arch)}))
     return path
@@ -261,8 +261,6 @@ def _first_line(err: BaseException) -> str:
 
 def read_weights(path: str | Path | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a weights file; one-line errors naming the path and the fix."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(DEFAULT_WEIGHTS_PATH if path is None else path)
     fix = _fix_hint(path)
     if not path.is_file():

@@ -1,8 +1,8 @@
 """Where a run or a sweep stands: `python -m twinrun.status RUN_DIR|SWEEP_DIR`.
 
-Progress is read from each run directory (run.json: bins done per arm, a failure), so it shows
+Progress is read from each run directory (run.json: units done per arm, a failure), so it shows
 even on a cluster without accounting; the scheduler's state of the job named in launch.json
-(written at submission) is added when the launcher's scheduler answers (twinrun.launch.job_state).
+(written at submission) is added when the launcher's scheduler answers (twinrun.launchers.record).
 """
 
 import argparse
@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 from twinrun.errors import EXIT_OK, EXIT_USAGE, StoreError, fail
-from twinrun.lock import holder_alive, read_holder
-from twinrun.rundir import RUN_JSON, RunDir, RunIndex
-from twinrun.store import read_json, verify_store
+from twinrun.launchers.record import describe, job_state, progress
+from twinrun.storage.lock import holder_alive, read_holder
+from twinrun.storage.rundir import RunDir, RunIndex
+from twinrun.storage.store import verify_store
+from twinrun.storage.sweepdir import SweepDir
 
 
 def find_runs(path: Path) -> list[Path]:
@@ -20,52 +22,31 @@ def find_runs(path: Path) -> list[Path]:
     path = Path(path)
     if RunDir(path).is_run():
         return [path]
-    points = sorted((p for p in path.glob(f"*/{RUN_JSON}")), key=lambda p: _point_key(p.parent.name))
+    points = SweepDir(path).point_dirs() if path.is_dir() else []
     if not points:
-        raise StoreError(path, f"holds no {RUN_JSON} (not a run directory) and no sweep point with one")
-    return [p.parent for p in points]
+        raise StoreError(path, "holds no run.json (not a run directory) and no sweep point with one")
+    return points
 
 
-def _point_key(name: str):
-    return (0, int(name), "") if name.isdigit() else (1, 0, name)
-
-
-def progress(run_dir: Path, verify: bool = False) -> dict:
-    """run.json's status, stores done per arm, the failure if any, and launch.json if written.
-
-    verify: count a store as done only if it exists and its sha256 matches run.json (reads every
-    store), list the others as damaged, tell whether the writer still lives, and add the verdict.
-    """
+def verified_progress(run_dir: Path) -> dict:
+    """progress(), with every store done counted only if it exists and its sha256 matches run.json
+    (reads every store), the others listed as damaged, whether the writer still lives, and the verdict."""
     index = RunIndex.load(run_dir)
-    rd = index.run_dir
-    done, damaged = {}, []
+    prog, damaged = progress(index), []
     for arm in index.arm_names:
-        ok = [b for b in index.bins if b["stores"][arm]["status"] == "done"]
-        if verify:
-            good = [b for b in ok if _verified(index, b, arm, damaged)]
-            ok = good
-        done[arm] = len(ok)
-    # The twin's gate replicate has stores at gate bins only (not an arm of run.json): verify them too.
-    extra = [(b, a) for b in index.bins for a in b["stores"] if a not in index.arm_names]
-    if verify:
-        for b, arm in extra:
-            if b["stores"][arm]["status"] == "done":
-                _verified(index, b, arm, damaged)
-    launch = read_json(rd.launch_json) if rd.launch_json.is_file() else None
-    return {
-        "status": _live_status(index, launch) if verify else index.status,
-        "done": done,
-        "n_bins": len(index.bins),
-        "failure": index.doc.get("failure"),
-        "launch": launch,
-        "damaged": damaged,
-        "verdict": _verdict(rd) if verify else None,
-    }
+        prog["done"][arm] = sum(_verified(index, u, arm, damaged) for u in index.units)
+    for u in index.units:  # the twin's gate replicate (not an arm of run.json): verified too
+        for arm in set(u["stores"]) - set(index.arm_names):
+            _verified(index, u, arm, damaged)
+    prog.update(status=_live_status(index, prog["launch"]), damaged=damaged, verdict=_verdict(index.run_dir))
+    return prog
 
 
-def _verified(index: RunIndex, b: dict, arm: str, damaged: list) -> bool:
+def _verified(index: RunIndex, u: dict, arm: str, damaged: list) -> bool:
+    if index.store_entry(u, arm)["status"] != "done":
+        return False
     try:
-        verify_store(index.store_path(b, arm), b["stores"][arm]["sha256"])
+        verify_store(index.store_path(u, arm), index.store_entry(u, arm)["sha256"])
     except StoreError as err:
         damaged.append(str(err))
         return False
@@ -76,11 +57,9 @@ def _live_status(index: RunIndex, launch: dict | None) -> str:
     """run.json's status, corrected when it says "running" but its writer is gone."""
     if index.status != "running":
         return index.status
-    from twinrun.launch import job_state
-
-    # The run's writer, or (split by bins) the writer of any bin.
+    # The run's writer, or (split by units) the writer of any unit.
     rd = index.run_dir
-    holders = [read_holder(rd.path), *(_bin_holder(rd, b["index"]) for b in index.bins)]
+    holders = [read_holder(rd.lock), *(read_holder(rd.unit_lock(u["index"])) for u in index.units)]
     alive = [holder_alive(h) for h in holders if h]
     if alive and all(a is None for a in alive):  # held from another host: the scheduler tells the rest
         return "running (on another host)"
@@ -90,35 +69,12 @@ def _live_status(index: RunIndex, launch: dict | None) -> str:
     return "interrupted (its process is gone; resume with `python -m twinrun.resume RUN_DIR`)"
 
 
-def _bin_holder(rd: RunDir, index: int) -> dict | None:
-    return read_holder(rd.path, rd.bin_lock(index))
-
-
 def _verdict(rd: RunDir) -> str | None:
-    if not rd.summary_json.is_file():
+    if not rd.has_summary():
         return None
-    summary = read_json(rd.summary_json)
+    summary = rd.read_summary()
     # `passed`: every check and gate, the machinery arm's included (a run may have no gate bin).
-    passed = summary.get("passed", bool(summary["gates"]) and all(g["passed"] for g in summary["gates"]))
-    return "reduced: valid, gates passed" if summary["valid"] and passed else "reduced: NOT valid (checks or gates failed)"
-
-
-def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
-    """One line: the run, its job and state, and bins done per arm."""
-    bins = ", ".join(f"{arm} {n}/{prog['n_bins']}" for arm, n in prog["done"].items())
-    launch = prog["launch"]
-    elements = (launch or {}).get("elements") or []
-    job = (f"jobs {', '.join(str(e.get('job_id')) for e in elements)}" if elements
-           else f"job {launch['job_id']}" if launch else "no job")
-    line = f"{run_dir}: {prog['status']}; {job}{f' {state}' if state else ''}; bins done: {bins}"
-    failure = prog["failure"]
-    if failure:
-        line += f"; failed: arm {failure['arm']}, bin {failure['bin_index']} (σ={failure['sigma']:g})"
-    if prog.get("damaged"):
-        line += f"; {len(prog['damaged'])} damaged store(s), first: {prog['damaged'][0]}"
-    if prog.get("verdict"):
-        line += f"; {prog['verdict']}"
-    return line
+    return "reduced: valid, gates passed" if summary["passed"] else "reduced: NOT valid (checks or gates failed)"
 
 
 def main(argv=None) -> int:
@@ -126,13 +82,11 @@ def main(argv=None) -> int:
                                      description="Show where a twinrun run (or each run of a sweep) stands.")
     parser.add_argument("path", type=Path, help="a run directory, or a sweep directory")
     args = parser.parse_args(argv)
-    from twinrun.launch import job_state
-
     try:
         runs = find_runs(args.path)
         damaged = False
         for run_dir in runs:
-            prog = progress(run_dir, verify=True)
+            prog = verified_progress(run_dir)
             print(describe(run_dir, prog, job_state(prog["launch"])))
             damaged |= bool(prog["damaged"])
     except StoreError as err:

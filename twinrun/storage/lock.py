@@ -1,8 +1,8 @@
-"""One writer per run directory (or per bin): flocks on RUN_DIR/.lock that name their holder.
+"""One writer per run directory (or per unit): flocks on RUN_DIR/.lock that name their holder.
 
 A job measuring the whole run holds RUN_DIR/.lock exclusively. The array elements of a run split by
-bins (launcher.split=bins) hold it shared, so they run side by side but never beside a whole-run
-job, and each holds RUN_DIR/.lock-bin<k> exclusively for its bin. Every change of run.json is one
+units (launcher.split=bins) hold it shared, so they run side by side but never beside a whole-run
+job, and each holds RUN_DIR/.lock-unit<k> exclusively for its unit. Every change of run.json is one
 read-modify-write under RUN_DIR/.run.json.lock (`update_lock`), so concurrent elements never lose
 each other's records.
 
@@ -20,7 +20,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import socket
 import stat
 import time
@@ -28,7 +27,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from twinrun.errors import StoreError
-from twinrun.rundir import RunDir
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 # An update holds its lock for one read and one atomic write of run.json (milliseconds): waiting
@@ -71,10 +69,8 @@ def holder_alive(holder: dict | None) -> bool | None:
     return type(pid) is int and pid > 0 and pid_alive(pid)
 
 
-def read_holder(run_dir, path: Path | None = None) -> dict | None:
-    """The holder recorded in RUN_DIR/.lock, or in the lock file `path` (a bin's) of it (None if empty,
-    absent or not a holder record)."""
-    path = RunDir(run_dir).lock if path is None else path
+def read_holder(path: Path) -> dict | None:
+    """The holder recorded in a lock file (None if empty, absent or not a holder record)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -104,9 +100,9 @@ def _open(path: Path) -> int:
     return fd
 
 
-def _acquire(path: Path, mode: int = fcntl.LOCK_EX) -> int:
+def _acquire(path: Path, mode: int = fcntl.LOCK_EX, what=None) -> int:
     """An open descriptor holding the flock (exclusive, or LOCK_SH) on `path`, or a StoreError naming
-    the holder."""
+    the holder (and `what` is held: the lock's file, or the run directory it stands for)."""
     while True:
         fd = _open(path)
         try:
@@ -115,8 +111,7 @@ def _acquire(path: Path, mode: int = fcntl.LOCK_EX) -> int:
             holder = _parse_holder(os.pread(fd, 4096, 0)) or {}
             os.close(fd)
             where = "this host" if holder.get("host") == socket.gethostname() else holder.get("host", "?")
-            what = path.parent if path.name == RunDir(path.parent).lock.name else path
-            raise StoreError(what, f"is being written by pid {holder.get('pid', '?')} on {where}; "
+            raise StoreError(what or path, f"is being written by pid {holder.get('pid', '?')} on {where}; "
                              "wait for it or stop it") from None
         except OSError as err:
             os.close(fd)
@@ -151,46 +146,27 @@ def _take_over(path: Path, fd: int, mine: dict) -> None:
 
 
 @contextmanager
-def run_lock(run_dir: Path, bins: list[int] | None = None):
-    """Hold the run for the block: RUN_DIR/.lock and every bin's RUN_DIR/.lock-bin<k> exclusively, or
-    with `bins` (an array element's bins) RUN_DIR/.lock shared and each of those bins' locks exclusively.
+def run_lock(lock: Path, unit_locks: list[Path], shared: bool):
+    """Hold the run for the block: its `lock` exclusively and every unit lock exclusively, or (shared:
+    an array element of launcher.split=bins) `lock` shared and the element's unit locks exclusively.
 
-    The whole-run job takes the bin locks too, recording itself in each: elements record no holder in
-    the shared .lock, so across hosts (flocks per host) only their bin locks' records meet it."""
-    rd = RunDir(run_dir)
-    if bins is None:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_held(rd.lock))
-            for index in _every_bin(rd):
-                stack.enter_context(_held(rd.bin_lock(index)))
-            yield
-        return
+    The whole-run job takes the unit locks too, recording itself in each: elements record no holder
+    in the shared lock, so across hosts (flocks per host) only their unit locks' records meet it."""
     with contextlib.ExitStack() as stack:
-        fd = _acquire(rd.lock, fcntl.LOCK_SH)  # shared: records no holder (the bin locks do)
-        stack.callback(os.close, fd)
-        for index in sorted(set(bins)):
-            stack.enter_context(_held(rd.bin_lock(index)))
+        if shared:
+            fd = _acquire(lock, fcntl.LOCK_SH, lock.parent)  # shared: records no holder (the unit locks do)
+            stack.callback(os.close, fd)
+        else:
+            stack.enter_context(_held(lock, lock.parent))
+        for path in unit_locks:
+            stack.enter_context(_held(path))
         yield
 
 
-def _every_bin(rd: RunDir) -> list[int]:
-    """The run's bins (run.json's, if readable) and any bin whose lock file an element left."""
-    from twinrun.store import read_json
-
-    pattern = re.compile(re.escape(rd.lock.name) + r"-bin([0-9]{3,6})")
-    found = {int(m.group(1)) for p in rd.path.glob(f"{rd.lock.name}-bin*") if (m := pattern.fullmatch(p.name))}
-    if rd.is_run():
-        try:
-            found.update(range(len(read_json(rd.run_json)["bins"])))
-        except StoreError:
-            pass  # a damaged run.json is refused by whoever reads it next, with its own message
-    return sorted(found)
-
-
 @contextmanager
-def _held(path: Path):
+def _held(path: Path, what=None):
     """Hold `path` exclusively, with our holder record in it, for the duration of the block."""
-    fd = _acquire(path)
+    fd = _acquire(path, what=what)
     try:
         _take_over(path, fd, me())
     except BaseException:

@@ -1,4 +1,4 @@
-"""Loading a run for the reducer, and the validity checks that come before any verdict.
+"""Loading a probe run for the reducer, and the validity checks that come before any verdict.
 
 `load_run` is the one place the reducer side reads run.json and the stores it lists; everything
 read is checked (format, sha256, arm, bin, config hash) and any problem is a StoreError naming
@@ -6,28 +6,42 @@ the path (exit 2), never a number.
 """
 
 from pathlib import Path
+from typing import NamedTuple
 
 from twinrun import arms as arms_mod
+from twinrun.analysis.estimands import check_groups
+from twinrun.analysis.scan import Scan, scan
 from twinrun.config import STORE_PROTOCOL_KEYS, ReduceConfig
 from twinrun.errors import StoreError, TwinrunError
-from twinrun.estimands import check_groups
-from twinrun.rundir import GATE_REPLICATE, RunDir, RunIndex
-from twinrun.scan import scan
-from twinrun.store import StoreReader, read_config
+from twinrun.storage.records import GATE_REPLICATE
+from twinrun.storage.rundir import RunDir, RunIndex
+from twinrun.storage.store import StoreReader
 
 TWIN, REPLICATE = "native", GATE_REPLICATE
-# Store metadata that must agree across every store of a run (the protocol).
+
+
+class Bin(NamedTuple):
+    """A probe unit as the reducer reads it."""
+
+    index: int
+    sigma: float
+    gate: bool
+    stores: dict  # arm -> its run.json store entry
+
+
+def bins_of(index: RunIndex) -> list[Bin]:
+    return [Bin(u["index"], u["probe"]["sigma"], u["gate"], u["stores"]) for u in index.units]
 
 
 def check(name: str, passed: bool, detail: str) -> dict:
     return {"name": name, "passed": bool(passed), "detail": detail}
 
 
-def registered(run: dict) -> dict:
-    """The reduce settings registered at plan time (older runs: the schema's defaults)."""
+def registered(index: RunIndex) -> dict:
+    """The reduce settings registered at plan time."""
     defaults = ReduceConfig()
-    reg = run.get("registered") or {}
-    out = {"estimands": list(reg.get("estimands") or run.get("estimands") or defaults.estimands),
+    reg = index.registered
+    out = {"estimands": list(reg.get("estimands") or defaults.estimands),
            "gate_rule": reg.get("gate_rule", defaults.gate_rule),
            "signal_alpha": float(reg.get("signal_alpha", defaults.signal_alpha))}
     if reg.get("groups"):  # named parameter groups (reduce.groups); absent when none were declared
@@ -35,39 +49,39 @@ def registered(run: dict) -> dict:
     return out
 
 
-def _wanted(rd: RunDir, run: dict) -> dict:
+def _wanted(index: RunIndex) -> dict:
     """{(arm, bin index): (path, sha256, config hash)} of every store the reducer needs."""
     wanted = {}
-    hashes = {a["name"]: a.get("config_hash") for a in run["arms"]}
-    for b in run["bins"]:
-        entries = [(arm["name"], b["stores"].get(arm["name"], {})) for arm in run["arms"]]
-        if REPLICATE not in hashes and isinstance(b["stores"].get(REPLICATE), dict):
-            entries.append((REPLICATE, b["stores"][REPLICATE]))  # the twin again, at a gate bin (run.plan_gate_replicates)
-        for name, entry in entries:
-            path = rd.store(name, entry["file"])  # validated and contained by RunIndex.load
-            if entry.get("status") != "done":
-                raise StoreError(path, f"bin {b['index']} (σ={b['sigma']:g}) of arm {name} is "
-                                 f"{entry.get('status', 'missing')}: resume the run, then reduce")
-            wanted[name, b["index"]] = (path, entry.get("sha256"), hashes.get(name, hashes.get(TWIN)))
+    hashes = {a["name"]: a.get("config_hash") for a in index.arms}
+    for b in bins_of(index):
+        names = [*index.arm_names, *([REPLICATE] if REPLICATE in b.stores and REPLICATE not in hashes else [])]
+        for name in names:
+            entry = b.stores[name]
+            path = index.run_dir.store(name, entry["file"])  # validated and contained by RunIndex.load
+            if entry["status"] != "done":
+                raise StoreError(path, f"bin {b.index} (σ={b.sigma:g}) of arm {name} is "
+                                 f"{entry['status']}: resume the run, then reduce")
+            wanted[name, b.index] = (path, entry.get("sha256"), hashes.get(name, hashes.get(TWIN)))
     return wanted
 
 
-def load_run(run_dir: Path) -> tuple[dict, dict]:
+def load_run(run_dir: Path) -> tuple[RunIndex, dict]:
     """run.json and a StoreReader of every store it lists ({(arm, bin_index): StoreReader}).
 
     Only the headers are read here (format, metadata, sizes, and that each store is the one run.json
-    names: arm, bin, config hash); the payload is read once by twinrun.scan, which checks every
-    tensor's digest and each file's sha256 from run.json.
+    names: arm, bin, config hash); the payload is read once by twinrun.analysis.scan, which checks
+    every tensor's digest and each file's sha256 from run.json.
     """
     index = RunIndex.load(run_dir)  # validates run.json field by field
+    if index.measure != "probe":
+        raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not the σ probe this reducer reads")
     try:
-        check_groups((index.doc.get("registered") or {}).get("groups") or {})
+        check_groups(index.registered.get("groups") or {})
     except TwinrunError as err:
         raise StoreError(index.run_dir.run_json, f"field registered.groups: {err}") from None
-    wanted = _wanted(index.run_dir, index.doc)
     readers = {}
     try:
-        for key, (path, sha, config_hash) in wanted.items():
+        for key, (path, sha, config_hash) in _wanted(index).items():
             readers[key] = reader = StoreReader(path, sha)
             if reader.meta["config_hash"] != config_hash:
                 raise StoreError(path, "config hash differs from run.json's: a store from another run")
@@ -76,15 +90,16 @@ def load_run(run_dir: Path) -> tuple[dict, dict]:
     except BaseException:
         close(readers)
         raise
-    return index.doc, readers
+    return index, readers
 
 
-def scan_run(run: dict, readers: dict, names: list[str], groups: dict | None, chunk_params: int = 1_000_000):
-    """The run's one pass (twinrun.scan): every store read once; Grams of every estimand in `names`
-    (residual against the twin), and every arm and the gate replicate against the twin, bin by bin."""
-    arm_names = [a["name"] for a in run["arms"]]
+def scan_run(index: RunIndex, readers: dict, names: list[str], groups: dict | None,
+             chunk_params: int = 1_000_000) -> Scan:
+    """The run's one pass (twinrun.analysis.scan): every store read once; Grams of every estimand in
+    `names` (residual against the twin), and every arm and the gate replicate against the twin, bin by bin."""
+    arm_names = index.arm_names
     pairs = [(a, TWIN) for a in arm_names if a != TWIN] + [(REPLICATE, TWIN)] * (REPLICATE not in arm_names)
-    return scan(readers, arm_names, len(run["bins"]), names, groups, [TWIN], pairs, chunk_params)
+    return scan(readers, arm_names, len(index.units), names, groups, [TWIN], pairs, chunk_params)
 
 
 def close(readers: dict) -> None:
@@ -92,55 +107,51 @@ def close(readers: dict) -> None:
         r.close()
 
 
-def arm_config(run_dir: Path, arm: str) -> dict:
-    return read_config(RunDir(run_dir).arm_config(arm))
-
-
-def arm_stores(run_dir: Path, arm: str) -> tuple[dict, dict]:
+def arm_stores(run_dir: Path, arm: str) -> tuple[RunIndex, dict]:
     """{σ: StoreReader} of one arm of a run (the gate replicate: its gate bins only), headers checked
     against run.json; the other arms' readers are closed."""
-    run, readers = load_run(run_dir)
-    arms = [a["name"] for a in run["arms"]] + ([REPLICATE] if any(k[0] == REPLICATE for k in readers) else [])
-    mine = {b["sigma"]: readers.pop((arm, b["index"])) for b in run["bins"] if (arm, b["index"]) in readers}
+    index, readers = load_run(run_dir)
+    arms = index.arm_names + ([REPLICATE] if any(k[0] == REPLICATE for k in readers) else [])
+    mine = {b.sigma: readers.pop((arm, b.index)) for b in bins_of(index) if (arm, b.index) in readers}
     close(readers)
     if arm not in arms:
         raise StoreError(run_dir, f"has no arm {arm!r} (its arms: {', '.join(arms)})")
-    return run, mine
+    return index, mine
 
 
-def validity_checks(run_dir: Path, run: dict, stores: dict) -> list[dict]:
-    names = [a["name"] for a in run["arms"]]
-    configs = {n: arm_config(run_dir, n) for n in names}
-    out = []
+def validity_checks(index: RunIndex, stores: dict) -> list[dict]:
+    names = index.arm_names
+    bins = bins_of(index)
+    configs = {n: index.run_dir.read_arm_config(n) for n in names}
     diffs = {n: arms_mod.outside_intervention(arms_mod.config_diff(configs[names[0]], configs[n])) for n in names}
     bad = {n: d for n, d in diffs.items() if d}
-    out.append(check("configs_differ_only_in_intervention", not bad,
-                     "ok" if not bad else f"arms differ outside `intervention` at {bad}"))
+    out = [check("configs_differ_only_in_intervention", not bad,
+                 "ok" if not bad else f"arms differ outside `intervention` at {bad}")]
     unequal = sorted({i for (n, i), s in stores.items() if s.meta["draws_digest"] != stores[TWIN, i].meta["draws_digest"]})
     out.append(check("identical_draws", not unequal,
-                     f"draw digests equal in all {len(run['bins'])} bins" if not unequal
+                     f"draw digests equal in all {len(bins)} bins" if not unequal
                      else f"draw digests differ between arms in bins {unequal}"))
     ref = next(iter(stores.values())).meta
     mismatched = sorted({str(s.path) for s in stores.values() for k in STORE_PROTOCOL_KEYS if s.meta[k] != ref[k]})
     out.append(check("same_protocol", not mismatched,
                      "images, draws, folds and parameter layout equal in every store" if not mismatched
                      else f"protocol differs in {mismatched}"))
-    wrong_sigma = [s.path.name for (n, i), s in stores.items() if s.meta["sigma"] != run["bins"][i]["sigma"]]
+    wrong_sigma = [s.path.name for (n, i), s in stores.items() if s.meta["sigma"] != bins[i].sigma]
     out.append(check("stores_match_bins", not wrong_sigma,
                      "every store's σ matches its bin" if not wrong_sigma else f"σ mismatch in {wrong_sigma}"))
-    return out + provenance_checks(run, stores, names)
+    return out + provenance_checks(index, stores)
 
 
-def provenance_checks(run: dict, stores: dict, names: list[str]) -> list[dict]:
+def provenance_checks(index: RunIndex, stores: dict) -> list[dict]:
     """Validity rule 3: each bin's arms ran in one process/node/boot/GPU/job on one kernel path,
     and the kernel-path sentinel read around the jobs never moved."""
     out = []
     split = {}
-    for b in run["bins"]:
-        records = [s.meta.get("env") or {} for (n, i), s in stores.items() if i == b["index"]]
+    for b in bins_of(index):
+        records = [s.meta.get("env") or {} for (n, i), s in stores.items() if i == b.index]
         fields = sorted({k for r in records for k in r if any(r.get(k) != o.get(k) for o in records)})
         if fields or not records[0]:
-            split[b["index"]] = fields or ["(no record)"]
+            split[b.index] = fields or ["(no record)"]
     out.append(check("same_allocation_per_bin", not split,
                      "every bin's arms ran back to back in one process (same job, node, boot, GPU)" if not split
                      else "arms of a bin ran apart: " + "; ".join(f"bin {i}: {', '.join(f)}" for i, f in split.items())))
@@ -148,7 +159,7 @@ def provenance_checks(run: dict, stores: dict, names: list[str]) -> list[dict]:
     out.append(check("one_kernel_path", len(paths) == 1 and None not in paths,
                      "every store was measured on one kernel path" if len(paths) == 1
                      else f"stores come from {len(paths)} kernel paths"))
-    jobs = run.get("jobs", [])
+    jobs = index.jobs
     readings = {j["sentinel_start"] for j in jobs} | {j["sentinel_end"] for j in jobs if j.get("sentinel_end")}
     readings |= {(s.meta.get("env") or {}).get("sentinel") for s in stores.values()}
     unclosed = bool(jobs) and jobs[-1].get("sentinel_end") is None
@@ -161,12 +172,16 @@ def provenance_checks(run: dict, stores: dict, names: list[str]) -> list[dict]:
     return out
 
 
-def machinery_check(run: dict, found, arm: str) -> dict:
+def machinery_check(index: RunIndex, found: Scan, arm: str) -> dict:
     """The intervention's own code at its no-op setting must equal the twin bit for bit in every bin:
-    otherwise the intervention's machinery perturbs more than the intervention. found: the Scan."""
-    differ = [b["sigma"] for b in run["bins"] if not found.pairs[arm, TWIN, b["index"]].identical]
-    n = len(run["bins"])
+    otherwise the intervention's machinery perturbs more than the intervention."""
+    differ = [b.sigma for b in bins_of(index) if not found.pairs[arm, TWIN, b.index].identical]
+    n = len(index.units)
     return check("machinery_is_a_no_op", not differ,
                  f"{arm} (the intervention's code at its no-op setting) is bit-identical to the twin in all {n} bins"
                  if not differ else f"{arm} differs from the twin at σ = {', '.join(f'{s:g}' for s in differ)}: "
                  "the intervention's code perturbs the model even at its no-op setting")
+
+
+def read_arm_config(run_dir: Path, arm: str) -> dict:
+    return RunDir(run_dir).read_arm_config(arm)

@@ -1,11 +1,13 @@
 """Estimands: named linear views of the stored fold sums, selected by parameter name.
 
 An estimand is one registry entry: which parameters it reads (a selection over the store's layout)
-and whether the twin's mean over bins is removed (a derived view). The built-ins are `all`, `cond`
-and `residual`; `reduce.groups` adds one entry per named group of fnmatch patterns over parameter
-names (e.g. `block0: ["blocks.0.*"]`), so a per-layer estimand needs only config. Config validation,
-the reducer, the report's ordering, references and `compare` all read `registry()`. Since every view
-is linear in the sums, nothing extra is ever stored. The Gram blocks are accumulated by twinrun.scan.
+and, for a derived view, a `derive` entry saying how its Gram blocks follow from what the scan
+accumulates. The built-ins are `all`, `cond` and `residual` (derived: the base arm's mean over bins
+removed); `reduce.groups` adds one entry per named group of fnmatch patterns over parameter names
+(e.g. `block0: ["blocks.0.*"]`), so a per-layer estimand needs only config. Config validation, the
+reducer, the report's ordering, references and `compare` all read `registry()`. Since every view is
+linear in the sums, nothing extra is ever stored. The Gram blocks are accumulated by
+twinrun.analysis.scan.
 """
 
 import re
@@ -13,9 +15,33 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+import torch
+from omegaconf import DictConfig, OmegaConf
+
 from twinrun.errors import ConfigError
 
 GROUP_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+
+class MinusBaseMean:
+    """A derived view: every bin's fold sums minus the base arm's mean over bins (shared structure removed).
+
+    R_{b,a,f} = S_{b,a,f} − M_f with M_f = mean_b' S^{base}_{b',f}, so
+    ⟨R,R'⟩ = ⟨S,S'⟩ − ⟨S,M⟩ − ⟨M,S'⟩ + ⟨M,M⟩: besides the within-bin products the scan needs only
+    every row against the F rows of M (`partials`, summed over column chunks)."""
+
+    def partials(self, x: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(⟨S_{b,a,f}, M_g⟩ [bins, arms, F, F], ⟨M_f, M_g⟩ [F, F]) of one column chunk x [bins, arms, F, width]."""
+        n_bins, n_arms, n_folds, width = x.shape
+        mean = x[:, base].mean(0)
+        return (x.view(-1, width) @ mean.T).view(n_bins, n_arms, n_folds, n_folds), mean @ mean.T
+
+    def gram(self, g: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor], n_arms: int) -> torch.Tensor:
+        """The derived view's within-bin Gram blocks [bins, arms·F, arms·F] from the plain ones `g`."""
+        s_m, m_m = partials
+        n_bins, n_folds = s_m.shape[0], s_m.shape[-1]
+        rows_m = s_m.view(n_bins, n_arms * n_folds, n_folds).repeat(1, 1, n_arms)
+        return g - rows_m - rows_m.transpose(1, 2) + m_m.repeat(n_arms, n_arms)
 
 
 @dataclass(frozen=True)
@@ -23,14 +49,19 @@ class Estimand:
     name: str
     doc: str
     selects: Callable[[dict], bool]  # layout entry -> are its columns part of this view?
-    residual: bool = False  # remove the twin's mean direction over bins (shared structure)
+    derive: MinusBaseMean | None = None  # a derived view of the selected columns (None: the columns as stored)
 
+
+# The view whose shift (max relative difference of the sums) the replicate, the gates' size and
+# references read: every probed parameter. A derived view removes the same mean from both sides of a
+# comparison, so its shift would be the same numbers.
+SHIFT_VIEW = "all"
 
 ESTIMANDS = {e.name: e for e in (
-    Estimand("all", "every probed parameter", lambda entry: True),
+    Estimand(SHIFT_VIEW, "every probed parameter", lambda entry: True),
     Estimand("cond", "the conditioning pathway (the model's COND_PARAM_PATTERNS)", lambda entry: bool(entry["cond"])),
     Estimand("residual", "each bin's direction minus the twin's mean direction over bins", lambda entry: True,
-             residual=True),
+             derive=MinusBaseMean()),
 )}
 
 
@@ -84,6 +115,11 @@ def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduc
     if "cond" in names and not any(known["cond"].selects(entry) for entry in layout):
         raise ConfigError(what, list(names), "`cond` needs conditioning parameters among probe.params (the model "
                           "declares none among them); drop `cond` or probe them")
+
+
+def declared_groups(r: DictConfig) -> dict[str, list[str]]:
+    """reduce.groups as plain data ({} when none is declared): the estimand groups of the config."""
+    return OmegaConf.to_container(r, resolve=True)["groups"] or {}
 
 
 def views(layout_entry: dict, names: list[str], groups: dict | None = None) -> tuple[str, ...]:

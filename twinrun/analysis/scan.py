@@ -17,9 +17,9 @@ from itertools import repeat
 import numpy as np
 import torch
 
+from twinrun.analysis.estimands import SHIFT_VIEW, registry, views
 from twinrun.errors import StoreError
-from twinrun.estimands import registry, views
-from twinrun.store import StoreReader
+from twinrun.storage.store import StoreReader
 
 BUFFER_BYTES = 128 * 2**20  # float64 rows of one chunk, all stores
 
@@ -84,10 +84,8 @@ def scan(readers: dict[tuple[str, int], StoreReader], gram_arms: list[str], n_bi
     """One pass over every store in `readers` ({(arm, bin): reader}); every byte read and hashed once.
 
     gram_arms: the arms (present in every bin) whose within-bin Gram blocks are accumulated.
-    bases: arms of gram_arms whose mean over bins residual views remove. pairs: (x arm, y arm)
-    compared in every bin where both have a store. A residual view is the Gram of
-    R_{b,a,f} = S_{b,a,f} − M_f with M_f = mean_b' S^{base}_{b',f}: ⟨R,R'⟩ = ⟨S,S'⟩ − ⟨S,M⟩ − ⟨M,S'⟩ + ⟨M,M⟩,
-    so besides the within-bin products it needs only every row against the F rows of M.
+    bases: arms of gram_arms whose mean over bins derived views remove (twinrun.analysis.estimands).
+    pairs: (x arm, y arm) compared in every bin where both have a store.
     """
     order = _same_shape(readers)
     first = readers[gram_arms[0], 0]
@@ -95,7 +93,7 @@ def scan(readers: dict[tuple[str, int], StoreReader], gram_arms: list[str], n_bi
     keys = list(readers)
     chunk = max(1, min(chunk_params, BUFFER_BYTES // (len(keys) * n_folds * 8)))
     acc = _Grams(gram_arms, n_bins, n_folds, chunk, names, groups, bases)
-    pair_names = list(dict.fromkeys([*names, "all"]))  # `all` always: the replicate and references read it
+    pair_names = list(dict.fromkeys([*names, SHIFT_VIEW]))  # always: the replicate and references read it
     found = {(x, y, b): Pair() for x, y in pairs for b in range(n_bins) if (x, b) in readers and (y, b) in readers}
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # reads and sha256 release the GIL
         for i, name in enumerate(order):
@@ -118,20 +116,19 @@ def _columns(reader: StoreReader, i: int, lo: int, hi: int) -> torch.Tensor:
 
 
 class _Grams:
-    """Within-bin Gram blocks of every estimand, accumulated chunk by chunk in float64."""
+    """Within-bin Gram blocks of every estimand, accumulated chunk by chunk in float64; a derived
+    estimand also accumulates its `derive` entry's partial sums against each base arm."""
 
     def __init__(self, arms, n_bins, n_folds, chunk, names, groups, bases):
         self.arms, self.n_bins, self.n_folds = list(arms), n_bins, n_folds
         self.width = len(arms) * n_folds  # rows of one bin's block
         known = registry(groups)
-        self.names, self.residual = list(names), {n for n in names if known[n].residual}
-        self.bases = list(bases) if self.residual else []
+        self.names = list(names)
+        self.derived = {n: known[n].derive for n in names if known[n].derive is not None}
+        self.bases = list(bases) if self.derived else []
         self.buffer = torch.empty(n_bins * self.width * chunk, dtype=torch.float64)  # reused: no page faults per chunk
         self.g = {n: torch.zeros(n_bins, self.width, self.width, dtype=torch.float64) for n in names}
-        # ⟨S_{b,a,f}, M_g⟩ and ⟨M_f, M_g⟩ per residual view and base.
-        self.s_m = {(n, m): torch.zeros(n_bins, len(arms), n_folds, n_folds, dtype=torch.float64)
-                    for n in self.residual for m in self.bases}
-        self.m_m = {(n, m): torch.zeros(n_folds, n_folds, dtype=torch.float64) for n in self.residual for m in self.bases}
+        self.partials = {}  # (derived estimand, base arm) -> its derive entry's partial sums so far
 
     def add(self, chunks: dict, width: int, these: tuple[str, ...]) -> None:
         if not these:
@@ -144,24 +141,19 @@ class _Grams:
         block = torch.bmm(rows, rows.transpose(1, 2))
         for n in these:
             self.g[n] += block
-        for m in self.bases if self.residual.intersection(these) else ():
-            mean = x[:, self.arms.index(m)].mean(0)
-            s_m, m_m = (x.view(-1, width) @ mean.T).view(self.s_m[next(iter(self.residual)), m].shape), mean @ mean.T
-            for n in self.residual.intersection(these):
-                self.s_m[n, m] += s_m
-                self.m_m[n, m] += m_m
+        for n in (n for n in these if n in self.derived):
+            for m in self.bases:
+                new = self.derived[n].partials(x, self.arms.index(m))
+                old = self.partials.get((n, m))
+                self.partials[n, m] = new if old is None else tuple(o + p for o, p in zip(old, new))
 
     def result(self) -> dict:
         shape = (self.n_bins, len(self.arms), self.n_folds, len(self.arms), self.n_folds)
         out = {}
         for n in self.names:
-            if n not in self.residual:
+            if n not in self.derived:
                 out[n, None] = self.g[n].view(shape).numpy()
                 continue
             for m in self.bases:
-                # ⟨R_{a,f}, R_{a',g}⟩ = ⟨S_{a,f}, S_{a',g}⟩ − ⟨S_{a,f}, M_g⟩ − ⟨M_f, S_{a',g}⟩ + ⟨M_f, M_g⟩, per bin.
-                rows_m = self.s_m[n, m].view(self.n_bins, self.width, self.n_folds).repeat(1, 1, len(self.arms))
-                n_arms = len(self.arms)
-                g = self.g[n] - rows_m - rows_m.transpose(1, 2) + self.m_m[n, m].repeat(n_arms, n_arms)
-                out[n, m] = g.view(shape).numpy()
+                out[n, m] = self.derived[n].gram(self.g[n], self.partials[n, m], len(self.arms)).view(shape).numpy()
         return out

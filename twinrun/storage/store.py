@@ -1,15 +1,15 @@
-"""Stores: one safetensors file per (arm, bin), and run.json, the run's index.
+"""Stores: one safetensors file per (arm, unit), written atomically, each tensor with its own sha256.
 
-Everything the reducer reads is written to a temporary file in the same directory, fsynced and
-renamed into place, so a store is either whole or absent. run.json records each store's sha256;
-reading a store checks it, and nothing read from a run directory is unpickled or executed.
+A probe store holds one float32 [numel, n_folds] tensor per probed parameter (parameter-major: a
+parameter's column range is one contiguous byte range, so the reducer streams every store front
+to back, reading and hashing each byte once). run.json records each store's sha256; reading a
+store checks it, and nothing read from a run directory is unpickled or executed.
 """
 
 import hashlib
 import json
 import os
 import re
-import stat
 import struct
 import sys
 from dataclasses import dataclass
@@ -20,6 +20,8 @@ import safetensors.torch
 import torch
 
 from twinrun.errors import StoreError
+from twinrun.files import atomic_write, memory_bytes, open_regular
+from twinrun.storage.records import validate_store_meta
 
 STORE_FORMAT = "twinrun-store/2"  # one float32 [numel, n_folds] tensor per probed parameter
 OLD_STORE_FORMAT = "twinrun-store/1"  # one [n_folds, n_params] matrix `sums`: refused, never migrated
@@ -27,122 +29,10 @@ TENSOR_SHA256 = "tensor_sha256"  # metadata key: {parameter name: sha256 of its 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_STORE_BYTES = 1 << 44  # 16 TiB: streamed, never held whole; the header must describe the size exactly
-MAX_JSON_BYTES = 256 * 1024 * 1024  # run.json of a 10⁵-bin run is a few MB
 
 
-def atomic_write(path: Path, data: bytes) -> str:
-    """Write bytes via temp file + fsync + rename (+ fsync of the directory); return their sha256."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power loss
-        finally:
-            os.close(dir_fd)
-    except OSError as err:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # a read-only file system: there is no temporary file to remove either
-        raise StoreError(path, f"cannot write ({err.strerror or err}); finished stores are kept") from None
-    return hashlib.sha256(data).hexdigest()
-
-
-def write_json(path: Path, obj) -> str:
-    return atomic_write(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from a regular file of plausible size; run.json and summary.json are also
-    validated against their schema (twinrun.rundir), so every reader inherits the checks."""
-    path = Path(path)
-    data = read_regular(path, MAX_JSON_BYTES, "JSON file")
-    try:
-        obj = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise StoreError(path, f"not readable JSON ({err})") from None
-    if not isinstance(obj, dict):
-        raise StoreError(path, "not a JSON object")
-    from twinrun.rundir import SCHEMAS  # rundir reads and writes through this module
-
-    validate = SCHEMAS.get(path.name)
-    return validate(path, obj) if validate is not None else obj
-
-
-def open_regular(path: Path, max_bytes: int, what: str) -> tuple[int, int]:
-    """(descriptor, size) of a regular file no larger than max_bytes; anything else is a StoreError.
-
-    O_NONBLOCK: opening a FIFO planted in place of a file must not wait for a writer forever.
-    """
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise StoreError(path, "not found") from None
-    except OSError as err:
-        raise StoreError(path, f"cannot read ({err.strerror})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise StoreError(path, f"not a regular file (a {_kind(st.st_mode)}): refusing to read it as a {what}")
-    if st.st_size > max_bytes:
-        os.close(fd)
-        raise StoreError(path, f"implausibly large for a {what} ({st.st_size} bytes > {max_bytes}): refused "
-                         "before reading")
-    return fd, st.st_size
-
-
-def read_regular(path: Path, max_bytes: int, what: str) -> bytes:
-    """The whole content of a regular file of plausible size (see open_regular)."""
-    fd, size = open_regular(path, max_bytes, what)
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return f.read(size + 1)
-    except OSError as err:
-        raise StoreError(path, f"cannot read ({err.strerror})") from None
-
-
-def _kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-             (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
-    return next((name for test, name in kinds if test(mode)), "special file")
-
-
-def max_store_bytes() -> int:
-    """No store may be larger than this machine's memory: reading it would allocate it whole."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 1 << 40
-
-
-def require_run_dir(path: Path) -> Path:
-    """A run directory given on a command line: it must hold run.json."""
-    from twinrun.rundir import RunDir
-
-    return RunDir(path).require().path
-
-
-def store_name(bin_index: int, sigma: float) -> str:
-    return f"bin{bin_index:02d}_sigma{sigma:g}.safetensors"
-
-
-def write_store(path: Path, sums: torch.Tensor, meta: dict) -> str:
-    """Write the fold sums [n_folds, n_params] float32 as one tensor per probed parameter (meta's
-    layout), each [numel, n_folds]; return the file's sha256.
-
-    Parameter-major: a parameter's column range [lo, hi) is one contiguous byte range, so the
-    reducer streams every store front to back in column chunks, reading and hashing each byte once.
-    """
-    assert sums.dtype == torch.float32 and sums.dim() == 2, (sums.dtype, sums.shape)
-    sums = sums.cpu()
-    tensors = {g["name"]: sums[:, g["offset"] : g["offset"] + g["numel"]].T.contiguous() for g in meta["layout"]}
+def write_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    """Write named float32 CPU tensors with their metadata (JSON-encoded strings); return the file's sha256."""
     # Each tensor's own digest travels inside the store, so a store handed around without its
     # run.json still proves its numbers intact (a flipped byte is caught by compare too).
     digests = {name: hashlib.sha256(t.numpy().tobytes()).hexdigest() for name, t in tensors.items()}
@@ -260,8 +150,6 @@ class StoreReader:
         digests = _decode(raw.get(TENSOR_SHA256, "null")) if isinstance(raw.get(TENSOR_SHA256), str) else None
         if not (isinstance(digests, dict) and all(isinstance(d, str) and HEX64.fullmatch(d) for d in digests.values())):
             raise StoreError(self.path, f"metadata field {TENSOR_SHA256} is not a map of sha256 digests: damaged")
-        from twinrun.rundir import validate_store_meta
-
         self.digests = digests
         self.meta = validate_store_meta(self.path, {k: _decode(v) for k, v in raw.items()
                                                     if isinstance(v, str) and k not in ("format", TENSOR_SHA256)})
@@ -354,27 +242,10 @@ def read_store(path: Path, sha256: str | None = None) -> Store:
     with StoreReader(path, sha256) as reader:
         offsets = {g["name"]: g["offset"] for g in reader.layout}
         n_params = sum(g["numel"] for g in reader.layout)
-        if 4 * reader.n_folds * n_params > max_store_bytes():
+        if 4 * reader.n_folds * n_params > memory_bytes():
             raise StoreError(path, f"{4 * reader.n_folds * n_params} bytes of sums do not fit in this machine's "
                              "memory: read it with the streaming reducer")
         sums = torch.empty(reader.n_folds, n_params, dtype=torch.float32)
         for t in reader.tensors:
             sums[:, offsets[t.name] : offsets[t.name] + t.numel] = reader.columns(t, 0, t.numel)
         return Store(Path(path), sums, reader.meta, reader.finish())
-
-
-MAX_CONFIG_BYTES = 16 * 1024 * 1024
-
-
-def read_config(path: Path) -> dict:
-    """A resolved arm config (config.yaml) from a regular file of plausible size: one StoreError line
-    naming the file if it is not one, never a hang on a FIFO."""
-    import yaml
-
-    try:
-        config = yaml.safe_load(read_regular(Path(path), MAX_CONFIG_BYTES, "config").decode())
-    except (UnicodeDecodeError, yaml.YAMLError) as err:
-        raise StoreError(path, f"unreadable arm config ({str(err).splitlines()[0]})") from None
-    if not isinstance(config, dict):
-        raise StoreError(path, "not a resolved twinrun config")
-    return config

@@ -1,24 +1,17 @@
-"""report.md and its plots, written beside summary.json by every reduce (or into a post-hoc view).
+"""The plots of a report: the effect against noising σ (effect.png) and a sweep's heatmap.
 
-Order is part of the contract: verdict, validity checks, gates (with the rule that decided each),
-and only then effects, never effects when a check or gate failed. Every number has its SE.
+Each takes plain data (a summary, a sweep summary) and writes one PNG atomically; nothing here reads
+a run directory.
 """
 
 import io
-import shlex
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from twinrun.errors import StoreError
-from twinrun.estimands import registry
-from twinrun.render import noise_note, pm
-from twinrun.rundir import EFFECT_PNG, REPORT_MD, RunDir
-from twinrun.store import atomic_write, read_json
-
-HEATMAP_PNG = "sweep_effect.png"
+from twinrun.files import atomic_write
 
 
 def _segments(rows: list[dict]) -> list[list[dict]]:
@@ -49,7 +42,7 @@ def plot_effect(summary: dict, path: Path) -> Path:
     gate bins marked; below-noise bins drawn as x on the no-effect line, never joined by a line."""
     fig = Figure(figsize=(6.4, 6.4), dpi=110)
     ax_cos, ax_ratio = fig.subplots(2, 1, sharex=True)
-    names = [n for n in registry((summary.get("used") or {}).get("groups")) if any(e["estimand"] == n for e in summary["effects"])]
+    names = [n for n in summary["used"]["estimands"] if any(e["estimand"] == n for e in summary["effects"])]
     for k, name in enumerate(names):
         rows = [e for e in summary["effects"] if e["estimand"] == name]
         _panel(ax_cos, rows, "cos", "se", f"C{k}", name)
@@ -75,123 +68,6 @@ def save_figure(fig, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     atomic_write(Path(path), buf.getvalue())
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    """Markdown table lines."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
-        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-
-
-def _interval(row: dict) -> str:
-    half = row["t_crit"] * row["se"]
-    return f"[{row['cos'] - half:.4f}, {row['cos'] + half:.4f}]"
-
-
-def effect_table(effects: list[dict]) -> list[str]:
-    rows = []
-    for e in effects:
-        if e["below_noise"]:
-            rows.append([f"{e['sigma']:g}", e["estimand"], "below noise", "", "", noise_note(e)])
-            continue
-        rows.append([f"{e['sigma']:g}", e["estimand"], pm(e["cos"], e["se"]), _interval(e),
-                     pm(e["norm_ratio"], e["norm_ratio_se"]), f"naive cos {e['cos_naive']:.4f}"])
-    return _table(["σ", "estimand", "debiased cos ± se", "95% interval (t)", "norm ratio ± se", "note"], rows)
-
-
-def gate_table(gates: list[dict]) -> list[str]:
-    return _table(["σ", "estimand", "passed", "decided by", "bit-identical", "max rel. diff", "replicate's", "detail"],
-                  [[f"{g['sigma']:g}", g["estimand"], "yes" if g["passed"] else "**NO**", g["rule"],
-                    "yes" if g["bit_identical"] else "no", f"{g['max_shift']:.2e}",
-                    "–" if g["replicate_max_shift"] is None else f"{g['replicate_max_shift']:.2e}", g["detail"]]
-                   for g in gates])
-
-
-def reference_lines(ref: dict, effects: list[dict]) -> list[str]:
-    """The reference verdict, and the size of its shift beside the intervention's own effect."""
-    lines = ["", "## Reference", "", ref["detail"]]
-    if "native_vs_reference" not in ref:
-        return lines
-    own = {(e["sigma"], e["estimand"]): e for e in effects}
-    rows = []
-    for r in ref["native_vs_reference"]:
-        e = own.get((r["sigma"], r["estimand"]))
-        shift = "below noise" if r["below_noise"] else f"{pm(1 - r['cos'], r['se'])}; ratio {pm(r['norm_ratio'], r['norm_ratio_se'])}"
-        effect = ("–" if e is None else "below noise" if e["below_noise"]
-                  else f"{pm(1 - e['cos'], e['se'])}; ratio {pm(e['norm_ratio'], e['norm_ratio_se'])}")
-        rows.append([f"{r['sigma']:g}", r["estimand"], "yes" if r["bit_identical"] else "no", f"{r['max_shift']:.2e}",
-                     shift, effect])
-    return lines + [""] + _table(["σ", "estimand", "bit-identical", "max rel. diff", ("reference shift: 1 − cos; norm "
-                                  "ratio"), "intervention's effect: 1 − cos; norm ratio"], rows)
-
-
-def env_summary(rd: RunDir, run: dict) -> list[str]:
-    """A few lines on where the run was measured, from the jobs' recorded fingerprints (a job file
-    that is missing or damaged is left out: the report is prose, the validity checks read the record)."""
-    lines = []
-    for job in run.get("jobs", []):
-        try:
-            rec = read_json(rd.job_env(job["index"]))
-            lines.append(_job_line(job, rec["fingerprint"], rec.get("determinism") or {}))
-        except (StoreError, KeyError, TypeError, AttributeError):
-            continue
-    return lines
-
-
-def _job_line(job: dict, fp: dict, det: dict) -> str:
-    kp, info = fp["kernel_path"], fp["info"]
-    device = ", ".join(g.get("name", "?") for g in kp.get("gpus") or []) or f"CPU {kp['cpu'].get('model')}"
-    slurm = info.get("slurm") or {}
-    where = f"SLURM job {slurm.get('SLURM_JOB_ID')}" if slurm.get("SLURM_JOB_ID") else "local process"
-    return (f"job {job['index']}: {where} on {info.get('hostname')} (boot {str(info.get('boot_id'))[:8]}), "
-            f"{device}, torch {kp['torch'].get('version')}, {kp['threads'].get('intra_op')} threads, "
-            f"determinism {'on' if det.get('enabled') else 'off'}, kernel path "
-            f"{job['kernel_path_sha256'][:12]}, twinrun git {str((info.get('git') or {}).get('commit'))[:10]}"
-            f"{' (dirty)' if (info.get('git') or {}).get('dirty') else ''}")
-
-
-def _header(out_dir: Path, summary: dict) -> list[str]:
-    lines = [f"# twinrun report: {out_dir.name}", ""]
-    ph = summary.get("post_hoc")
-    if ph:
-        lines += [("**POST-HOC VIEW — not the registered analysis.** Registered at plan time: "
-                  f"`{ph['registered']}`; used here: `{ph['used']}`. The registered analysis "
-                  f"{'passed' if ph['registered_passed'] else '**FAILED**'} and stands (RUN/report.md)."), ""]
-    else:
-        lines += [f"Registered analysis (recorded at plan time): `{summary['registered']}`.", ""]
-    ok = summary["passed"]
-    lines += ["## Verdict", "", "**VALID** — every validity check and no-op gate passed; effects below." if ok else
-              "**INSTRUMENT BROKEN** — a validity check or no-op gate failed. Effects are withheld; "
-              "nothing else from this run should be read."]
-    return lines
-
-
-def write_report(out_dir: Path, summary: dict, run: dict, run_dir: Path | None = None) -> Path:
-    """report.md (and effect.png) into out_dir: the run directory, or a post-hoc view inside it."""
-    out_dir = Path(out_dir)
-    run_dir = Path(run_dir or out_dir)
-    lines = _header(out_dir, summary) + ["", "## Validity checks", ""] + _table(
-        ["check", "passed", "detail"], [[c["name"], "yes" if c["passed"] else "**NO**", c["detail"]]
-                                        for c in summary["checks"]])
-    lines += ["", f"## No-op gates (rule: {summary['used']['gate_rule']})", ""] + gate_table(summary["gates"])
-    rep = summary.get("replicate")
-    if rep:
-        lines += ["", "## Replicate (determinism control)", "", rep["detail"]]
-    if summary["passed"]:
-        png = plot_effect(summary, out_dir / EFFECT_PNG)
-        lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", ""] + effect_table(summary["effects"])
-    if summary.get("reference"):
-        lines += reference_lines(summary["reference"], summary["effects"])
-    env_lines = env_summary(RunDir(run_dir), run)
-    if env_lines:
-        lines += ["", "## Environment", "", "Full fingerprints: `env/job*.json`.", ""] + [f"- {x}" for x in env_lines]
-    if run.get("command"):
-        lines += ["", "## Reproduce", "", "Measure afresh, into a new run directory:", "", "```bash", run["command"],
-                  "```", "", "Resume this run in place (verified bins are kept, the rest measured):", "", "```bash",
-                  f"python -m twinrun.resume {shlex.quote(str(run_dir))}", "```"]
-    path = out_dir / REPORT_MD
-    atomic_write(path, ("\n".join(lines) + "\n").encode())
-    return path
 
 
 # ----------------------------------------------------------------------------- the sweep heatmap

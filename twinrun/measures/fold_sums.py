@@ -1,4 +1,4 @@
-"""The probe: per-fold sums of per-sample gradients of the EDM loss, one bin and arm at a time.
+"""The probe's arithmetic: per-fold sums of per-sample gradients of the EDM loss, one bin and arm at a time.
 
 A fold's sum of per-sample gradients is the gradient of the fold's summed loss, so no per-sample
 gradient is ever formed. Two methods compute it (`probe.method`):
@@ -35,13 +35,6 @@ class NonFiniteGradient(TwinrunError):
     """The measurement itself failed: the instrument is broken at this bin (exit 1)."""
 
     exit_code = EXIT_GATE
-
-
-def resolve_device(name: str) -> torch.device:
-    """probe.device as a torch device: `auto` is the GPU when this process has one, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def select_params(model: torch.nn.Module, patterns: list[str]) -> list[str]:

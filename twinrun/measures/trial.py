@@ -13,10 +13,11 @@ import traceback
 
 import torch
 
-from twinrun import probe, provenance
 from twinrun.config import ProbeConfig
 from twinrun.errors import ConfigError, ModelError, TwinrunError
 from twinrun.interventions import Intervention, attached
+from twinrun.measures import fold_sums as fs
+from twinrun.provenance.record import model_sentinel_fn
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,8 @@ def compile_mode(value) -> str | None:
 
 
 def check_method(method: str, mode: str | None) -> None:
-    if method not in probe.METHODS:
-        raise ConfigError("probe.method", method, f"choose one of {', '.join(probe.METHODS)}")
+    if method not in fs.METHODS:
+        raise ConfigError("probe.method", method, f"choose one of {', '.join(fs.METHODS)}")
     if method == "vmap" and mode is not None:
         raise ConfigError("probe.method", method, "torch.compile runs under the folds method only; set "
                           "probe.method=folds (or auto), or probe.compile=false")
@@ -110,9 +111,9 @@ def warm_up(model, forward, names, images, sigma, sigma_cond, p: ProbeConfig, fo
     the same cache finds the same digest instead of the entries the first job's bins added."""
     gen = torch.Generator().manual_seed(TRIAL_SEED)
     eps = torch.randn((images.shape[0], p.n_draws, *images.shape[1:]), generator=gen).to(images.device)
-    probe.fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, p.chunk_images,
+    fs.fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, p.chunk_images,
                     p.chunk_draws, method="folds", forward=forward)
-    provenance.model_sentinel_fn(forward, images.device, tuple(images.shape[1:]))()
+    model_sentinel_fn(forward, images.device, tuple(images.shape[1:]))()
 
 
 def run_trial(
@@ -149,7 +150,7 @@ def tiny_probe(model, forward, names, images, sigma, sigma_cond, method) -> None
     x = images[torch.arange(4, device=images.device) % images.shape[0]]
     eps = torch.randn((4, 2, *images.shape[1:]), generator=gen).to(images.device)
     folds = torch.tensor([0, 0, 1, 1], device=images.device)
-    probe.fold_sums(model, names, x, eps, sigma, sigma_cond, folds, 2, method=method, forward=forward)
+    fs.fold_sums(model, names, x, eps, sigma, sigma_cond, folds, 2, method=method, forward=forward)
 
 
 def cannot_run(tried: list[tuple[str, BaseException]], mode: str | None) -> str:
@@ -180,21 +181,21 @@ def failing_frame(err: BaseException) -> str:
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}: {(f.line or '').strip()[:80]}"
 
 
-def as_model_error(arm: str, b: dict, call, *args, **kwargs):
-    """call(*args, **kwargs); anything the model raises becomes a ModelError (exit 4) naming arm and bin."""
+def as_model_error(arm: str, u: dict, call, *args, **kwargs):
+    """call(*args, **kwargs); anything the model raises becomes a ModelError (exit 4) naming arm and unit."""
     try:
         return call(*args, **kwargs)
     except TwinrunError:
         raise
     except Exception as err:  # user code may raise anything: named, recorded, exit 4
-        raise to_model_error(arm, b, err) from err
+        raise to_model_error(arm, u, err) from err
 
 
-def to_model_error(arm: str, b: dict, err: BaseException) -> ModelError:
-    """User code's exception as a ModelError (exit 4) naming arm, bin, type, message and frame."""
-    where = f"arm {arm}, bin {b['index']} (σ={b['sigma']:g})"
+def to_model_error(arm: str, u: dict, err: BaseException) -> ModelError:
+    """User code's exception as a ModelError (exit 4) naming arm, unit, type, message and frame."""
+    where = f"arm {arm}, {u['label']}"
     model_error = ModelError(f"{where}: user code raised {type(err).__name__}: {first_line(err)} "
-                             f"(at {failing_frame(err)}); earlier bins are kept, resume after fixing it")
+                             f"(at {failing_frame(err)}); earlier units are kept, resume after fixing it")
     model_error.record = {"type": type(err).__name__, "message": first_line(err), "at": failing_frame(err)}
     log.error("%s", model_error)
     return model_error

@@ -6,7 +6,8 @@ The twin's replicate (the twin measured again in the same job: every bin with ar
 else automatically at a gate bin whose arms differ) tells the two cases apart.
 """
 
-from twinrun.checks import REPLICATE, TWIN
+from twinrun.analysis.checks import REPLICATE, TWIN, bins_of
+from twinrun.analysis.estimands import SHIFT_VIEW
 
 GATE_RULES = ("replicate", "bit_identical")
 
@@ -32,10 +33,10 @@ def decide(identical: bool, shift: float, replicate_shift: float | None, rule: s
     return shift <= replicate_shift, "within the replicate" if shift <= replicate_shift else "beyond the replicate"
 
 
-def gate_row(b: dict, name: str, est, identical: bool, shift: float, replicate_shift: float | None,
+def gate_row(sigma: float, name: str, est, identical: bool, shift: float, replicate_shift: float | None,
              rule: str) -> dict:
     passed, decided_by = decide(identical, shift, replicate_shift, rule)
-    where = f"σ={b['sigma']:g}, estimand {name}"
+    where = f"σ={sigma:g}, estimand {name}"
     if identical:
         detail = f"{where}: bit-identical to the twin"
     elif replicate_shift is None:
@@ -50,32 +51,32 @@ def gate_row(b: dict, name: str, est, identical: bool, shift: float, replicate_s
         detail = (f"{where}: the replicate proves the kernel path nondeterministic (twin vs replicate: max relative "
                   f"difference {replicate_shift:.3e}); intervention vs twin: {_size(est, shift)} {relation} the "
                   "replicate's" + ("" if rule == "replicate" else "; gate_rule=bit_identical accepts no difference"))
-    return {"sigma": b["sigma"], "estimand": name, "passed": passed, "rule": decided_by, "bit_identical": identical,
+    return {"sigma": sigma, "estimand": name, "passed": passed, "rule": decided_by, "bit_identical": identical,
             "max_shift": shift, "replicate_max_shift": replicate_shift, "detail": detail}
 
 
-def gates(run: dict, found, estimates: dict, inter: str, names: list[str], rule: str) -> list[dict]:
+def gates(index, found, estimates: dict, inter: str, names: list[str], rule: str) -> list[dict]:
     """One row per gate bin and estimand; found: the run's Scan; estimates: {(bin index, estimand):
     Estimate} (intervention vs twin)."""
     rows = []
-    for b in (b for b in run["bins"] if b["gate"]):
-        pair = found.pairs[inter, TWIN, b["index"]]
-        rep = found.pairs.get((REPLICATE, TWIN, b["index"]))
+    for b in (b for b in bins_of(index) if b.gate):
+        pair = found.pairs[inter, TWIN, b.index]
+        rep = found.pairs.get((REPLICATE, TWIN, b.index))
         for name in names:
             rep_shift = None if rep is None else rep.shift(name)
             shift = 0.0 if pair.identical else pair.shift(name)
-            rows.append(gate_row(b, name, estimates[b["index"], name], pair.identical, shift, rep_shift, rule))
+            rows.append(gate_row(b.sigma, name, estimates[b.index, name], pair.identical, shift, rep_shift, rule))
     return rows
 
 
-def replicate_report(run: dict, found) -> dict | None:
+def replicate_report(index, found) -> dict | None:
     """The native twin measured twice in one job: bit-identical, or how far apart (per bin)."""
-    bins = [(b, found.pairs[REPLICATE, TWIN, b["index"]]) for b in run["bins"]
-            if (REPLICATE, TWIN, b["index"]) in found.pairs]
+    bins = [(b, found.pairs[REPLICATE, TWIN, b.index]) for b in bins_of(index)
+            if (REPLICATE, TWIN, b.index) in found.pairs]
     if not bins:
         return None
-    rows = [{"sigma": b["sigma"], "bit_identical": p.identical, "max_abs_diff": 0.0 if p.identical else p.max_abs_diff,
-             "max_shift": 0.0 if p.identical else p.shift("all")} for b, p in bins]
+    rows = [{"sigma": b.sigma, "bit_identical": p.identical, "max_abs_diff": 0.0 if p.identical else p.max_abs_diff,
+             "max_shift": 0.0 if p.identical else p.shift(SHIFT_VIEW)} for b, p in bins]
     differ = sum(not r["bit_identical"] for r in rows)
     detail = f"{differ} / {len(rows)} tensors differ between the native twin and its replicate"
     if differ:

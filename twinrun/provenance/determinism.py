@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-from twinrun.env import default_inductor_cache_dir
 from twinrun.errors import ConfigError
+from twinrun.provenance.fingerprint import default_inductor_cache_dir
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"  # one of the two settings cuBLAS documents as deterministic

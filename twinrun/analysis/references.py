@@ -11,15 +11,16 @@ from pathlib import Path
 
 import numpy as np
 
+from twinrun.analysis.checks import REPLICATE, TWIN, arm_stores, bins_of, close
+from twinrun.analysis.estimands import ESTIMANDS, SHIFT_VIEW, available
+from twinrun.analysis.estimator import estimate
+from twinrun.analysis.scan import scan
 from twinrun.arms import config_diff, for_compute
-from twinrun.checks import REPLICATE, TWIN, arm_config, arm_stores, close
 from twinrun.config import STORE_PROTOCOL_KEYS
-from twinrun.env import kernel_path_diff
 from twinrun.errors import TwinrunError
-from twinrun.estimands import ESTIMANDS, available
-from twinrun.estimator import estimate
-from twinrun.scan import scan
-from twinrun.store import StoreReader
+from twinrun.provenance.fingerprint import kernel_path_diff
+from twinrun.storage.rundir import RunDir
+from twinrun.storage.store import StoreReader
 
 
 def pair_row(est, **keys) -> dict:
@@ -73,10 +74,10 @@ def protocol_mismatch(a: dict, b: dict) -> list[str]:
     return [k for k in (*STORE_PROTOCOL_KEYS, "image_ids", "seed") if ma.get(k) != mb.get(k)]
 
 
-def replicate_shifts(run: dict, found) -> dict:
-    """{σ: max relative difference twin vs replicate (estimand all)} where a replicate was measured."""
-    return {b["sigma"]: found.pairs[REPLICATE, TWIN, b["index"]].shift("all") for b in run["bins"]
-            if (REPLICATE, TWIN, b["index"]) in found.pairs}
+def replicate_shifts(index, found) -> dict:
+    """{σ: max relative difference twin vs replicate (the shift view)} where a replicate was measured."""
+    return {b.sigma: found.pairs[REPLICATE, TWIN, b.index].shift(SHIFT_VIEW) for b in bins_of(index)
+            if (REPLICATE, TWIN, b.index) in found.pairs}
 
 
 def reproduced(rows: list[dict], rep: dict) -> tuple[bool, str]:
@@ -92,7 +93,8 @@ def cause_fields(run_dir: Path, ref_dir: Path, mine: dict, ref: dict) -> tuple[l
     kp = kernel_path_diff(next(iter(mine.values())).meta.get("kernel_path") or {},
                           next(iter(ref.values())).meta.get("kernel_path") or {})
     try:
-        cfg = [d["key"] for d in config_diff(for_compute(arm_config(run_dir, TWIN)), for_compute(arm_config(ref_dir, TWIN)))]
+        mine_cfg, ref_cfg = (for_compute(RunDir(d).read_arm_config(TWIN)) for d in (run_dir, ref_dir))
+        cfg = [d["key"] for d in config_diff(mine_cfg, ref_cfg)]
     except TwinrunError as err:
         cfg = [f"(reference config unreadable: {err})"]
     return kp, cfg
@@ -114,8 +116,7 @@ def _dead_detail(kp: list[str], cfg: list[str], rows: list[dict]) -> str:
     return text + " Nothing is read against it; read effects against the twin only."
 
 
-def reference_report(run_dir: Path, run: dict, readers: dict, found, inter: str, ref_dir: Path, alpha: float,
-                     run_ok: bool) -> dict:
+def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alpha: float, run_ok: bool) -> dict:
     """Is the reference alive in this environment? Its native arm against today's native twin.
 
     A second pass (the run's own pass, `found`, is done): the reference's twin stores, read once,
@@ -123,13 +124,14 @@ def reference_report(run_dir: Path, run: dict, readers: dict, found, inter: str,
     cannot be read or was measured under another protocol is reported as unusable: the run's own
     verdict, checked against its twin, stands either way.
     """
-    mine = {b["sigma"]: readers[TWIN, b["index"]] for b in run["bins"]}
+    run_dir = index.run_dir.path
+    mine = {b.sigma: readers[TWIN, b.index] for b in bins_of(index)}
     ref = {}
     try:
         _, ref = arm_stores(ref_dir, TWIN)
         bad = protocol_mismatch(mine, ref)
         if not bad:
-            rows, inter_rows = _against_reference(run, readers, ref, inter if run_ok else None, alpha)
+            rows, inter_rows = _against_reference(index, readers, ref, inter if run_ok else None, alpha)
     except TwinrunError as err:
         bad = [str(err)]
     finally:
@@ -137,7 +139,7 @@ def reference_report(run_dir: Path, run: dict, readers: dict, found, inter: str,
     if bad:
         return {"path": str(ref_dir), "alive": False, "status": "unusable",
                 "detail": f"reference UNUSABLE: {'; '.join(bad)}. Read effects against the twin only."}
-    alive, rule = reproduced(rows, replicate_shifts(run, found))
+    alive, rule = reproduced(rows, replicate_shifts(index, found))
     kp, cfg = cause_fields(run_dir, ref_dir, mine, ref)
     out = {"path": str(ref_dir), "alive": alive, "status": "alive" if alive else "dead", "rule": rule,
            "kernel_path_differs_in": kp, "config_differs_in": cfg, "native_vs_reference": rows}
@@ -152,13 +154,13 @@ def reference_report(run_dir: Path, run: dict, readers: dict, found, inter: str,
     return out
 
 
-def _against_reference(run: dict, readers: dict, ref: dict, inter: str | None, alpha: float):
+def _against_reference(index, readers: dict, ref: dict, inter: str | None, alpha: float):
     """(today's twin vs the reference, the intervention vs the reference or None), in one pass that
     reopens this run's stores (their sha256 from run.json is checked again)."""
-    sides = {"reference": ref, "native": _reopen(run, readers, TWIN)}
+    sides = {"reference": ref, "native": _reopen(index, readers, TWIN)}
     pairs = [("reference", "native")]
     if inter is not None:
-        sides["intervention"] = _reopen(run, readers, inter)
+        sides["intervention"] = _reopen(index, readers, inter)
         pairs.append(("intervention", "reference"))
     try:
         found, sigmas, names = cross_scan(sides, pairs, None)
@@ -171,6 +173,5 @@ def _against_reference(run: dict, readers: dict, ref: dict, inter: str | None, a
     return rows, inter_rows
 
 
-def _reopen(run: dict, readers: dict, arm: str) -> dict:
-    return {b["sigma"]: StoreReader(r.path, r.expected_sha256) for b in run["bins"]
-            for r in [readers[arm, b["index"]]]}
+def _reopen(index, readers: dict, arm: str) -> dict:
+    return {b.sigma: StoreReader(r.path, r.expected_sha256) for b in bins_of(index) for r in [readers[arm, b.index]]}

@@ -1,0 +1,121 @@
+"""Reduce a probe run: validity checks → no-op gates → effects (only if everything passed). Writes nothing.
+
+`reduce_run` reads every store once and returns a Reduction: the registered summary (the analysis
+recorded at plan time) and, when any setting differs from the registered one, a labelled post-hoc
+view beside it. Publishing them (summary.json, report.md, plots, views/) is twinrun.publish's.
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from twinrun.analysis.checks import (
+    TWIN,
+    bins_of,
+    check,
+    close,
+    load_run,
+    machinery_check,
+    registered,
+    scan_run,
+    validity_checks,
+)
+from twinrun.analysis.estimands import check_estimands
+from twinrun.analysis.estimator import estimate
+from twinrun.analysis.gates import gates, replicate_report
+from twinrun.analysis.references import pair_row, reference_report
+from twinrun.errors import EXIT_GATE, EXIT_OK
+from twinrun.storage.records import Summary
+from twinrun.storage.rundir import RunIndex
+
+
+@dataclass
+class Reduction:
+    """One reduction of a run: the registered summary, and a post-hoc view when asked for one."""
+
+    index: RunIndex
+    summary: Summary  # the registered analysis, recomputed from the stores
+    view: Summary | None = None  # the post-hoc view (other settings), None for the registered analysis
+    view_name: str | None = None  # its directory under RUN/views/
+
+    @property
+    def shown(self) -> Summary:
+        """What the command prints: the view when there is one, else the registered summary."""
+        return self.view if self.view is not None else self.summary
+
+    @property
+    def exit_code(self) -> int:
+        """0 only if the registered analysis passed (a post-hoc view never turns a failure into 0)."""
+        ok = self.summary["passed"] and (self.view is None or self.view["passed"])
+        return EXIT_OK if ok else EXIT_GATE
+
+
+def effect_estimates(index: RunIndex, found, sizes, inter: str, names: list[str], alpha: float) -> dict:
+    """{(bin index, estimand): Estimate} of the intervention against its twin, every bin."""
+    a, t = found.arms.index(inter), found.arms.index(TWIN)
+    g = {n: found.gram(n, TWIN) for n in names}
+    return {(b.index, n): estimate(g[n][b.index, a, :, t], g[n][b.index, a, :, a], g[n][b.index, t, :, t],
+                                   sizes, sizes, alpha)
+            for b in bins_of(index) for n in names}
+
+
+def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
+    """The summary of one analysis (registered or post-hoc) of the same stores, from the run's one scan."""
+    twin_meta = readers[TWIN, 0].meta
+    checks = validity_checks(index, readers)
+    inter = index.arm("intervention")["name"]
+    sizes = np.asarray(twin_meta["fold_sizes"], dtype=np.float64)
+    estimates = effect_estimates(index, found, sizes, inter, used["estimands"], used["signal_alpha"])
+    gate_rows = gates(index, found, estimates, inter, used["estimands"], used["gate_rule"])
+    machinery = index.arms_with_role("machinery")
+    if machinery:
+        checks.append(machinery_check(index, found, machinery[0]))
+    elif not gate_rows:
+        checks.append(check("has_gate", False, "no bin where the intervention is a no-op and no machinery arm: "
+                            "nothing vouches for the instrument"))
+    valid = all(c["passed"] for c in checks)
+    ok = valid and all(g["passed"] for g in gate_rows)
+    effects = [pair_row(estimates[b.index, n], sigma=b.sigma, estimand=n, gate=b.gate)
+               for b in bins_of(index) for n in used["estimands"]]
+    summary = {"run_dir": str(index.run_dir.path), "arms": index.arm_names, "registered": registered(index),
+               "used": used, "valid": valid, "passed": ok, "checks": checks, "gates": gate_rows,
+               "effects": effects if ok else [], "replicate": replicate_report(index, found)}
+    if index.reference:
+        summary["reference"] = reference_report(index, readers, found, inter, Path(index.reference),
+                                                used["signal_alpha"], ok)
+    return summary
+
+
+def view_name(reg: dict, used: dict) -> str:
+    """A directory name saying what the post-hoc view changed, e.g. `gate_rule-bit_identical`."""
+    parts = [f"{k}-{','.join(v) if isinstance(v, list) else v}" for k, v in used.items() if v != reg[k]]
+    return re.sub(r"[^A-Za-z0-9_.,=-]", "_", "_".join(parts))
+
+
+def reduce_run(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None,
+               chunk_params=1_000_000) -> Reduction:
+    """The registered analysis and, when any setting differs, a post-hoc view; the stores are read
+    once, in one pass. The registered verdict is always recomputed from the stores (never read from
+    summary.json), so a post-hoc pass cannot turn a registered failure into exit 0."""
+    index, readers = load_run(run_dir)
+    try:
+        reg = registered(index)
+        used = {**reg, "estimands": list(estimands or reg["estimands"]), "gate_rule": gate_rule or reg["gate_rule"],
+                "signal_alpha": float(reg["signal_alpha"] if signal_alpha is None else signal_alpha)}
+        groups = reg.get("groups") or {}
+        for what, settings in (("registered estimands", reg), ("--estimands", used)):
+            check_estimands(settings["estimands"], groups, readers[TWIN, 0].meta["layout"], what)
+        names = list(dict.fromkeys([*reg["estimands"], *used["estimands"]]))
+        found = scan_run(index, readers, names, groups, chunk_params)
+        summary = analyse(index, readers, found, reg)
+        if used == reg:
+            return Reduction(index, summary)
+        view = analyse(index, readers, found, used)
+    finally:
+        close(readers)
+    name = view_name(reg, used)
+    view["post_hoc"] = {"registered": reg, "used": used, "view_dir": str(index.run_dir.view_dir(name)),
+                        "registered_passed": summary["passed"]}
+    return Reduction(index, summary, view, name)

@@ -1,0 +1,196 @@
+"""The job: everything a twinrun job does, whatever it measures.
+
+`run_job(run_dir)` runs in-process, or pickled by submitit onto a node: it reads only the run
+directory (trusting only the builders twinrun ships or the user named), takes the run's locks,
+applies determinism, fingerprints where it runs, refuses to straddle kernel paths, records itself
+in run.json, then measures every pending unit, all arms of a unit back to back, each store written
+atomically and recorded as it lands. Failures and interrupts are recorded before they propagate;
+finished units are kept. What a unit holds is the measurement kind's (twinrun/measures).
+"""
+
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from tqdm import tqdm
+
+from twinrun.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, Interrupted, KernelPathRefused, TwinrunError
+from twinrun.files import write_json
+from twinrun.measures import measure_of
+from twinrun.measures.kind import Session, resolve_device
+from twinrun.measures.trial import failure_record, to_model_error
+from twinrun.plan import load_arms
+from twinrun.provenance.fingerprint import fingerprint
+from twinrun.provenance.record import kernel_path_sha256, setup_determinism, straddling_rule, unit_record
+from twinrun.storage.lock import run_lock
+from twinrun.storage.records import GATE_REPLICATE, JobRecord, RunRecord, UnitEntry
+from twinrun.storage.rundir import RunDir, RunIndex
+from twinrun.storage.store import write_store
+
+
+def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None) -> RunRecord:
+    """Measure every pending unit, all arms back to back on the same draws; one writer at a time.
+
+    `trusted`: builders (`_target_`s or module names) beyond twinrun's own that the arms may name.
+    `units`: measure only these unit indices (one array element of launcher.split=bins, holding only
+    their locks); None = every pending unit.
+    """
+    rd = RunDir(run_dir)
+    with run_lock(rd.lock, _unit_locks(rd, units), shared=units is not None):
+        if units is None:  # with units, another element may be writing: its temp files are not stale
+            for stale in rd.tmp_files():  # a write cut short by a kill: never read
+                stale.unlink()
+        index = RunIndex.load(rd)
+        try:
+            return _measure(index, load_arms(index, trusted), units)
+        except (KeyboardInterrupt, Interrupted) as err:
+            index.mark_interrupted(units)
+            if isinstance(err, KeyboardInterrupt):
+                raise Interrupted(EXIT_INTERRUPTED) from None
+            raise
+
+
+def _unit_locks(rd: RunDir, units: list[int] | None) -> list[Path]:
+    """The unit locks a job holds: its own units', or (the whole run) every unit's and any left behind."""
+    if units is not None:
+        return [rd.unit_lock(i) for i in sorted(set(units))]
+    found = set(rd.unit_locks_left())
+    try:
+        found.update(range(len(RunIndex.load(rd).units)))
+    except TwinrunError:
+        pass  # a damaged run.json is refused by whoever reads it next, with its own message
+    return [rd.unit_lock(i) for i in sorted(found)]
+
+
+def raise_on_sigterm() -> None:
+    """In an entry point's main thread: SIGTERM (kill, scancel) ends the run as "interrupted", exit 143."""
+
+    def _raise(signum, frame):
+        raise Interrupted(EXIT_TERMINATED)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise)
+
+
+def _measure(index: RunIndex, arms: list, units: list[int] | None) -> RunRecord:
+    """The job's setup: determinism first, then the kind's session on this job's device, then the units."""
+    config = arms[0].config  # every arm shares everything outside `intervention`
+    determinism = setup_determinism(config)  # before any torch work
+    kind = measure_of(index.measure)
+    session = kind.open_session(config, arms, resolve_device(kind.device(config)))
+    todo = index.pending_units(units)
+    mine = len(index.units) if units is None else len(units)
+    if len(todo) < mine:
+        print(f"twinrun: resuming: {mine - len(todo)} of {mine} {kind.unit_noun}s already measured", flush=True)
+    return measure_units(index, arms, session, todo, determinism, units)
+
+
+def measure_units(
+    index: RunIndex,  # run.json: read for the units and arms, updated as each store lands
+    arms: list,  # measured in this order in every unit
+    session: Session,  # the kind's measurement in this job (components, trial, draws)
+    todo: list[UnitEntry],  # run.json units this job measures, in order
+    determinism: dict,  # what setup_determinism applied: recorded with this job
+    units: list[int] | None = None,  # this array element's units (launcher.split=bins); None: the whole run
+) -> RunRecord:
+    """Measure `todo`, unit by unit; every arm of a unit back to back. Returns run.json."""
+    hashes = {a["name"]: a["config_hash"] for a in index.arms}
+    hashes.setdefault(GATE_REPLICATE, index.arm("twin")["config_hash"])  # the twin, measured again
+
+    # Step: fingerprint where this job runs, with the kind's own arithmetic settings. A job may not
+    # add units on another path than the whole ones.
+    fp = fingerprint(session.compile_mode)
+    fp["kernel_path"][index.measure] = session.arithmetic()
+    rd, sha = index.run_dir, kernel_path_sha256(fp)
+    refuse = straddling_rule(rd.path, rd.kernel_path_env, fp)
+    try:
+        if todo:  # a job with no unit to measure commits the run to nothing, so refuses nothing
+            refuse(index.whole_kernel_paths(), sha)
+    except KernelPathRefused as err:
+        if units is not None:  # an array element: recorded at its unit, so the waiting launcher says exit 3
+            index.mark_failed(todo[0], next(iter(todo[0]["stores"])), failure_record(err))
+        raise
+    job = start_job(index, fp, determinism, session.sentinel())
+    stamp = {"env": unit_record(fp, job["sentinel_start"]), "kernel_path": fp["kernel_path"]}
+    index.set_status("running", units)  # an element never clears a failure recorded at another's unit
+
+    progress = Progress(sum(len(u["stores"]) for u in todo))
+    for u in todo:
+        t_unit, timings = time.perf_counter(), []
+        session.begin_unit(u)
+        for arm in (a for a in arms if a.name in u["stores"]):
+            t_arm = time.perf_counter()
+            with failure_recorded(index, u, arm.name):
+                # Step: measure this arm, store it with what it is (written atomically), mark it done.
+                tensors, meta = session.measure(u, arm.name, {"config_hash": hashes[arm.name], **stamp})
+                digest = write_store(index.store_path(u, arm.name), tensors, meta)
+                index.mark_done(u, arm.name, digest, sha, refuse)
+            timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
+            progress.step(f"{u['label']} {arm.name}")
+        progress.log(f"{u['label']}: {', '.join(timings)} ({time.perf_counter() - t_unit:.2f}s)")
+    progress.close()
+
+    # Step: close the job: the sentinel read again; the run is "measured" once every unit is whole.
+    index.end_job(job["index"], session.sentinel()["digest"])
+    index.finish_measuring()
+    return index.doc
+
+
+@contextmanager
+def failure_recorded(index: RunIndex, u: UnitEntry, arm: str):
+    """Any failure measuring one arm of a unit, ours or user code's, is recorded in run.json (which
+    arm, which unit, and the model's exception) before it propagates; earlier units stay valid."""
+    try:
+        yield
+    except Interrupted:
+        raise
+    except Exception as err:  # user code may raise anything: recorded, then exit 4 (ours keep their code)
+        failure = err if isinstance(err, TwinrunError) else to_model_error(arm, u, err)
+        index.mark_failed(u, arm, failure_record(failure))
+        if failure is err:
+            raise
+        raise failure from err
+
+
+class Progress:
+    """A tqdm bar with ETA on a terminal; plain log lines with ETA elsewhere (CI, SLURM logs)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self.bar = tqdm(total=total, unit="store", dynamic_ncols=True) if sys.stderr.isatty() and total else None
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=False)
+            self.bar.update(1)
+
+    def log(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+            return
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+        print(f"{line} [{self.done}/{self.total} stores, ETA {eta:.0f}s]", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict) -> JobRecord:
+    """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/."""
+    rd = index.run_dir
+    rd.env_dir.mkdir(exist_ok=True)
+    sha = kernel_path_sha256(fp)
+    if not rd.kernel_path_env(sha).is_file():
+        write_json(rd.kernel_path_env(sha), fp)
+    job = {"kernel_path_sha256": sha, "hostname": fp["info"].get("hostname"), "boot_id": fp["info"].get("boot_id"),
+           "slurm_job_id": (fp["info"].get("slurm") or {}).get("SLURM_JOB_ID"),
+           "sentinel_start": sentinel["digest"], "sentinel_end": None}
+    index.add_job(job)
+    write_json(rd.job_env(job["index"]), {"fingerprint": fp, "determinism": determinism, "sentinel": sentinel})
+    return job

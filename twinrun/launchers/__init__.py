@@ -1,0 +1,65 @@
+"""The launchers (LAUNCHERS: local, submitit_local, slurm): where a run's job runs and how its settings
+are checked. Adding a launcher is one entry here.
+
+launcher.split=pair: one run is one job whose single process measures every arm unit by unit.
+launcher.split=bins: each pending unit of a run is its own job (every arm of the unit inside it).
+Everything submitted at once (a sweep's points, or points × units) goes out as one SLURM job array
+(launchers/submit.py); on SLURM's preemption or time-limit signal (USR2) a job requeues itself and
+the next start resumes from its finished units (launchers/jobs.py); waiting follows each job through
+its run directory and the scheduler (launchers/wait.py); launch.json records it (launchers/record.py).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from twinrun.errors import ConfigError
+from twinrun.launchers.local import check_in_process, check_submitit, local_state
+from twinrun.launchers.placement import SPLITS
+from twinrun.launchers.slurm import check_slurm, slurm_state, unsafe_sbatch_knob
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """One launcher: where its jobs run, how its settings are checked, how a job's state is told."""
+    cluster: str | None  # submitit's cluster name; None: measured in the calling process, no job
+    check: Callable[[dict], None]  # raises ConfigError naming the knob
+    state: Callable[[dict], str] | None  # the state of a job record of launch.json
+
+    @property
+    def in_process(self) -> bool:
+        return self.cluster is None
+
+
+LAUNCHERS = {
+    "local": Launcher(cluster=None, check=check_in_process, state=None),
+    "submitit_local": Launcher(cluster="local", check=check_submitit, state=local_state),
+    "slurm": Launcher(cluster="slurm", check=check_slurm, state=slurm_state),
+}
+
+
+def check(launcher: dict, probe_compile=False) -> None:
+    """Refuse launcher settings that cannot work, naming the knob (ConfigError: exit 2).
+
+    probe_compile: the run's probe.compile. For SLURM, asks sinfo about the partition and its GPUs;
+    call it before planning to fail early.
+    """
+    name = launcher["name"]
+    if name not in LAUNCHERS:
+        raise ConfigError("launcher.name", name, f"choose one of {', '.join(LAUNCHERS)}")
+    split = launcher.get("split", "pair")
+    if split not in SPLITS:
+        raise ConfigError("launcher.split", split, "choose pair (one job per run) or bins (one job per bin)")
+    if split == "bins" and probe_compile:  # false/None: eager; "default"/"max-autotune": compiled
+        # Concurrent elements would compile into one shared cache, each fingerprinting another cache
+        # digest: every bin on its own kernel path, and the run refused as straddling.
+        raise ConfigError("launcher.split", split, f"cannot run with probe.compile={probe_compile!r}: the bins' "
+                          "jobs would share one compile cache and land on different kernel paths; use "
+                          "launcher.split=pair, or probe.compile=false")
+    if LAUNCHERS[name].cluster != "slurm" and launcher.get("constraint") is not None:
+        raise ConfigError("launcher.constraint", launcher["constraint"], f"launcher={name} runs on this machine "
+                          "and would ignore it: remove it, or use launcher=slurm")
+    bad = unsafe_sbatch_knob(launcher, trusted=True)
+    if bad is not None:
+        raise ConfigError(f"launcher.{bad[0]}", bad[1], "may hold only letters, digits and _.,:@%+=|&()[]*- "
+                          "(it becomes a line of the sbatch script)")
+    LAUNCHERS[name].check(launcher)

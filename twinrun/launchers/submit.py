@@ -1,0 +1,78 @@
+"""Submitting runs as submitit jobs: the executor's parameters, one submission (a job array if several),
+and launch.json for each run."""
+
+import datetime
+from pathlib import Path
+
+import submitit
+from submitit.core.utils import UncompletedJobError
+
+from twinrun.launchers import LAUNCHERS, check
+from twinrun.launchers.jobs import PairJob
+from twinrun.launchers.placement import Element, place
+from twinrun.launchers.record import write_launch
+from twinrun.launchers.slurm import sbatch_refused
+
+
+def executor_parameters(launcher: dict, cluster: str, job_name: str) -> dict:
+    """Keywords for submitit's update_parameters; a None knob is not passed (the cluster decides)."""
+    params = {"name": job_name, "timeout_min": launcher["timeout_min"], "nodes": launcher["nodes"],
+              "tasks_per_node": 1, "gpus_per_node": launcher["gpus_per_node"] or None}  # 0: ask for none
+    if cluster == "local":
+        params["local_setup"] = list(launcher["setup"]) or None
+    else:
+        params.update({
+            "cpus_per_task": launcher["cpus_per_task"],
+            "mem_gb": launcher["mem_gb"],
+            "slurm_partition": launcher["partition"],
+            "slurm_account": launcher["account"],
+            "slurm_qos": launcher["qos"],
+            "slurm_constraint": launcher["constraint"],
+            "slurm_signal_delay_s": launcher["signal_delay_s"],
+            "slurm_array_parallelism": launcher["array_parallelism"],
+            "slurm_additional_parameters": dict(launcher["additional_parameters"]) or None,
+            "slurm_setup": list(launcher["setup"]) or None,
+        })
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def make_executor(launcher: dict, folder_root: Path, job_name: str) -> submitit.AutoExecutor:
+    cluster = LAUNCHERS[launcher["name"]].cluster
+    # max_num_timeout is a constructor argument, not an update_parameters one
+    executor = submitit.AutoExecutor(folder=Path(folder_root).resolve() / launcher["folder"] / "%j",
+                                     cluster=cluster,
+                                     **{f"{cluster}_max_num_timeout": launcher["max_num_timeout"]})
+    executor.update_parameters(**executor_parameters(launcher, cluster, job_name))
+    return executor
+
+
+def submit(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> list[tuple[Element, object]]:
+    """One job per planned run directory (split=pair) or per pending unit (split=bins), all in one
+    submission (one SLURM job array if several). Returns [(Element, submitit job)].
+
+    Writes RUN_DIR/launch.json (job ids, cluster, log paths, time) and prints each job id.
+    """
+    check(launcher)
+    planned = place([Path(r).resolve() for r in run_dirs], launcher.get("split", "pair"))
+    folder_root = Path(folder_root)
+    executor = make_executor(launcher, folder_root, f"twinrun-{folder_root.name}")
+    with submitit.helpers.clean_env():  # submitting from inside an allocation must not inherit it
+        try:
+            with executor.batch():
+                jobs = [executor.submit(PairJob(e.run_dir, trusted, e.units)) for e in planned]
+        except UncompletedJobError as err:  # sbatch refused the job
+            raise sbatch_refused(err, launcher) from None
+    submitted = list(zip(planned, jobs))
+    cluster = LAUNCHERS[launcher["name"]].cluster
+    when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    for run_dir in dict.fromkeys(e.run_dir for e in planned):
+        write_launch(run_dir, [(e, j) for e, j in submitted if e.run_dir == run_dir], cluster, launcher, when)
+    kind = "SLURM" if cluster == "slurm" else "submitit local"
+    if len(jobs) > 1 and cluster == "slurm":
+        print(f"twinrun: submitted {kind} job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} "
+              f"{'runs' if len(jobs) == len(run_dirs) else 'jobs'}; logs in {folder_root / launcher['folder']})",
+              flush=True)
+    for e, job in submitted:
+        which = "" if e.units is None else f" unit {', '.join(map(str, e.units))} of"
+        print(f"twinrun: submitted {kind} job {job.job_id} for{which} {e.run_dir}", flush=True)
+    return submitted

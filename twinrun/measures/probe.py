@@ -1,0 +1,283 @@
+"""The σ probe, twinrun's first measurement kind: per-fold gradient sums of each arm at each noising σ.
+
+Its unit is a σ bin: every arm of a bin is measured back to back in one process on one set of draws,
+keyed by (seed, σ, image id, draw). Planning validates the probe's settings, builds what the job
+will build (on the CPU) and runs the trial eagerly; the job's session builds it again where it
+measures, resolves probe.method and compile there, and measures one arm of one bin at a time.
+"""
+
+import itertools
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from twinrun import draws
+from twinrun.analysis.estimands import check_estimands, declared_groups
+from twinrun.analysis.reduce import reduce_run
+from twinrun.config import PROTOCOL_KEYS, ProbeConfig, build, typed
+from twinrun.errors import ConfigError
+from twinrun.files import memory_bytes
+from twinrun.interventions import Intervention, Native, attached
+from twinrun.measures import fold_sums as fs
+from twinrun.measures import trial
+from twinrun.measures.kind import Measure, Plan, resolve_device
+from twinrun.provenance.record import read_sentinel
+from twinrun.storage.records import UnitEntry
+from twinrun.storage.store import store_size
+
+
+def store_name(bin_index: int, sigma: float) -> str:
+    return f"bin{bin_index:02d}_sigma{sigma:g}.safetensors"
+
+
+def bin_label(bin_index: int, sigma: float) -> str:
+    return f"bin {bin_index} (σ={sigma:g})"
+
+
+def fold_sizes(n_images: int, n_folds: int) -> list[int]:
+    """Contiguous folds of the probe's images, as equal as possible."""
+    base, extra = divmod(n_images, n_folds)
+    return [base + (1 if f < extra else 0) for f in range(n_folds)]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
+    """The probe's own settings, grid and data, before any compute; each error names the key, value and
+    fix. Returns the data (images, ids), built once for planning."""
+    grid = list(cfg.sigma_grid.sigmas)
+    if not grid:
+        raise ConfigError("sigma_grid.sigmas", grid, "is empty; give at least one σ, e.g. [0.1,0.5,1.0]")
+    if not all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in grid):
+        raise ConfigError("sigma_grid.sigmas", grid, "every σ must be a positive finite number")
+    if any(b <= a for a, b in itertools.pairwise(grid)):
+        raise ConfigError("sigma_grid.sigmas", grid,
+                          f"must be strictly increasing without duplicates, e.g. {sorted(set(grid))}")
+    p = cfg.probe
+    if p.n_draws < 1:
+        raise ConfigError("probe.n_draws", p.n_draws, "must be ≥ 1")
+    if p.n_images < 3:
+        raise ConfigError("probe.n_images", p.n_images, "must be ≥ 3 (the estimator needs 3 folds)")
+    if not 3 <= p.n_folds <= p.n_images:
+        raise ConfigError("probe.n_folds", p.n_folds, f"must be between 3 (the jackknife SE needs 3 folds) and "
+                          f"probe.n_images={p.n_images} (a fold holds ≥ 1 image)")
+    if not p.params:
+        raise ConfigError("probe.params", list(p.params), "give at least one pattern, e.g. ['*']")
+    for key in ("chunk_images", "chunk_draws"):
+        if p[key] == 0 or p[key] < -1:
+            raise ConfigError(f"probe.{key}", p[key], "must be ≥ 1, or -1 for no limit")
+    _validate_device(p.device)
+    data = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
+    if p.n_images > data[0].shape[0]:
+        raise ConfigError("probe.n_images", p.n_images,
+                          f"the data set has only {data[0].shape[0]} images; use at most that")
+    intervention.check([float(s) for s in grid])
+    return data
+
+
+def _validate_device(name: str) -> None:
+    try:
+        device = resolve_device(name)
+    except RuntimeError:
+        raise ConfigError("probe.device", name, "not a torch device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("probe.device", name, "twinrun measures on cpu or cuda[:N] only (or auto)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("probe.device", name, "CUDA is not available here; use probe.device=cpu")
+
+
+def check_measures_something(intervention: Intervention, grid: list[float]) -> None:
+    """Refuse, before compute, an intervention that can prove nothing: neither a gate bin nor a no-op
+    setting (nothing would vouch for the instrument), or one that is the twin everywhere (nothing to
+    measure): its settings are its no-op setting, or it only changes σ_cond and feeds the twin's."""
+    key = f"intervention({type(intervention).__name__})"
+    noop = intervention.noop()
+    if not intervention.gate_sigmas(grid) and noop is None:
+        raise ConfigError(key, grid, "has no gate bin (no bin of the grid where it claims to be a no-op) and no "
+                          "no-op setting (`noop()`, run as its machinery arm): nothing would vouch for the "
+                          "instrument; add its no-op σ to sigma_grid.sigmas or declare a no-op setting")
+    at_noop = noop is not None and all(getattr(intervention, k, None) == v for k, v in noop.items())
+    sigma_only = type(intervention).attach is Intervention.attach
+    twin = Native()
+    same_sigma = all(torch.equal(intervention.sigma_cond(torch.tensor(s, dtype=torch.float32)),
+                                 twin.sigma_cond(torch.tensor(s, dtype=torch.float32))) for s in grid)
+    if at_noop or (sigma_only and same_sigma):
+        raise ConfigError(key, grid, "a no-op everywhere: nothing to measure (its settings are the twin's in "
+                          "every bin); choose settings that change something (e.g. gamma ≠ 1, factor ≠ 1)")
+
+
+def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, run_dir: Path | None) -> int:
+    """Refuse at plan time what could never fit: a bin's noise in memory, the stores on disk. Prints
+    the run's store size (every arm and bin, the gate replicate at its gate bins); returns it."""
+    p = cfg.probe
+    noise_bytes = 4 * p.n_images * p.n_draws * math.prod(image_shape)
+    memory = memory_bytes()
+    if noise_bytes > memory // 2:
+        raise ConfigError("probe.n_draws", p.n_draws, f"a bin's noise for probe.n_images={p.n_images} would take "
+                          f"{noise_bytes / 2**30:.1f} GiB, over half this machine's {memory / 2**30:.0f} GiB; "
+                          "use fewer draws or images")
+    n_params = sum(numels)  # numels: one per probed parameter tensor
+    store_bytes = n_stores * store_size(p.n_folds, n_params, len(numels), p.n_images)
+    where = Path(run_dir) if run_dir is not None else Path.cwd()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    print(f"twinrun: the stores will take about {store_bytes / 1e6:,.1f} MB ({store_bytes:,} bytes: {n_stores} "
+          f"stores of {p.n_folds} folds x {n_params:,} parameters); {free / 1e9:,.1f} GB free at {where}", flush=True)
+    resuming = run_dir is not None and (Path(run_dir) / "run.json").exists()
+    if store_bytes > free and not resuming:
+        # (A resume writes only the missing stores, beside those already on this disk: not refused here.)
+        raise ConfigError("probe.params", list(p.params), f"the stores would take {store_bytes / 2**30:.2f} GiB "
+                          f"({store_bytes} bytes), more than the {free / 2**30:.2f} GiB free at {where}; probe fewer "
+                          "parameters or folds, or put the run directory on a file system with room (hydra.run.dir=..., "
+                          "or hydra.sweep.dir=... for a sweep)")
+    return store_bytes
+
+
+# ----------------------------------------------------------------------------- components
+
+
+@dataclass
+class Components:
+    """What a resolved config builds, the same way for planning and for the job: the probe's inputs."""
+
+    model: torch.nn.Module  # on `device`
+    images: torch.Tensor  # [n_images, C, H, W]: the data's first probe.n_images, on `device`
+    image_ids: list[int]  # each image's id: it keys the image's noise draws
+    interventions: dict[str, Intervention]  # arm name -> its intervention (hooks attached per arm)
+    names: list[str]  # the probed parameters (probe.params matched against the model)
+    layout: list[dict]  # the stores' columns: each probed parameter's offset, size, conditioning flag
+    fold_sizes: list[int]  # images per fold (contiguous folds)
+    fold_of_image: torch.Tensor  # [n_images] int64: each image's fold, on `device`
+    device: torch.device
+
+
+def build_components(config: dict, p: ProbeConfig, arms: list, device: torch.device,
+                     data: tuple | None = None) -> Components:
+    """Model, data and each arm's intervention from the arms' shared resolved config (one level of
+    instantiate each), and the probe's parameter selection, layout and folds (`p`: config's probe, typed).
+    data: (images, ids) when the caller has already built them (planning validates their count first)."""
+    model = build(config["model"], "model").to(device)
+    images, image_ids = data if data is not None else build(config["data"], "data")
+    names = fs.select_params(model, list(p.params))
+    sizes = fold_sizes(p.n_images, p.n_folds)
+    return Components(
+        model=model,
+        images=images[: p.n_images].to(device),
+        image_ids=list(image_ids[: p.n_images]),
+        interventions={a.name: build(a.config["intervention"], "intervention") for a in arms},
+        names=names,
+        layout=fs.layout(model, names, fs.cond_patterns(model)),
+        fold_sizes=sizes,
+        fold_of_image=torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device),
+        device=device,
+    )
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path | None, data: tuple) -> Plan:
+    """Build what the job will build (on the CPU), check it, run the trial; the run's σ bins."""
+    grid = [float(s) for s in cfg.sigma_grid.sigmas]
+    p = typed(ProbeConfig, arms[0].config["probe"], "probe")
+    c = build_components(arms[0].config, p, arms, torch.device("cpu"), data)
+    check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), c.layout)
+    check_measures_something(intervention, grid)
+    intervention.check_model(c.model)
+    gates = intervention.gate_sigmas(grid)
+    replicated = any(a.role == "replicate" for a in arms)
+    n_stores = len(arms) * len(grid) + (0 if replicated else len(gates))
+    store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
+    trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+    units = [{"index": i, "label": bin_label(i, s), "gate": s in gates, "probe": {"sigma": s},
+              "file": store_name(i, s)} for i, s in enumerate(grid)]
+    return Plan(units=units, store_bytes=store_bytes)
+
+
+# ----------------------------------------------------------------------------- the job's session
+
+
+def arithmetic(p: ProbeConfig, method: str, device: str) -> dict:
+    """The probe settings that change the arithmetic of a store, not what it measures: they join the
+    kernel path (a resume or a reference under other settings is another path). `method` is the
+    resolved one (vmap | folds), never `auto`, and so is `device` (cpu | cuda)."""
+    return {"method": method, "compile": p.compile or False, "device": device,  # null compile is eager
+            "chunk_images": p.chunk_images, "chunk_draws": p.chunk_draws}
+
+
+class ProbeSession:
+    """The probe in one job: components built on this job's device, the trial's method and compiled
+    forward, and each bin's draws (drawn once, consumed by every arm of the bin)."""
+
+    def __init__(self, config: dict, arms: list, device: torch.device):
+        self.p = typed(ProbeConfig, config["probe"], "probe")
+        self.seed = config["seed"]
+        self.c = build_components(config, self.p, arms, device)
+        self.image_shape = tuple(self.c.images.shape[1:])
+        self.eps = None
+        # Resolve probe.method and compile before any bin, so that the compile cache the fingerprint
+        # reads next holds every kernel the bins will use.
+        self.method, self.forward, self.compile_mode = trial.job_trial(
+            self.c.model, self.c.names, self.c.images, _first_sigma(config), self.c.interventions, self.p,
+            self.c.fold_of_image, len(self.c.fold_sizes))
+
+    def arithmetic(self) -> dict:
+        # twinrun's own batching changes the arithmetic order, so it joins the kernel path.
+        return arithmetic(self.p, self.method, self.c.device.type)
+
+    def sentinel(self) -> dict:
+        return read_sentinel(self.forward, self.c.device, self.image_shape)
+
+    def begin_unit(self, u: UnitEntry) -> None:
+        # This bin's draws, keyed by (seed, σ, image id, draw): the same for every arm.
+        self.eps = draws.noise(self.seed, u["probe"]["sigma"], self.c.image_ids, self.p.n_draws, self.image_shape)
+
+    def measure(self, u: UnitEntry, arm: str, stamp: dict) -> tuple[dict, dict]:
+        """Probe this arm at this bin (its σ_cond, its hooks on and off again), as the store's tensors."""
+        c, p, sigma = self.c, self.p, u["probe"]["sigma"]
+        eps = self.eps.to(c.device)
+        intervention = c.interventions[arm]
+        sigma_cond = intervention.sigma_cond(torch.tensor(sigma, dtype=torch.float32))
+        with attached(intervention, c.model):
+            sums = trial.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
+                                        sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
+                                        p.chunk_images, p.chunk_draws, method=self.method, forward=self.forward)
+        fs.check_finite(sums, arm, u["index"], sigma)
+        meta = {"arm": arm, "bin_index": u["index"], "sigma": sigma, "sigma_cond": float(sigma_cond),
+                "n_images": p.n_images, "n_draws": p.n_draws, "fold_sizes": c.fold_sizes, "image_ids": c.image_ids,
+                "seed": self.seed, "draws_digest": draws.digest(eps, sigma), "config_hash": stamp["config_hash"],
+                "layout": c.layout, "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
+        return fold_tensors(sums, c.layout), meta
+
+
+def _first_sigma(config: dict) -> float:
+    return float(config["sigma_grid"]["sigmas"][0])
+
+
+def fold_tensors(sums: torch.Tensor, layout: list[dict]) -> dict[str, torch.Tensor]:
+    """The fold sums [n_folds, n_params] float32 as one [numel, n_folds] tensor per probed parameter.
+
+    Parameter-major: a parameter's column range [lo, hi) is one contiguous byte range of the store,
+    so the reducer streams every store front to back in column chunks, reading each byte once."""
+    assert sums.dtype == torch.float32 and sums.dim() == 2, (sums.dtype, sums.shape)
+    sums = sums.cpu()
+    return {g["name"]: sums[:, g["offset"] : g["offset"] + g["numel"]].T.contiguous() for g in layout}
+
+
+PROBE = Measure(
+    name="probe",
+    settings_key="probe",
+    unit_noun="bin",
+    validate=validate,
+    plan=plan,
+    protocol_keys=PROTOCOL_KEYS,
+    open_session=ProbeSession,
+    device=lambda config: config["probe"]["device"],
+    reduce=reduce_run,
+)

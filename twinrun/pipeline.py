@@ -1,0 +1,113 @@
+"""Orchestration: run a point, submit and collect, resume, reduce and publish. No argparse, no Hydra.
+
+Every command line (python -m twinrun, .resume, .reduce, .sweep) goes through these functions and
+never through another command line. Each returns the process's exit code (0 ok, 1 a gate or check
+failed, 2 bad input, 3 refused, 4 the model raised; docs/exit-codes.md), the worst over several runs.
+"""
+
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from twinrun import launchers
+from twinrun.errors import EXIT_GATE, EXIT_OK, EXIT_USAGE, TwinrunError
+from twinrun.job import run_job
+from twinrun.launchers.record import submitted_launcher
+from twinrun.launchers.submit import submit
+from twinrun.launchers.wait import wait
+from twinrun.measures import measure_of
+from twinrun.plan import plan_run, trusted_targets
+from twinrun.publish import publish
+from twinrun.publish.render import render
+from twinrun.publish.sweep import write_sweep_summary
+from twinrun.storage.rundir import RunDir, RunIndex
+from twinrun.storage.sweepdir import SweepDir
+
+
+class Point(NamedTuple):
+    """What one run (one sweep point) came to: its exit code, or None when it waits to be submitted
+    with the others of its sweep as one array."""
+
+    run_dir: Path
+    code: int | None
+    launcher: dict | None
+    trusted: tuple
+
+
+def check_launcher(cfg: DictConfig) -> dict:
+    """The config's launcher settings as plain data, refused (exit 2) before anything is written."""
+    launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
+    launchers.check(launcher, cfg.probe.compile)
+    return launcher
+
+
+def run_point(cfg: DictConfig, run_dir: Path, command: str | None, sweeping: bool) -> Point:
+    """Plan one run, then measure and reduce it (local), submit it, or defer it to the sweep's array."""
+    trusted = tuple(trusted_targets(cfg))  # the user composed this config: its builders may run
+    launcher = check_launcher(cfg)  # bad launcher settings fail before a run directory is written
+    plan_run(cfg, run_dir, command=command)
+    print(f"twinrun: run directory {run_dir}", flush=True)
+    if launchers.LAUNCHERS[launcher["name"]].in_process:
+        run_job(run_dir, trusted)
+        return Point(run_dir, reduce_and_publish(run_dir), launcher, trusted)
+    if sweeping:
+        return Point(run_dir, None, launcher, trusted)
+    return Point(run_dir, submit_and_collect([run_dir], launcher, run_dir, trusted), launcher, trusted)
+
+
+def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> int:
+    """Submit the runs (one job, or one array), wait unless told not to, reduce each."""
+    submitted = submit(run_dirs, launcher, folder_root, trusted)
+    if not launcher["wait"]:
+        where = run_dirs[0] if len(run_dirs) == 1 else folder_root
+        print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`, "
+              "then reduce each run with `python -m twinrun.reduce RUN_DIR`")
+        return EXIT_OK
+    failed = wait(submitted, launcher)
+    return max(failed.get(Path(r).resolve()) or reduce_and_publish(r) for r in run_dirs)
+
+
+def reduce_and_publish(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None) -> int:
+    """Reduce a measured run with its kind's analysis, publish it, print it; the exit code."""
+    kind = measure_of(RunIndex.load(run_dir).measure)
+    reduction = kind.reduce(Path(run_dir), estimands, gate_rule, signal_alpha)
+    publish(reduction)
+    print(render(reduction.shown), flush=True)
+    return reduction.exit_code
+
+
+def resume_run(rd: RunDir, local: bool, trusted: list[str]) -> int:
+    """Measure what is missing (here, or by resubmitting a SLURM run), then reduce; the exit code."""
+    launcher = None if local else submitted_launcher(rd)
+    if launcher is not None:
+        return submit_and_collect([rd.path], launcher, rd.path, trusted)
+    run_job(rd.path, trusted)
+    return reduce_and_publish(rd.path)
+
+
+def submit_sweep(points: list[Point], sweep_dir: Path) -> int:
+    """The points a submitit launcher deferred, as one job array; then wait and reduce each."""
+    trusted = sorted({t for p in points for t in p.trusted})
+    return submit_and_collect([p.run_dir for p in points], points[0].launcher, sweep_dir, trusted)
+
+
+def reduce_sweep(sweep_dir: Path, resume: bool, local: bool, trusted: list[str]) -> int:
+    """Reduce every measured point (resume the others first if asked), then the sweep summary; the
+    worst exit code, and at least 1 (every point reduced) or 2 (some never were) unless all are valid."""
+    codes = []
+    for run_dir in SweepDir(sweep_dir).point_dirs():
+        try:
+            if resume and RunIndex.load(run_dir).status != "measured":
+                codes.append(resume_run(RunDir(run_dir), local, trusted))
+                continue
+            if not RunDir(run_dir).has_summary() or resume:
+                codes.append(reduce_and_publish(run_dir))
+        except TwinrunError as err:  # one point's damage does not hide the others
+            print(f"twinrun: error: {run_dir}: {err}", file=sys.stderr, flush=True)
+            codes.append(err.exit_code)
+    code, summary = max(codes or [EXIT_OK]), write_sweep_summary(sweep_dir)
+    if not summary["all_valid"]:
+        code = max(code, EXIT_GATE if all(pt["status"] == "reduced" for pt in summary["points"]) else EXIT_USAGE)
+    return code

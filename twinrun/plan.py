@@ -1,0 +1,211 @@
+"""Planning a twin run: validate, derive the arms, write everything the job needs, before any compute.
+
+`plan_run` runs where the user typed the command: it validates what every measurement kind shares
+(the registered analysis, determinism, the seed, paths, the reference), derives the native twin
+(and replicate, machinery arm), hands the kind's own checks and units to its planner
+(twinrun/measures), and writes the arms' configs, the config diff and run.json.
+
+The trust policy lives here too: a run directory is data, so the job instantiates only builders
+twinrun ships or the user vouched for (`load_arms`).
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from twinrun.analysis.estimands import check_estimands, declared_groups
+from twinrun.analysis.gates import GATE_RULES
+from twinrun.arms import Arm, derive_arms
+from twinrun.config import build, protocol_differences
+from twinrun.errors import ConfigError, StoreError
+from twinrun.files import atomic_write, write_json
+from twinrun.measures import measure_of
+from twinrun.measures.kind import Measure
+from twinrun.provenance.determinism import MATMUL_PRECISIONS
+from twinrun.storage.records import GATE_REPLICATE, RUN_FORMAT, RunRecord
+from twinrun.storage.rundir import RunDir, RunIndex
+
+# The builders a run directory may name without the user vouching for them: twinrun's own
+# model, data and interventions. Anything else must come from a config the user composed (its
+# `_target_`s are passed in as `trusted`) or a module named on the command line.
+BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions")
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate_common(cfg: DictConfig) -> None:
+    """What every measurement kind shares: the registered analysis, determinism, the seed."""
+    validate_reduce(cfg.reduce)
+    if cfg.determinism.float32_matmul_precision not in MATMUL_PRECISIONS:
+        raise ConfigError("determinism.float32_matmul_precision", cfg.determinism.float32_matmul_precision,
+                          f"choose one of {', '.join(MATMUL_PRECISIONS)}")
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError("seed", cfg.seed, "must be in [0, 2^63): it keys every noise stream")
+
+
+def validate_reduce(r: DictConfig) -> None:
+    """The analysis registered at plan time: estimands from the registry, a known gate rule."""
+    check_estimands(list(r.estimands), declared_groups(r), None)
+    if r.gate_rule not in GATE_RULES:
+        raise ConfigError("reduce.gate_rule", r.gate_rule, f"choose one of {', '.join(GATE_RULES)}")
+    if not 0 < r.signal_alpha < 0.5:
+        raise ConfigError("reduce.signal_alpha", r.signal_alpha, "must be in (0, 0.5), e.g. 0.05")
+
+
+def check_paths(cfg: DictConfig, run_dir: Path | None) -> None:
+    """Paths a run will write to: its directory's name must be UTF-8 (it is written into run.json and
+    every report), and a compile cache directory the user chose must be writable."""
+    if run_dir is not None:
+        try:
+            str(run_dir).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError("hydra.run.dir", str(run_dir).encode("utf-8", "replace").decode(),
+                              "is not valid UTF-8; choose a directory name of UTF-8 characters") from None
+    cache = cfg.determinism.compile_cache_dir
+    if cache is not None:
+        path = Path(cache).expanduser()
+        probe_dir = next((q for q in (path, *path.parents) if q.exists()), None)
+        if probe_dir is None or not probe_dir.is_dir() or not os.access(probe_dir, os.W_OK | os.X_OK):
+            raise ConfigError("determinism.compile_cache_dir", cache,
+                              "cannot be created or written here; choose a writable directory (or null for "
+                              "~/.cache/twinrun/compile)")
+
+
+def check_reference(reference: str | None, mine: dict, kind: Measure) -> str | None:
+    """A reference must be an earlier run directory with a native twin measured under the same
+    protocol as this run (`mine`: the twin's resolved config); checked before any compute."""
+    if reference is None:
+        return None
+    path = Path(reference).expanduser().resolve()
+    if path.parent.name == "arms":  # given an arm directory itself
+        path = path.parent.parent
+    try:
+        index = RunIndex.load(path)
+        theirs = index.run_dir.read_arm_config(index.arm("twin")["name"])
+    except StoreError as err:
+        raise ConfigError("reference", reference, f"must be an earlier, intact twinrun run directory ({err})") from None
+    if index.measure != kind.name:
+        raise ConfigError("reference", reference, f"measured {index.measure}, this run measures {kind.name}")
+    differ = protocol_differences(theirs, mine, kind.protocol_keys)
+    if differ:
+        raise ConfigError("reference", reference, f"was measured under another protocol ({', '.join(differ)} "
+                          "differ); a reference must share data, grid, seed, images, draws, folds and probed parameters")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, dry_run: bool = False) -> RunRecord:
+    """Validate, derive the twin, write configs, diff and run.json. Returns run.json's content.
+
+    dry_run: validate only, write nothing (a sweep checks every point before the first runs).
+    """
+    kind = measure_of(cfg.measure)
+    intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
+    validated = kind.validate(cfg, intervention)
+    validate_common(cfg)
+    arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
+    check_paths(cfg, run_dir)
+    planned = kind.plan(cfg, intervention, arms, run_dir, validated)
+    run: RunRecord = {
+        "format": RUN_FORMAT,
+        "measure": kind.name,
+        "status": "planned",
+        "command": command,
+        "reference": check_reference(cfg.reference, arms[1].config, kind),
+        "arms": [{"name": a.name, "role": a.role, "config_hash": config_hash(a.config)} for a in arms],
+        # The analysis registered before any compute; `reduce` with other settings is a post-hoc view.
+        "registered": {"estimands": list(cfg.reduce.estimands), "gate_rule": cfg.reduce.gate_rule,
+                       "signal_alpha": float(cfg.reduce.signal_alpha),
+                       **({"groups": declared_groups(cfg.reduce)} if cfg.reduce.groups else {})},
+        "units": [unit_entry(u, arms) for u in planned.units],
+    }
+    if dry_run:
+        return run
+    rd = RunDir(run_dir)
+    if rd.is_run():
+        return _resume_plan(rd, run)
+    if any(GATE_REPLICATE in u["stores"] for u in run["units"]):
+        rd.arm_dir(GATE_REPLICATE).mkdir(parents=True, exist_ok=True)
+    for arm in arms:
+        rd.arm_dir(arm.name).mkdir(parents=True, exist_ok=True)
+        atomic_write(rd.arm_config(arm.name), yaml.safe_dump(arm.config, sort_keys=False).encode())
+    write_json(rd.config_diff_json, diff)
+    return RunIndex.create(rd, run).doc
+
+
+def unit_entry(u: dict, arms: list[Arm]) -> dict:
+    """A planned unit with a pending store for every arm, in run.json's order of keys. The twin is
+    measured again at every gate unit (unless arms.replicate already does so in every unit): without
+    it a gate that is not bit-identical could not tell a nondeterministic kernel path from an
+    intervention that is not a no-op (twinrun/analysis/gates.py)."""
+    own = {k: v for k, v in u.items() if k != "file"}
+    stores = {a.name: {"file": u["file"], "status": "pending"} for a in arms}
+    if u["gate"] and all(a.name != GATE_REPLICATE for a in arms):
+        stores[GATE_REPLICATE] = {"file": u["file"], "status": "pending"}
+    return {**own, "stores": stores}
+
+
+def _resume_plan(rd: RunDir, planned: dict) -> RunRecord:
+    old = RunIndex.load(rd)
+    if [a["config_hash"] for a in old.arms] != [a["config_hash"] for a in planned["arms"]]:
+        raise StoreError(rd.path, "holds a run of a different config; use a new run directory")
+    return old.doc
+
+
+# ----------------------------------------------------------------------------- the trust policy
+
+
+def targets(tree) -> list[str]:
+    """Every `_target_` in a config (Hydra's instantiate follows nested ones too)."""
+    if isinstance(tree, dict):
+        own = [tree["_target_"]] if "_target_" in tree else []
+        return own + [t for v in tree.values() for t in targets(v)]
+    if isinstance(tree, list):
+        return [t for v in tree for t in targets(v)]
+    return []
+
+
+def trusted_targets(cfg: DictConfig) -> list[str]:
+    """The builders of a config the user composed (its model, data and intervention)."""
+    return sorted({t for key in ("model", "data", "intervention")
+                   for t in targets(OmegaConf.to_container(cfg[key], resolve=True))})
+
+
+def _allowed(target, trusted) -> bool:
+    if not isinstance(target, str):
+        return False
+    module = target.rpartition(".")[0]
+    return any(module == m for m in BUILTIN_MODULES) or any(
+        target == t or target.startswith(f"{t}.") for t in trusted)
+
+
+def load_arms(index: RunIndex, trusted=()) -> list[Arm]:
+    """Each arm's config.yaml, only if it is the config run.json hashed and names only builders
+    twinrun ships or the user vouched for: a run directory is data and never runs code."""
+    arms = []
+    for entry in index.arms:
+        path = index.run_dir.arm_config(entry["name"])
+        config = index.run_dir.read_arm_config(entry["name"])
+        if config_hash(config) != entry["config_hash"]:
+            raise StoreError(path, f"does not match the config_hash {entry['config_hash']} run.json records "
+                             "for it (edited after planning?); restore it or start a new run directory")
+        foreign = [t for t in targets(config) if not _allowed(t, trusted)]
+        if foreign:
+            raise StoreError(path, f"names the builder _target_={foreign[0]!r}, which is neither twinrun's nor "
+                             "one you named: rerun your original command (with its --config-dir), or "
+                             "`python -m twinrun.resume RUN_DIR --trust MODULE` if you trust that code")
+        arms.append(Arm(entry["name"], config, entry["role"]))
+    if index.has_gate_replicate():
+        arms.append(Arm(GATE_REPLICATE, next(a for a in arms if a.role == "twin").config, "replicate"))
+    return arms

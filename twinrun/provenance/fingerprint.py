@@ -1,0 +1,494 @@
+"""Environment fingerprint: which kernel path produced a number, and where it ran (a leaf: torch only).
+
+`python -m twinrun.env` prints the fingerprint a run made here records, with its digest.
+
+`fingerprint()` splits what it reads in two:
+
+- `kernel_path` must match for two numbers to be comparable bit for bit. Each field can move
+  floating-point results by choosing a different kernel or summation order:
+  torch/CUDA/cuDNN/cuBLAS/Triton versions (different kernels and heuristics); GPU name, SM count
+  and capability (cuBLAS is reproducible only on the same architecture and SM count, so MIG
+  slices differ); CPU model, vector-ISA flags and ATen's CPU capability (AVX2 vs AVX512 kernels
+  reduce in different orders); thread counts (reductions and some BLAS calls split work per
+  thread); BLAS/oneDNN/OpenMP backend and versions; the numerics switches (deterministic
+  algorithms, TF32, reduced-precision reductions, cuDNN benchmark, SDPA backends); whether and how
+  torch.compile runs, Inductor's knobs and the content of its caches (they hold autotune
+  winners); environment variables that those libraries read.
+- `info` is recorded, never compared: host, boot, kernel, Python, GPU UUIDs and driver, SLURM
+  ids, the twinrun git commit, a digest of installed packages, pid. Two arms on the same path
+  may legitimately differ here (e.g. a requeue to another node with identical hardware).
+
+Nothing here depends on the clock, so a fingerprint is stable within a process. Reading GPU
+properties initialises CUDA: call `twinrun.determinism.apply_determinism` first.
+"""
+
+import getpass
+import hashlib
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Variables read by cuBLAS, OpenMP, MKL, OpenBLAS, oneDNN or ATen that change which kernels run.
+NUMERICS_ENV = (
+    "ATEN_CPU_CAPABILITY",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_CBWR",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_NUM_THREADS",
+    "NVIDIA_TF32_OVERRIDE",
+    "OMP_NUM_THREADS",
+    "ONEDNN_MAX_CPU_ISA",
+    "OPENBLAS_CORETYPE",
+    "OPENBLAS_NUM_THREADS",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "TORCH_BLAS_PREFER_CUBLASLT",
+)
+NUMERICS_ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_")
+# Installed packages (normalised names, prefixes) that choose the kernels a probe runs.
+NUMERICS_PACKAGES = ("torch", "triton", "pytorch-triton", "nvidia-", "cuda-", "diffusers", "xformers", "flash-attn",
+                     "transformers", "accelerate", "numpy", "safetensors", "intel-openmp", "mkl")
+# Inductor exports these itself on first compile; their resolved paths are read separately.
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+ISA_FLAG = re.compile(r"avx|sse|amx|fma|f16c|vnni|bf16|fp16|asimd|sve|neon")
+CACHE_WALK_MAX_FILES = 10_000  # keeps a digest of a large shared cache well under a second
+SLURM_ENV = (
+    "SLURM_JOB_ID",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_NODEID",
+    "SLURMD_NODENAME",
+    "SLURM_RESTART_COUNT",
+)
+
+
+def fingerprint(compile_mode: str | None = None) -> dict:
+    """This process's kernel path (compared) and provenance (recorded); see the module docstring.
+
+    `compile_mode` is the torch.compile mode the caller uses (None = eager). Only when it is set do
+    Inductor's knobs and cache contents join the kernel path: eager numbers never read them.
+    """
+    packages = _installed_packages()
+    compile_path = {"used": compile_mode is not None, "mode": compile_mode}
+    if compile_mode is not None:
+        # Before reading the caches: importing Inductor creates its default cache dir.
+        compile_path["inductor"] = _inductor_knobs()
+    caches = _compile_caches()
+    if compile_mode is not None:
+        compile_path["caches"] = {name: entry["digest"] for name, entry in caches.items()}
+        compile_path["autotune_choices"] = _autotune_choices(caches)
+    kernel_path = {
+        "torch": _torch_build(packages),
+        "gpus": _gpus(),
+        "cpu": _cpu(),
+        "threads": _threads(),
+        "backend": _backend(),
+        "switches": _switches(),
+        "compile": compile_path,
+        "env": _numerics_env(),
+        # The code that computes the numbers: an edit to the probe moves results as surely as a
+        # library upgrade, and the git commit (info) misses uncommitted edits.
+        "twinrun_sources_sha256": _twinrun_sources_sha256(),
+    }
+    info = {
+        "hostname": socket.gethostname(),
+        "boot_id": _read_text("/proc/sys/kernel/random/boot_id"),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "pid": os.getpid(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "gpu_uuids": _gpu_uuids(),
+        "nvidia_smi": _nvidia_smi(),
+        "slurm": {name: os.environ.get(name) for name in SLURM_ENV},
+        "git": _git_state(),
+        "packages_sha256": _sha256("\n".join(f"{n}=={v}" for n, v in sorted(packages.items()))),
+        "packages_count": len(packages),
+        "compile_caches": caches,
+    }
+    return {"kernel_path": kernel_path, "info": info}
+
+
+def _twinrun_sources_sha256() -> str:
+    """sha256 over twinrun's own .py files (relative path + content), in path order."""
+    root = Path(__file__).resolve().parent.parent  # the twinrun package, not this folder
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def kernel_path_diff(a: dict, b: dict) -> list[str]:
+    """Dotted names of kernel-path fields that differ; takes fingerprints or their kernel_path parts."""
+    flat_a = _flatten(a.get("kernel_path", a))
+    flat_b = _flatten(b.get("kernel_path", b))
+    missing = object()
+    return sorted(
+        k for k in flat_a.keys() | flat_b.keys() if flat_a.get(k, missing) != flat_b.get(k, missing)
+    )
+
+
+# --- kernel path -------------------------------------------------------------------------
+
+
+def _torch_build(packages: dict) -> dict:
+    return {
+        "version": torch.__version__,
+        "git_version": torch.version.git_version,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        # Runtime cuBLAS/Triton come from wheels when torch does; a source build leaves them null.
+        "cublas": _first_version(packages, "nvidia-cublas"),
+        "triton": _first_version(packages, "triton", "pytorch-triton"),
+        # By name, every installed package whose kernels the probe may run: CUDA libraries from
+        # wheels, compilers, and model libraries (another diffusers release, another attention).
+        "packages": {n: v for n, v in sorted(packages.items()) if n.startswith(NUMERICS_PACKAGES)},
+    }
+
+
+def _gpus() -> list:
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append(
+            {
+                "name": props.name,
+                "sm_count": props.multi_processor_count,
+                "capability": f"{props.major}.{props.minor}",
+            }
+        )
+    return gpus
+
+
+def _cpu() -> dict:
+    model, flags = None, []
+    for line in (_read_text("/proc/cpuinfo") or "").splitlines():  # the first core speaks for all
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = value.split()
+    model = model or platform.processor() or None
+    isa = sorted({f for f in flags if ISA_FLAG.search(f)})
+    return {
+        "model": model,
+        "isa_flags_sha256": _sha256(" ".join(isa)) if isa else None,
+        "isa_flags_count": len(isa),
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def _threads() -> dict:
+    parallel = torch.__config__.parallel_info()
+    return {
+        "intra_op": torch.get_num_threads(),
+        "inter_op": torch.get_num_interop_threads(),
+        "omp_max": _int_or_none(_search(r"omp_get_max_threads\(\) : (\d+)", parallel)),
+        "mkl_max": _int_or_none(_search(r"mkl_get_max_threads\(\) : (\d+)", parallel)),
+    }
+
+
+def _backend() -> dict:
+    show = torch.__config__.show()
+    settings = dict(
+        item.split("=", 1)
+        for item in (_search(r"Build settings: (.*)", show) or "").split(", ")
+        if "=" in item
+    )
+    mkldnn = re.search(r"MKL-DNN v(\S+) \(Git Hash (\w+)\)", show)
+    return {
+        "blas": settings.get("BLAS_INFO"),
+        "lapack": settings.get("LAPACK_INFO"),
+        "mkl": _search(r"Math Kernel Library Version (\S+)", show),
+        "mkldnn": f"{mkldnn.group(1)}+{mkldnn.group(2)}" if mkldnn else None,
+        "openmp": _search(r"OpenMP (\d+)", show),
+        "openblas": "open" in settings.get("BLAS_INFO", "").lower(),
+        "use": {
+            k: settings.get(k)
+            for k in ("USE_CUDA", "USE_CUDNN", "USE_MKL", "USE_MKLDNN", "USE_OPENMP", "USE_ROCM")
+        },
+        "parallel": _search(r"ATen parallel backend: (.+)", torch.__config__.parallel_info()),
+    }
+
+
+def _switches() -> dict:
+    cuda, cudnn, mkldnn = torch.backends.cuda, torch.backends.cudnn, torch.backends.mkldnn
+    switches = {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "float32_matmul_precision": _read(torch.get_float32_matmul_precision),
+        "cuda_matmul_allow_tf32": _read(lambda: cuda.matmul.allow_tf32),
+        "cuda_matmul_allow_fp16_reduced_precision_reduction": _read(
+            lambda: cuda.matmul.allow_fp16_reduced_precision_reduction
+        ),
+        "cuda_matmul_allow_bf16_reduced_precision_reduction": _read(
+            lambda: cuda.matmul.allow_bf16_reduced_precision_reduction
+        ),
+        "cuda_matmul_allow_fp16_accumulation": _read(lambda: cuda.matmul.allow_fp16_accumulation),
+        "cuda_preferred_blas_library": _read(lambda: cuda.preferred_blas_library()),
+        "cudnn_enabled": cudnn.enabled,
+        "cudnn_allow_tf32": _read(lambda: cudnn.allow_tf32),
+        "cudnn_benchmark": cudnn.benchmark,
+        "cudnn_deterministic": cudnn.deterministic,
+        "mkldnn_enabled": mkldnn.enabled,
+        "mkldnn_deterministic": _read(lambda: mkldnn.deterministic),
+    }
+    # The newer per-backend precision API (torch >= 2.9); both APIs are read because either may be set.
+    for name, obj in (
+        ("generic", torch.backends),
+        ("cuda_matmul", cuda.matmul),
+        ("cudnn", cudnn),
+        ("cudnn_conv", getattr(cudnn, "conv", None)),
+        ("cudnn_rnn", getattr(cudnn, "rnn", None)),
+        ("mkldnn", mkldnn),
+        ("mkldnn_matmul", getattr(mkldnn, "matmul", None)),
+        ("mkldnn_conv", getattr(mkldnn, "conv", None)),
+        ("mkldnn_rnn", getattr(mkldnn, "rnn", None)),
+    ):
+        if obj is not None and hasattr(obj, "fp32_precision"):
+            switches[f"fp32_precision_{name}"] = _read(lambda obj=obj: obj.fp32_precision)
+    for sdp in ("flash", "mem_efficient", "math", "cudnn"):
+        getter = getattr(cuda, f"{sdp}_sdp_enabled", None)
+        if getter is not None:
+            switches[f"sdp_{sdp}"] = _read(getter)
+    if hasattr(cuda, "fp16_bf16_reduction_math_sdp_allowed"):
+        switches["sdp_math_fp16_bf16_reduction"] = _read(cuda.fp16_bf16_reduction_math_sdp_allowed)
+    return switches
+
+
+def _inductor_knobs() -> dict:
+    import torch._inductor.config as inductor  # imported only for compiled runs: it costs ~1.5 s
+    import torch.compiler.config as compiler
+
+    names = (
+        "deterministic",
+        "batch_invariant",
+        "max_autotune",
+        "max_autotune_gemm",
+        "max_autotune_pointwise",
+        "coordinate_descent_tuning",
+        "fx_graph_cache",
+        "autotune_local_cache",
+        "autotune_remote_cache",
+        "fallback_random",
+    )
+    knobs = {name: _jsonable(getattr(inductor, name)) for name in names if hasattr(inductor, name)}
+    knobs["force_disable_caches"] = _jsonable(getattr(compiler, "force_disable_caches", None))
+    return knobs
+
+
+def _numerics_env() -> dict:
+    env = {name: os.environ.get(name) for name in NUMERICS_ENV}
+    for name, value in os.environ.items():
+        if name.startswith(NUMERICS_ENV_PREFIXES) and name not in CACHE_ENV:
+            env[name] = value
+    return dict(sorted(env.items()))
+
+
+def _compile_caches() -> dict:
+    """Resolved Inductor/Triton cache dirs with a digest of their content (or "absent")."""
+    inductor = os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_inductor_cache_dir())
+    caches = {"inductor": {"path": inductor, **_dir_digest(inductor)}}
+    # Unset, Inductor puts Triton's cache at <inductor>/triton/<device>, already covered above.
+    triton = os.environ.get("TRITON_CACHE_DIR")
+    if triton is None or _is_within(os.path.abspath(triton), inductor):
+        caches["triton"] = {"path": triton, "digest": "within inductor cache"}
+    else:
+        caches["triton"] = {"path": os.path.abspath(triton), **_dir_digest(triton)}
+    return caches
+
+
+def _autotune_choices(caches: dict) -> dict:
+    """sha256 over the content of the autotuner's recorded winners (Triton's `*.best_config` files,
+    Inductor's autotune JSON) in the caches: a re-autotune that crowns other winners moves it even
+    where the rest of the cache digest would not tell why."""
+    h, files = hashlib.sha256(), 0
+    for entry in caches.values():
+        root = entry.get("path")
+        if not root or not os.path.isdir(root):
+            continue
+        for path in sorted(Path(root).rglob("*")):
+            if files >= CACHE_WALK_MAX_FILES:
+                break
+            if path.is_file() and not path.is_symlink() and (path.suffix == ".best_config" or "autotune" in path.name):
+                h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+                files += 1
+    return {"digest": h.hexdigest() if files else "none", "files": files}
+
+
+def default_inductor_cache_dir() -> str:
+    """Where Inductor caches when TORCHINDUCTOR_CACHE_DIR is unset: `<tempdir>/torchinductor_<user>`."""
+    # Mirrors torch._inductor.runtime.cache_dir_utils.default_cache_dir without importing Inductor.
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def _dir_digest(root: str) -> dict:
+    """sha256 over (relative path, size, mtime) of every file, in sorted walk order, capped.
+
+    A missing and an empty directory are both "absent": torch creates the empty one on import.
+    """
+    if not os.path.isdir(root):
+        return {"digest": "absent", "files": 0, "truncated": False}
+    h, files, truncated = hashlib.sha256(), 0, False
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Lock files are rewritten by every compile; they hold no kernels.
+        dirnames[:] = sorted(d for d in dirnames if d != "locks")
+        for name in sorted(filenames):
+            if name.endswith(".lock"):
+                continue
+            if files >= CACHE_WALK_MAX_FILES:
+                truncated = True
+                break
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:  # removed by a concurrent writer between listing and stat
+                continue
+            h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            files += 1
+        if truncated:
+            break
+    return {"digest": h.hexdigest() if files else "absent", "files": files, "truncated": truncated}
+
+
+# --- info --------------------------------------------------------------------------------
+
+
+def _gpu_uuids() -> list | None:
+    if not torch.cuda.is_available():
+        return None
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def _nvidia_smi() -> list | None:
+    """Every GPU on the node (not only the visible ones) with its UUID and driver; None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    query = "--query-gpu=index,uuid,driver_version,name"
+    try:
+        out = subprocess.run(
+            [exe, query, "--format=csv,noheader"], check=False, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    rows = [[field.strip() for field in line.split(",")] for line in out.stdout.strip().splitlines()]
+    return [dict(zip(("index", "uuid", "driver_version", "name"), row)) for row in rows if len(row) == 4]
+
+
+def _git_state() -> dict:
+    """Commit and dirty state of the checkout holding this package; nulls outside a git checkout."""
+    package = Path(__file__).resolve().parent.parent
+    state = {"commit": None, "dirty": None}
+
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(
+                ["git", "-C", str(package.parent), *args],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or top.returncode != 0:
+        return state
+    # An install inside an ignored venv of some other checkout is not that checkout's source.
+    ignored = git("check-ignore", "-q", str(package))
+    if ignored is None or ignored.returncode == 0:
+        return state
+    head = git("rev-parse", "HEAD")  # fails in a repository with no commits yet
+    if head is not None and head.returncode == 0:
+        state["commit"] = head.stdout.strip()
+    status = git("status", "--porcelain")
+    if status is not None and status.returncode == 0:
+        state["dirty"] = bool(status.stdout.strip())
+    return state
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _installed_packages() -> dict:
+    packages = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            packages[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
+    return packages
+
+
+def _first_version(packages: dict, *prefixes: str) -> str | None:
+    hits = sorted(f"{n}=={v}" for n, v in packages.items() if n.startswith(prefixes))
+    return ";".join(hits) or None
+
+
+def _read(getter):
+    """A flag's value; torch raises on some reads (e.g. after mixing the legacy and new TF32 APIs)."""
+    try:
+        return _jsonable(getter())
+    except (RuntimeError, AttributeError) as err:
+        return f"unreadable: {type(err).__name__}: {str(err)[:80]}"
+
+
+def _jsonable(value):
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _search(pattern: str, text: str) -> str | None:
+    match = re.search(pattern, text)
+    return match.group(1).strip() if match else None
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return None if text is None else int(text)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _is_within(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = ((str(i), v) for i, v in enumerate(tree))
+    else:
+        return {prefix: tree}
+    flat = {}
+    for key, value in items:
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    if not flat and prefix:  # an empty dict/list is a value of its own (e.g. no GPUs)
+        flat[prefix] = tree
+    return flat

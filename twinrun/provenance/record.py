@@ -1,0 +1,98 @@
+"""What every job records about where it ran: determinism, sentinel, the per-unit record, and the
+straddling rule (a run's units never span two kernel paths).
+
+The per-unit record is what the reducer compares between the arms of a unit (validity rule 3: one
+process, one node, one boot, one GPU, one kernel path, sentinel unchanged around the pair). The
+straddling rule is defined here once and handed to the run's index (twinrun.storage.rundir), which
+applies it to run.json as it is at the moment a store is recorded.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from twinrun.config import DeterminismConfig, typed
+from twinrun.errors import KernelPathRefused, StoreError
+from twinrun.files import read_json
+from twinrun.provenance.determinism import apply_determinism
+from twinrun.provenance.fingerprint import kernel_path_diff
+from twinrun.provenance.sentinel import sentinel
+
+
+def kernel_path_sha256(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp["kernel_path"], sort_keys=True).encode()).hexdigest()
+
+
+def default_compile_cache_dir() -> str:
+    return str(Path.home() / ".cache" / "twinrun" / "compile")
+
+
+def setup_determinism(cfg: dict) -> dict:
+    """Apply the run's determinism settings first thing in the job; return the record. Keys the
+    config lacks take the schema's defaults (twinrun.config.DeterminismConfig)."""
+    d = typed(DeterminismConfig, cfg["determinism"], "determinism")
+    return apply_determinism(d.enabled, d.compile_cache_dir or default_compile_cache_dir(),
+                             d.float32_matmul_precision)
+
+
+def model_sentinel_fn(model: torch.nn.Module, device: torch.device, image_shape: tuple):
+    """The probed model's own forward and backward on a fixed input (batch of 8: batch sizes of
+    1–5 take another kernel path than ≥ 6 on CPU), for the sentinel battery."""
+
+    def run():
+        x = torch.randn((8, *image_shape), generator=torch.Generator().manual_seed(1234)).to(device)
+        sigma = torch.full((8,), 0.5, device=device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        out = model(x, sigma, sigma)
+        grads = torch.autograd.grad(out.square().mean(), params, allow_unused=True)
+        return (out.detach(), *(g for g in grads if g is not None))
+
+    return run
+
+
+def read_sentinel(model: torch.nn.Module, device: torch.device, image_shape: tuple) -> dict:
+    return sentinel(model_sentinel_fn(model, device, tuple(image_shape)), device=device)
+
+
+def unit_record(fp: dict, sentinel_digest: str) -> dict:
+    """Where a unit's arms ran: equal for every arm of the unit, or the unit is not a twin."""
+    info = fp["info"]
+    slurm = info.get("slurm") or {}
+    return {
+        "kernel_path_sha256": kernel_path_sha256(fp),
+        "hostname": info.get("hostname"),
+        "boot_id": info.get("boot_id"),
+        "pid": info.get("pid"),
+        "gpu_uuids": info.get("gpu_uuids"),
+        "slurm_job_id": slurm.get("SLURM_JOB_ID"),
+        "slurm_array_job_id": slurm.get("SLURM_ARRAY_JOB_ID"),
+        "slurm_array_task_id": slurm.get("SLURM_ARRAY_TASK_ID"),
+        "slurm_restart_count": slurm.get("SLURM_RESTART_COUNT"),
+        "sentinel": sentinel_digest,
+    }
+
+
+def straddling_rule(run_dir: Path, kernel_path_file, fp: dict):
+    """The rule `refuse(others, mine)`: a store measured on kernel path `mine` may not join a run whose
+    whole units (each records its kernel path) were measured on another (`others`).
+
+    Judged on the whole units, not on whichever job came first or on a unit cut short: a job that
+    finished nothing commits the run to nothing. `kernel_path_file(sha)` names the recorded
+    fingerprint of another path, for the refusal's list of fields that differ."""
+
+    def refuse(others: set, mine: str) -> None:
+        others = set(others) - {mine, None}
+        if not others:
+            return
+        try:
+            fields = kernel_path_diff(read_json(kernel_path_file(min(others))), fp)
+        except StoreError:  # missing or damaged: the refusal stands, its detail is unknown
+            fields = ["(unrecorded)"]
+        raise KernelPathRefused(
+            f"{run_dir}: its finished units were measured on another kernel path (differs in "
+            f"{', '.join(fields) or 'kernel_path'}); twins must not straddle environments: resume it where it "
+            "started, or start a new run directory")
+
+    return refuse

@@ -1,0 +1,23 @@
+"""Publishing a reduction: the sinks that write what a researcher reads. Reducing writes nothing itself.
+
+The registered analysis goes to RUN/summary.json and RUN/report.md (with its plots); a post-hoc view
+goes to RUN/views/<what changed>/, never over the registered files. More sinks (a table export, an
+experiment tracker) plug in here, each one module imported only when it is configured.
+"""
+
+from twinrun.files import write_json
+from twinrun.publish.report import write_report
+from twinrun.storage.rundir import RunDir
+
+
+def publish(reduction) -> None:
+    """Write a Reduction (twinrun.analysis.reduce): the registered summary, or the post-hoc view."""
+    rd = reduction.index.run_dir
+    if reduction.view is None:
+        write_json(rd.summary_json, reduction.summary)
+        write_report(rd.path, reduction.summary, reduction.index)
+        return
+    out = rd.view_dir(reduction.view_name)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(RunDir(out).summary_json, reduction.view)
+    write_report(out, reduction.view, reduction.index)

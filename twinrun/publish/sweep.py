@@ -1,0 +1,98 @@
+"""A sweep's summary: every point's verdict and the effect over (the intervention's sweep axis, noising σ).
+
+Written once every point is reduced, to SWEEP_DIR/sweep_summary.json with sweep_report.md and the
+heatmap. A point whose checks or gates failed contributes its verdict, never its numbers; a point
+that failed, was interrupted or never ran is marked so, and the sweep is "all valid" only if every
+point Hydra's sweep names (multirun.yaml) is.
+"""
+
+from pathlib import Path
+
+from twinrun.errors import StoreError
+from twinrun.files import atomic_write, write_json
+from twinrun.interventions import sweep_axis
+from twinrun.publish.plots import plot_sweep, sweep_caption, swept_variables
+from twinrun.storage.rundir import RunIndex
+from twinrun.storage.sweepdir import SweepDir, point_overrides
+
+
+def _point(run_dir: Path) -> dict:
+    index = RunIndex.load(run_dir)
+    intervention = _intervention(index)
+    point = {"run_dir": str(run_dir), "overrides": point_overrides(run_dir), "intervention": intervention,
+             "axis": sweep_axis(intervention), "status": index.status, "valid": None, "gates_passed": None,
+             "effects": []}
+    rd = index.run_dir
+    if rd.has_summary():
+        summary = rd.read_summary()
+        point["valid"] = summary["valid"]
+        # `passed`: every check and gate, the machinery arm's included (an intervention with a no-op
+        # setting may have no gate bin at all).
+        point["gates_passed"] = summary["passed"]
+        point["effects"] = summary["effects"]
+        point["gate_sigmas"] = sorted({g["sigma"] for g in summary["gates"]})  # boxed on the heatmap
+        point["status"] = "reduced"
+    return point
+
+
+def _intervention(index: RunIndex) -> dict:
+    """The intervention arm's `intervention` node (its sweep axis), as planned."""
+    name = index.arm("intervention")["name"]
+    config = index.run_dir.read_arm_config(name)
+    if not isinstance(config.get("intervention"), dict):
+        raise StoreError(index.run_dir.arm_config(name), "field intervention: missing or not a config node")
+    return config["intervention"]
+
+
+def _missing(sd: SweepDir, number: int, overrides: list[str]) -> dict:
+    return {"run_dir": str(sd.point(number)), "overrides": overrides, "intervention": {},
+            "axis": None, "status": "missing", "valid": None, "gates_passed": None, "effects": []}
+
+
+def write_sweep_report(sd: SweepDir, summary: dict) -> Path:
+    """sweep_report.md: each point's verdict linked to its run, then the heatmap and what its cells mean."""
+    n = summary["n_points"]
+    verdict = ("every point valid with its gates passed" if summary["all_valid"]
+               else "NOT every point passed its checks and gates")
+    swept = swept_variables(summary["points"])
+    lines = ["# twinrun sweep report", "", f"{n} {'point' if n == 1 else 'points'}; {verdict}.",
+             f"Swept: {', '.join(f'`{k}`' for k in swept) or 'nothing (one point)'}.",
+             "", "| point | overrides | status | valid | gates passed | report |", "|---|---|---|---|---|---|"]
+    for p in summary["points"]:
+        rel = Path(p["run_dir"]).relative_to(sd.path)
+        lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} | {_yes_no(p['valid'])} "
+                     f"| {_yes_no(p['gates_passed'])} | [report]({rel}/report.md) |")
+    png = plot_sweep(summary, sd.heatmap_png)
+    if png is not None:
+        lines += ["", f"![sweep heatmap]({png.name})", "", sweep_caption(summary)]
+    atomic_write(sd.report_md, ("\n".join(lines) + "\n").encode())
+    return sd.report_md
+
+
+def _yes_no(flag: bool | None) -> str:
+    return "–" if flag is None else ("yes" if flag else "**NO**")
+
+
+def write_sweep_summary(sweep_dir: Path) -> dict:
+    """Collect the points; lay the effects out as (the intervention's sweep axis, sigma, estimand): each
+    entry names its axis ("axis": "sigma_pin") and holds the point's value under that name."""
+    sd = SweepDir(sweep_dir)
+    points = [_point(d) for d in sd.point_dirs()]
+    have = {Path(p["run_dir"]).name for p in points}
+    expected = sd.expected_points() or []
+    points += [_missing(sd, n, o) for n, o in enumerate(expected) if str(n) not in have]
+    effect_map = []
+    for p in points:
+        axis = (p["axis"] or {}).get("key", "intervention.(none)").removeprefix("intervention.")
+        for e in p["effects"]:
+            value = (p["axis"] or {}).get("value")
+            effect_map.append({"axis": axis, axis: value, "sigma": e["sigma"], "estimand": e["estimand"],
+                               "effect": None if e["cos"] is None else 1 - e["cos"], "cos": e["cos"],
+                               "se": e["se"], "run_dir": p["run_dir"]})
+    summary = {"sweep_dir": str(sd.path), "n_points": len(points),
+               "all_valid": all(p["valid"] and p["gates_passed"] for p in points) if points else False,
+               "points": points, "effects": effect_map}
+    write_json(sd.summary_json, summary)
+    write_sweep_report(sd, summary)
+    print(f"twinrun: sweep summary of {len(points)} points in {sd.summary_json}", flush=True)
+    return summary

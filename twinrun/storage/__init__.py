@@ -1,0 +1,1 @@
+"""The run directory on disk: its files, stores, locks, documents and owners (RunDir, RunIndex, SweepDir)."""

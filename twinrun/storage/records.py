@@ -1,0 +1,409 @@
+"""The run directory's documents as types: run.json (RunRecord), summary.json (Summary), store metadata.
+
+The TypedDicts below are each document's one description: readers annotate with them, and
+`check_typed` checks a document against them field by field (a field typed `X | None` may be null
+or absent, NotRequired[X] may be absent). Annotated marks add what a Python type cannot say; the
+few rules across fields (roles, positions, store sets) follow in `validate_run`. A document that
+fails is one line naming the file and the field (exit 2), never a traceback or a number.
+
+run.json's unit of twin validity is a *unit*: a σ bin for the probe, a training segment for the
+training measure. Every unit carries the fields every measurement kind shares (index, label,
+gate, stores) and, under the key of the run's measurement kind, that kind's own fields
+(`"probe": {"sigma": 0.5}`); UNIT_FIELDS lists each kind's.
+"""
+
+import math
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Literal, NotRequired, TypedDict
+
+from twinrun.errors import StoreError
+from twinrun.files import SAFE_NAME, safe_name
+
+RUN_FORMAT = "twinrun-run/2"  # units keyed by measurement kind
+OLD_RUN_FORMATS = ("twinrun-run/1",)  # σ bins only: refused (measure again), never migrated
+GATE_REPLICATE = "native_replicate"  # the twin measured again at gate units (twinrun/analysis/gates.py)
+ROLES = ("intervention", "twin", "replicate", "machinery")
+RUN_STATUSES = ("planned", "running", "measured", "failed", "interrupted")
+STORE_STATUSES = ("pending", "done", "failed")
+HEX = re.compile(r"[0-9a-f]+")
+
+HexDigest = Annotated[str, "hex digest"]
+SafeName = Annotated[str, "safe name"]
+Sigma = Annotated[float, "positive"]  # finite and > 0
+RunStatus = Literal["planned", "running", "measured", "failed", "interrupted"]
+StoreStatus = Literal["pending", "done", "failed"]
+Role = Literal["intervention", "twin", "replicate", "machinery"]
+
+
+# ----------------------------------------------------------------------------- run.json
+
+
+class ArmEntry(TypedDict):
+    name: SafeName  # its directory under arms/
+    role: Role
+    config_hash: HexDigest  # of its resolved config.yaml (plan.config_hash)
+
+
+class Failure(TypedDict):
+    """Where the run failed (plus, when the model raised, its exception's type, message, frame)."""
+
+    arm: str
+    unit_index: int
+    unit: str  # the unit's label, e.g. "bin 2 (σ=0.5)"
+
+
+class StoreEntry(TypedDict):
+    file: SafeName  # in arms/<arm>/
+    status: StoreStatus
+    sha256: NotRequired[HexDigest | None]  # of the whole file; present once done
+    kernel_path_sha256: NotRequired[HexDigest | None]  # the kernel path it was measured on
+    # why it failed (each array element of a split run records its own; run.json's `failure` is the latest)
+    failure: NotRequired[Failure | None]
+
+
+class ProbeUnit(TypedDict):
+    """A σ bin of the probe."""
+
+    sigma: Sigma  # noising σ
+
+
+# Each measurement kind's own unit fields, under the kind's name in every unit.
+UNIT_FIELDS: dict[str, type] = {"probe": ProbeUnit}
+
+
+class UnitEntry(TypedDict):
+    index: int  # its position in `units`
+    label: str  # how every message names it, e.g. "bin 2 (σ=0.5)"
+    gate: bool  # a no-op gate unit of the intervention
+    stores: dict[str, StoreEntry]  # arm name -> its store (every arm, plus the gate replicate's)
+
+
+class Registered(TypedDict):
+    """The analysis registered at plan time (`reduce` with other settings is a post-hoc view)."""
+
+    estimands: list[str]  # names from the registry (twinrun/analysis/estimands.py)
+    gate_rule: str
+    signal_alpha: Annotated[float, "positive"]  # in (0, 1)
+
+
+class JobRecord(TypedDict):
+    index: int  # its position in `jobs`
+    kernel_path_sha256: HexDigest
+    sentinel_start: str
+    sentinel_end: str | None  # None while the job runs (or if it died)
+    hostname: str | None
+    boot_id: str | None
+    slurm_job_id: str | None
+
+
+class RunRecord(TypedDict):
+    format: str  # RUN_FORMAT
+    measure: str  # the measurement kind (twinrun/measures): the key of every unit's own fields
+    status: RunStatus
+    command: str | None  # the command that planned it (the report's Reproduce section)
+    reference: str | None  # an earlier run directory whose twin is this run's reference
+    arms: list[ArmEntry]
+    registered: Registered
+    units: list[UnitEntry]
+    jobs: NotRequired[list[JobRecord]]
+    failure: NotRequired[Failure | None]
+
+
+assert set(typing.get_args(RunStatus)) == set(RUN_STATUSES) and set(typing.get_args(Role)) == set(ROLES)
+assert set(typing.get_args(StoreStatus)) == set(STORE_STATUSES)
+
+
+# ----------------------------------------------------------------------------- summary.json
+
+
+class Check(TypedDict):
+    name: str
+    passed: bool
+    detail: str
+
+
+class GateRow(TypedDict):
+    sigma: Sigma
+    estimand: str
+    passed: bool
+    rule: str  # which rule decided it (bit-identical, within the replicate, ...)
+    bit_identical: bool
+    max_shift: float
+    replicate_max_shift: float | None
+    detail: str
+
+
+class EffectRow(TypedDict):
+    """One estimate of the intervention against its twin; numbers are None where below noise."""
+
+    sigma: Sigma
+    estimand: str
+    gate: bool
+    cos: float | None
+    se: float | None
+    norm_ratio: float | None
+    norm_ratio_se: float | None
+    cos_naive: float
+    below_noise: bool
+    norm2: float
+    norm2_se: float
+    norm2_base: float
+    norm2_base_se: float
+    t_crit: float
+
+
+class ReferenceReport(TypedDict):
+    path: str
+    alive: bool
+    status: str  # alive | dead | unusable
+    detail: str
+
+
+class PostHoc(TypedDict):
+    registered: dict
+    used: dict
+    view_dir: str
+    registered_passed: bool
+
+
+class Summary(TypedDict):
+    """What one reduction of a run found: checks, then gates, then effects (empty unless all passed)."""
+
+    run_dir: str
+    arms: list[str]
+    registered: dict  # the analysis registered at plan time
+    used: dict  # the analysis this summary used (differs from `registered` in a post-hoc view)
+    valid: bool  # every validity check passed
+    passed: bool  # every check and every gate passed: the run's verdict
+    checks: list[Check]
+    gates: list[GateRow]
+    effects: list[EffectRow]
+    replicate: dict | None
+    reference: NotRequired[ReferenceReport | None]
+    post_hoc: NotRequired[PostHoc]
+
+
+# ----------------------------------------------------------------------------- store metadata
+
+
+class LayoutEntry(TypedDict):
+    name: str  # the parameter's name in model.named_parameters()
+    offset: int  # its first column in the fold sums
+    numel: int
+    cond: bool  # part of the conditioning pathway
+
+
+class ProbeStoreMeta(TypedDict):
+    """A probe store's metadata (JSON-decoded strings): what reduce, compare and resume read from it."""
+
+    arm: str
+    bin_index: int
+    sigma: Annotated[float, "positive"]
+    sigma_cond: Annotated[float, "positive"]
+    n_images: int
+    n_draws: int
+    fold_sizes: list[int]
+    draws_digest: str
+    config_hash: str
+    layout: list[LayoutEntry]
+    env: NotRequired[dict | None]
+    kernel_path: NotRequired[dict | None]
+
+
+# ----------------------------------------------------------------------------- field checks
+
+
+class Checker:
+    """Field checks for one document; each failure names the file and the field's path."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def fail(self, field: str, problem: str) -> typing.NoReturn:
+        raise StoreError(self.path, f"field {field}: {problem}; the file is damaged or was edited by hand")
+
+    def get(self, obj: dict, key: str, field: str, types, optional: bool = False):
+        if key not in obj:
+            if optional:
+                return None
+            self.fail(field, "missing")
+        value = obj[key]
+        if value is None and optional:
+            return None
+        # bool is an int in Python; a count or index must not be one.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
+            self.fail(field, f"{show(value)} is not {_type_names(types)}")
+        return value
+
+    def number(self, obj: dict, key: str, field: str, low: float = -math.inf, optional: bool = False):
+        value = self.get(obj, key, field, (int, float), optional)
+        if value is not None and not (math.isfinite(value) and value > low):
+            self.fail(field, f"{show(value)} must be finite and > {low:g}")
+        return value
+
+    def one_of(self, obj: dict, key: str, field: str, choices) -> str:
+        value = self.get(obj, key, field, str)
+        if value not in choices:
+            self.fail(field, f"{show(value)} is not one of {', '.join(choices)}")
+        return value
+
+
+def _tuple(types) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _type_names(types) -> str:
+    return " or ".join({"str": "a string", "int": "an integer", "float": "a number", "bool": "true/false",
+                        "list": "a list", "dict": "an object"}[t.__name__] for t in _tuple(types))
+
+
+def show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_typed(c: Checker, obj, schema: type, field: str):
+    """`obj` checked against a TypedDict, field by field (extra keys allowed)."""
+    if not isinstance(obj, dict):
+        c.fail(field or "(document)", f"{show(obj)} is not an object")
+    hints = typing.get_type_hints(schema, include_extras=True)
+    for key, hint in hints.items():
+        _check_field(c, obj, key, f"{field}.{key}" if field else key, hint, key in schema.__required_keys__)
+    return obj
+
+
+def _check_field(c: Checker, obj: dict, key: str, field: str, hint, required: bool) -> None:
+    hint, nullable = _without_none(hint)
+    base, marks = (hint.__origin__, hint.__metadata__) if typing.get_origin(hint) is Annotated else (hint, ())
+    origin = typing.get_origin(base)
+    if key not in obj and not (required and not nullable):
+        return
+    if origin is Literal:
+        c.one_of(obj, key, field, typing.get_args(base))
+        return
+    value = c.get(obj, key, field, _python_types(base), optional=nullable)
+    if value is None:
+        return
+    for mark in marks:
+        _check_mark(c, value, field, mark)
+    if origin is list:
+        for i, item in enumerate(value):
+            _check_item(c, item, f"{field}[{i}]", typing.get_args(base)[0])
+    elif origin is dict:
+        for k, item in value.items():
+            _check_item(c, item, f"{field}.{k}", typing.get_args(base)[1])
+    elif typing.is_typeddict(base):
+        check_typed(c, value, base, field)
+
+
+def _check_item(c: Checker, item, field: str, hint) -> None:
+    """One element of a list or dict field, checked as a field of its own."""
+    _check_field(c, {"item": item}, "item", field, hint, True)
+
+
+def _without_none(hint):
+    """(the hint without None (and without NotRequired, which __required_keys__ says), whether None is allowed)."""
+    if typing.get_origin(hint) is NotRequired:
+        hint = typing.get_args(hint)[0]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _python_types(base) -> tuple:
+    if typing.is_typeddict(base):
+        return (dict,)
+    origin = typing.get_origin(base) or base
+    return (int, float) if origin is float else (origin,)
+
+
+def _check_mark(c: Checker, value, field: str, mark: str) -> None:
+    if mark == "hex digest" and not HEX.fullmatch(value):
+        c.fail(field, f"{show(value)} is not a hex digest")
+    elif mark == "positive" and not (math.isfinite(value) and value > 0):
+        c.fail(field, f"{show(value)} must be finite and > 0")
+    elif mark == "safe name":
+        safe_name(value, field, c.path)
+
+
+# ----------------------------------------------------------------------------- run.json's rules
+
+
+def validate_run(path: Path, run: dict) -> RunRecord:
+    """run.json checked against RunRecord field by field (extra keys allowed: later versions and other
+    tools add some), then the rules across fields."""
+    c = Checker(path)
+    if run.get("format") in OLD_RUN_FORMATS:
+        raise StoreError(path, f"format {run['format']!r} (σ bins, written by an earlier twinrun) is no longer "
+                         f"read; measure the run again into a new run directory (run.json is now {RUN_FORMAT})")
+    if run.get("format") != RUN_FORMAT:
+        c.fail("format", f"{show(run.get('format'))} is not {RUN_FORMAT!r} (not a twinrun run index)")
+    check_typed(c, run, RunRecord, "")
+    kind = c.one_of(run, "measure", "measure", tuple(UNIT_FIELDS))
+    names = [a["name"] for a in run["arms"]]
+    roles = [a["role"] for a in run["arms"]]
+    if roles.count("intervention") != 1 or roles.count("twin") != 1 or len(set(names)) != len(names):
+        c.fail("arms", f"roles {roles} with names {names}: need exactly one intervention and one twin, "
+               "names unique")
+    _validate_registered(c, run["registered"])
+    if not run["units"]:
+        c.fail("units", "empty: a run has at least one unit")
+    for i, u in enumerate(run["units"]):
+        _validate_unit(c, u, i, names, kind)
+    for i, job in enumerate(run.get("jobs", [])):
+        if job["index"] != i:
+            c.fail(f"jobs[{i}].index", f"{job['index']!r} must equal its position {i}")
+    return run
+
+
+def _validate_registered(c: Checker, reg: Registered) -> None:
+    estimands = reg["estimands"]
+    if not estimands or not all(isinstance(e, str) and SAFE_NAME.fullmatch(e) for e in estimands):
+        c.fail("registered.estimands", f"{show(estimands)} must be a non-empty list of names")
+    if not 0 < reg["signal_alpha"] < 1:
+        c.fail("registered.signal_alpha", f"{reg['signal_alpha']!r} must be in (0, 1)")
+
+
+def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str) -> None:
+    field = f"units[{i}]"
+    check_typed(c, u, UnitEntry, field)
+    if u["index"] != i:
+        c.fail(f"{field}.index", f"{u['index']!r} must equal its position {i}")
+    if kind not in u:
+        c.fail(f"{field}.{kind}", f"missing (the fields of a {kind} unit)")
+    check_typed(c, u[kind], UNIT_FIELDS[kind], f"{field}.{kind}")
+    # Every arm has a store in every unit; the twin's gate replicate (measured only where the gate
+    # rule needs it) may add one more.
+    if not set(names) <= set(u["stores"]) <= set(names) | {GATE_REPLICATE}:
+        c.fail(f"{field}.stores", f"arms {sorted(u['stores'])} are not the run's arms {sorted(names)}")
+    for arm, entry in u["stores"].items():
+        if entry["status"] == "done" and entry.get("sha256") is None:
+            c.fail(f"{field}.stores.{arm}.sha256", "missing (the store is recorded done)")
+
+
+def validate_summary(path: Path, summary: dict) -> Summary:
+    return check_typed(Checker(path), summary, Summary, "")
+
+
+def validate_store_meta(path: Path, meta: dict) -> ProbeStoreMeta:
+    """A probe store's metadata, field by field, then the rules across its fields."""
+    c = Checker(path)
+    check_typed(c, meta, ProbeStoreMeta, "metadata")
+    n_images, sizes = meta["n_images"], meta["fold_sizes"]
+    if meta["bin_index"] < 0:
+        c.fail("metadata.bin_index", f"{meta['bin_index']} is negative")
+    if len(sizes) < 2 or not all(type(n) is int and n >= 1 for n in sizes) or sum(sizes) != n_images:
+        c.fail("metadata.fold_sizes", f"{show(sizes)} must be ≥ 2 positive counts summing to n_images={n_images}")
+    offset = 0
+    for i, g in enumerate(meta["layout"]):
+        if g["offset"] != offset or g["numel"] < 0:
+            c.fail(f"metadata.layout[{i}]", "offsets and sizes do not tile the columns")
+        offset += g["numel"]
+    names = [g["name"] for g in meta["layout"]]
+    if len(set(names)) != len(names):
+        c.fail("metadata.layout", "parameter names repeat: each names one tensor of the store")
+    return meta

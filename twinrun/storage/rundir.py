@@ -1,0 +1,423 @@
+"""The run directory's one owner: every path in it (RunDir) and run.json as a validated record (RunIndex).
+
+A run directory is untrusted input (it may come from anyone): every name read from it is checked
+against SAFE_NAME and every path resolved inside the directory before it is opened or written, and
+run.json is validated field by field before anyone reads it (twinrun.storage.records), so a
+malformed one is one line naming the file and the field (exit 2), never a traceback or a number.
+RunIndex is the one writer of run.json: `create` writes a new one, every change afterwards is a
+method here, and the one rule of when a unit is whole (every store of it done, and verifying on disk
+where asked) is `RunIndex.is_whole`.
+"""
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from twinrun.errors import StoreError
+from twinrun.files import read_json, read_yaml, safe_name, write_json
+from twinrun.storage.lock import update_lock
+from twinrun.storage.records import (
+    GATE_REPLICATE,
+    RUN_STATUSES,
+    ArmEntry,
+    Failure,
+    JobRecord,
+    Role,
+    RunRecord,
+    StoreEntry,
+    Summary,
+    UnitEntry,
+    validate_run,
+    validate_summary,
+)
+from twinrun.storage.store import verify_store
+
+RUN_JSON = "run.json"
+SUMMARY_JSON = "summary.json"
+LAUNCH_JSON = "launch.json"
+CONFIG_DIFF_JSON = "config_diff.json"
+LOCK_NAME = ".lock"
+INDEX_LOCK_NAME = ".run.json.lock"  # held for one read-modify-write of run.json, never longer
+ARMS_DIR = "arms"
+ENV_DIR = "env"
+ARM_CONFIG = "config.yaml"
+VIEWS_DIR = "views"
+LOG_NAME = "twinrun.log"
+REPORT_MD = "report.md"  # in the run directory and in each post-hoc view
+EFFECT_PNG = "effect.png"
+
+# refuse(other kernel-path digests of whole units, this store's) raises when a store may not join the
+# run (the straddling rule, twinrun.provenance.record.refuse_straddling): handed in, never imported.
+StraddleRule = Callable[[set, str], None]
+
+
+class RunDir:
+    """Every path of one run directory; each name is validated and each path kept inside it."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def run_json(self) -> Path:
+        return self.path / RUN_JSON
+
+    @property
+    def summary_json(self) -> Path:
+        return self.path / SUMMARY_JSON
+
+    @property
+    def launch_json(self) -> Path:
+        return self.path / LAUNCH_JSON
+
+    @property
+    def config_diff_json(self) -> Path:
+        return self.path / CONFIG_DIFF_JSON
+
+    @property
+    def report_md(self) -> Path:
+        return self.path / REPORT_MD
+
+    @property
+    def effect_png(self) -> Path:
+        return self.path / EFFECT_PNG
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK_NAME
+
+    @property
+    def index_lock(self) -> Path:
+        return self.path / INDEX_LOCK_NAME
+
+    def unit_lock(self, index: int) -> Path:
+        """Held by the one process measuring this unit (an array element of launcher.split=bins)."""
+        return self.path / f"{LOCK_NAME}-unit{int(index):03d}"
+
+    def unit_locks_left(self) -> list[int]:
+        """The units whose lock file an element left behind (a whole-run job takes those locks too)."""
+        prefix = f"{LOCK_NAME}-unit"
+        found = (p.name.removeprefix(prefix) for p in self.path.glob(f"{prefix}*"))
+        return sorted(int(n) for n in found if n.isdigit() and 3 <= len(n) <= 6)
+
+    @property
+    def env_dir(self) -> Path:
+        return self.inside(self.path / ENV_DIR)  # start_job writes here: a symlinked env/ is refused
+
+    @property
+    def log(self) -> Path:
+        return self.path / LOG_NAME
+
+    def view_dir(self, name: str) -> Path:
+        """A post-hoc view's directory (RUN/views/<what changed>/)."""
+        return self.inside(self.path / VIEWS_DIR / name)
+
+    def job_env(self, index: int) -> Path:
+        return self.inside(self.env_dir / f"job{int(index):03d}.json")
+
+    def kernel_path_env(self, sha: str) -> Path:
+        return self.inside(self.env_dir / f"kernel_path-{sha[:12]}.json")
+
+    def arm_dir(self, arm: str) -> Path:
+        return self.inside(self.path / ARMS_DIR / safe_name(arm, "arm name", self.run_json))
+
+    def arm_config(self, arm: str) -> Path:
+        return self.inside(self.arm_dir(arm) / ARM_CONFIG)
+
+    def store(self, arm: str, file: str) -> Path:
+        return self.inside(self.arm_dir(arm) / safe_name(file, f"store file of arm {arm}", self.run_json))
+
+    def tmp_files(self) -> list[Path]:
+        """Writes cut short by a kill (atomic_write's temp files): never read, safe to delete."""
+        return [p for p in self.path.glob(f"{ARMS_DIR}/*/.*.tmp-*") if self._is_inside(p)]
+
+    def inside(self, path: Path) -> Path:
+        """`path` itself, once its resolved form (symlinks followed) is inside this run directory."""
+        if not self._is_inside(path):
+            raise StoreError(path, f"resolves outside the run directory {self.path} (a symlink or '..'): refused")
+        return path
+
+    def _is_inside(self, path: Path) -> bool:
+        return Path(path).resolve().is_relative_to(self.path.resolve())
+
+    def is_run(self) -> bool:
+        """Holds a run.json (of any kind: whether it is a readable one is RunIndex.load's to say)."""
+        return os.path.lexists(self.run_json)
+
+    def require(self) -> "RunDir":
+        """A run directory given on a command line: it must hold run.json."""
+        if not self.is_run():
+            raise StoreError(self.path, f"not a twinrun run directory (no {RUN_JSON})")
+        return self
+
+    def read_arm_config(self, arm: str) -> dict:
+        """An arm's resolved config.yaml as plain data (one StoreError line if it is not a config)."""
+        path = self.arm_config(arm)
+        config = read_yaml(path, "arm config")
+        if not isinstance(config, dict):
+            raise StoreError(path, "not a resolved twinrun config")
+        return config
+
+    def has_summary(self) -> bool:
+        return self.summary_json.is_file()
+
+    def read_summary(self) -> Summary:
+        """summary.json, validated; a summary may vouch only for the reference its own run.json names
+        (a hand-edited claim of "alive" for another run is refused)."""
+        summary = validate_summary(self.summary_json, read_json(self.summary_json))
+        reference = summary.get("reference")
+        if reference is not None:
+            named = RunIndex.load(self).reference if self.is_run() else None
+            if named is None or Path(named).resolve() != Path(reference["path"]).resolve():
+                raise StoreError(self.summary_json, f"field reference.path: {reference['path']!r} is not the "
+                                 f"reference run.json names ({named!r}); the file is damaged or was edited by hand")
+        return summary
+
+
+class RunIndex:
+    """run.json, validated, with the questions and updates every module asks of it.
+
+    `doc` is the plain JSON document, typed RunRecord (what is written back); every change goes
+    through a method here and is saved atomically, under the index lock.
+    """
+
+    def __init__(self, run_dir: RunDir, doc: RunRecord):
+        self.run_dir, self.doc = run_dir, doc
+
+    @classmethod
+    def load(cls, run_dir) -> "RunIndex":
+        rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+        path = rd.require().run_json
+        index = cls(rd, validate_run(path, read_json(path)))
+        index._contained()
+        return index
+
+    @classmethod
+    def create(cls, run_dir, doc: RunRecord) -> "RunIndex":
+        """Write a new run.json (planning's only write of it); refused if one exists."""
+        rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+        if rd.is_run():
+            raise StoreError(rd.run_json, "exists already: a run directory is planned once")
+        index = cls(rd, validate_run(rd.run_json, doc))
+        index._contained()
+        write_json(rd.run_json, doc)
+        return index
+
+    def _contained(self) -> None:
+        """Every arm directory and store file run.json names resolves inside its run directory
+        (a symlinked arm directory or store is refused before anyone reads through it)."""
+        for name in self.arm_names:
+            self.run_dir.arm_dir(name)
+        for u in self.units:
+            for arm in u["stores"]:
+                self.store_path(u, arm)
+
+    # ---- questions
+
+    @property
+    def status(self) -> str:
+        return self.doc["status"]
+
+    @property
+    def measure(self) -> str:
+        return self.doc["measure"]
+
+    @property
+    def units(self) -> list[UnitEntry]:
+        return self.doc["units"]
+
+    @property
+    def arms(self) -> list[ArmEntry]:
+        return self.doc["arms"]
+
+    @property
+    def arm_names(self) -> list[str]:
+        return [a["name"] for a in self.arms]
+
+    @property
+    def registered(self) -> dict:
+        return self.doc["registered"]
+
+    @property
+    def reference(self) -> str | None:
+        return self.doc.get("reference")
+
+    @property
+    def command(self) -> str | None:
+        return self.doc.get("command")
+
+    @property
+    def jobs(self) -> list[JobRecord]:
+        return self.doc.get("jobs", [])
+
+    @property
+    def failure(self) -> Failure | None:
+        return self.doc.get("failure")
+
+    def arm(self, role: Role) -> ArmEntry:
+        """The arm entry with this role (intervention, twin, replicate, machinery)."""
+        found = [a for a in self.arms if a["role"] == role]
+        if not found:
+            raise StoreError(self.run_dir.run_json, f"no arm with role {role!r}")
+        return found[0]
+
+    def arms_with_role(self, role: Role) -> list[str]:
+        return [a["name"] for a in self.arms if a["role"] == role]
+
+    def has_gate_replicate(self) -> bool:
+        """The twin measured again at gate units only (not an arm of its own)."""
+        return GATE_REPLICATE not in self.arm_names and any(GATE_REPLICATE in u["stores"] for u in self.units)
+
+    def params(self, u: UnitEntry) -> dict:
+        """The unit's own fields under its measurement kind (e.g. {"sigma": 0.5} for the probe)."""
+        return u[self.measure]
+
+    def store_entry(self, u: UnitEntry, arm: str) -> StoreEntry:
+        return u["stores"][arm]
+
+    def store_path(self, u: UnitEntry, arm: str) -> Path:
+        return self.run_dir.store(arm, u["stores"][arm]["file"])
+
+    def is_whole(self, u: UnitEntry, verify: bool = False) -> bool:
+        """Every store of the unit is recorded done and, with verify, exists and matches its sha256.
+
+        The unit is the unit of twin validity: one missing or damaged store makes the whole unit
+        pending again (all of its arms are measured afresh, back to back in one process)."""
+        if not all(entry["status"] == "done" for entry in u["stores"].values()):
+            return False
+        return not verify or all(self._verifies(u, arm) for arm in u["stores"])
+
+    def _verifies(self, u: UnitEntry, arm: str) -> bool:
+        try:
+            verify_store(self.store_path(u, arm), u["stores"][arm]["sha256"])
+        except StoreError as err:
+            print(f"twinrun: re-measuring {err}", flush=True)
+            return False
+        return True
+
+    def whole_units(self, verify: bool = False, only: list[int] | None = None) -> list[UnitEntry]:
+        """The units whose every store is done (verified on disk with verify; `only`: verify just these
+        units, an array element's own, and judge the others by their record)."""
+        return [u for u in self.units if self.is_whole(u, verify and (only is None or u["index"] in only))]
+
+    def pending_units(self, only: list[int] | None = None) -> list[UnitEntry]:
+        """The units a job must measure: every unit not whole on disk (among `only`, if given)."""
+        whole = {u["index"] for u in self.whole_units(verify=True, only=only)}
+        return [u for u in self.units if u["index"] not in whole and (only is None or u["index"] in only)]
+
+    def whole_kernel_paths(self, doc: RunRecord | None = None, except_unit: int | None = None) -> set[str]:
+        """The kernel paths the whole units (of `doc`, default run.json as last read) were measured on."""
+        units = (doc or self.doc)["units"]
+        return {e.get("kernel_path_sha256") for u in units if u["index"] != except_unit and
+                all(x["status"] == "done" for x in u["stores"].values()) for e in u["stores"].values()} - {None}
+
+    def own_failure(self, units: list[int] | None) -> Failure | None:
+        """The failure recorded at these units (an array element's; never another element's), or the
+        run's latest when `units` is None."""
+        if units is None:
+            return self.failure
+        for u in self.units:
+            if u["index"] in units:
+                for entry in u["stores"].values():
+                    if entry.get("failure"):
+                        return entry["failure"]
+        return None
+
+    # ---- updates (each a read-modify-write of run.json under its lock)
+
+    def _update(self, change) -> None:
+        """Apply `change(doc)` to run.json as it is on disk now and write it back atomically, all under
+        RUN_DIR/.run.json.lock: the array elements of a split run update run.json concurrently, and
+        none may lose another's record. `self.doc` becomes the document written (same object)."""
+        with update_lock(self.run_dir.index_lock):
+            # A run.json not written yet has no other writer: the document in memory is the record.
+            rd = self.run_dir
+            doc = validate_run(rd.run_json, read_json(rd.run_json)) if os.path.lexists(rd.run_json) else self.doc
+            change(doc)
+            write_json(rd.run_json, doc)
+        if doc is not self.doc:  # (clearing the very document read back would empty it)
+            self.doc.clear()
+            self.doc.update(doc)  # in place: callers holding `index.doc` see the fresh document
+
+    def set_status(self, status: str, units: list[int] | None = None) -> None:
+        """units: the units this job measures; a failure recorded at another unit (another array
+        element's) is kept, and so is the run's "failed" status."""
+        assert status in RUN_STATUSES, status
+
+        def change(doc: RunRecord) -> None:
+            failure = doc.get("failure")
+            other = units is not None and failure is not None and failure["unit_index"] not in units
+            if status == "running" and not other:
+                doc.pop("failure", None)
+            if status == "running":  # this job's units start afresh; another element's failures stay
+                for u in doc["units"]:
+                    if units is None or u["index"] in units:
+                        for entry in u["stores"].values():
+                            entry.pop("failure", None)
+            if not (status == "running" and other):
+                doc["status"] = status
+
+        self._update(change)
+
+    def finish_measuring(self) -> None:
+        """The run is "measured" once every unit is whole, whichever job or array element ends last;
+        until then its status stays as it is (another element may still be measuring)."""
+        def change(doc: RunRecord) -> None:
+            if all(e["status"] == "done" for u in doc["units"] for e in u["stores"].values()):
+                doc["status"] = "measured"
+
+        self._update(change)
+
+    def add_job(self, job: JobRecord) -> int:
+        """Append this job's record to run.json's `jobs`; its index is its position there."""
+        def change(doc: RunRecord) -> None:
+            jobs = doc.setdefault("jobs", [])
+            job["index"] = len(jobs)
+            jobs.append({"index": job["index"], **job})
+
+        self._update(change)
+        return job["index"]
+
+    def end_job(self, index: int, sentinel_end: str) -> None:
+        def change(doc: RunRecord) -> None:
+            doc["jobs"][index]["sentinel_end"] = sentinel_end
+
+        self._update(change)
+
+    def mark_done(self, u: UnitEntry, arm: str, sha256: str, kernel_path_sha256: str, refuse: StraddleRule) -> None:
+        """Record the store done, unless `refuse` objects to joining the whole units of run.json as it
+        is now (another array element's, finished since this job started) on this kernel path."""
+        def change(doc: RunRecord) -> None:
+            refuse(self.whole_kernel_paths(doc, except_unit=u["index"]), kernel_path_sha256)
+            doc["units"][u["index"]]["stores"][arm].update(sha256=sha256, status="done",
+                                                          kernel_path_sha256=kernel_path_sha256)
+
+        self._update(change)
+
+    def mark_failed(self, u: UnitEntry, arm: str, cause: dict | None = None) -> None:
+        """Record which arm and unit failed (and, when the model raised, its exception's type, message
+        and frame); best effort (on a full disk run.json may not be writable)."""
+        def change(doc: RunRecord) -> None:
+            failure = {"arm": arm, "unit_index": u["index"], "unit": u["label"], **(cause or {})}
+            doc["units"][u["index"]]["stores"][arm].update(status="failed", failure=failure)
+            doc["status"] = "failed"
+            doc["failure"] = failure  # the latest; the unit's store entry keeps its own
+
+        self._update_best_effort(change)
+
+    def mark_interrupted(self, units: list[int] | None = None) -> None:
+        """The run is "interrupted" (resume continues); not so when one array element (`units`) was:
+        the others may still be measuring, and its units stay pending for a resume."""
+        def change(doc: RunRecord) -> None:
+            if units is None:
+                doc["status"] = "interrupted"
+
+        self._update_best_effort(change)
+
+    def _update_best_effort(self, change) -> None:
+        try:
+            self._update(change)
+        except StoreError as err:
+            print(f"twinrun: could not record the state in run.json: {err}", flush=True)

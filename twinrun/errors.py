@@ -1,5 +1,7 @@
 """User-facing errors and the exit codes every twinrun command shares."""
 
+import sys
+
 EXIT_OK = 0  # every validity check and gate passed
 EXIT_GATE = 1  # a validity check or a no-op gate failed: the instrument is broken, effects withheld
 EXIT_USAGE = 2  # bad config, bad input, damaged store: nothing was computed from it
@@ -59,7 +61,5 @@ class StoreError(TwinrunError):
 
 def fail(err: TwinrunError) -> "NoReturn":  # noqa: F821
     """Print the one-line error and exit with its code."""
-    import sys
-
     print(f"twinrun: error: {err}", file=sys.stderr)
     raise SystemExit(err.exit_code)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from twinrun.data import heldout_indices, load_digits_images, sigma_data_of, train_indices
 from twinrun.model import DEFAULT_ARCH, DEFAULT_WEIGHTS_PATH, DiTDenoiser, save_pretrained
@@ -111,8 +112,6 @@ def progress(steps: int):
     """tqdm bar on a terminal; None (plain log lines) otherwise."""
     if not sys.stderr.isatty():
         return None
-    from tqdm import tqdm
-
     return tqdm(total=steps, desc="train", unit="step")
 
 

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from twinrun.errors import ConfigError
-from twinrun.provenance.fingerprint import default_inductor_cache_dir
+from twinrun.provenance.compile_cache import default_inductor_cache_dir
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"  # one of the two settings cuBLAS documents as deterministic

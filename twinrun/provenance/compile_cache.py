@@ -1,0 +1,88 @@
+"""torch.compile's caches as the fingerprint sees them: where Inductor and Triton cache, and a digest of
+what they hold (their autotune winners choose kernels, so a cache's content is part of the kernel path).
+"""
+
+import getpass
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+# Inductor exports these itself on first compile; their resolved paths are read separately.
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+CACHE_WALK_MAX_FILES = 10_000  # keeps a digest of a large shared cache well under a second
+
+
+def compile_caches() -> dict:
+    """Resolved Inductor/Triton cache dirs with a digest of their content (or "absent")."""
+    inductor = os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_inductor_cache_dir())
+    caches = {"inductor": {"path": inductor, **_dir_digest(inductor)}}
+    # Unset, Inductor puts Triton's cache at <inductor>/triton/<device>, already covered above.
+    triton = os.environ.get("TRITON_CACHE_DIR")
+    if triton is None or _is_within(os.path.abspath(triton), inductor):
+        caches["triton"] = {"path": triton, "digest": "within inductor cache"}
+    else:
+        caches["triton"] = {"path": os.path.abspath(triton), **_dir_digest(triton)}
+    return caches
+
+
+def autotune_choices(caches: dict) -> dict:
+    """sha256 over the content of the autotuner's recorded winners (Triton's `*.best_config` files,
+    Inductor's autotune JSON) in the caches: a re-autotune that crowns other winners moves it even
+    where the rest of the cache digest would not tell why."""
+    h, files = hashlib.sha256(), 0
+    for entry in caches.values():
+        root = entry.get("path")
+        if not root or not os.path.isdir(root):
+            continue
+        for path in sorted(Path(root).rglob("*")):
+            if files >= CACHE_WALK_MAX_FILES:
+                break
+            if path.is_file() and not path.is_symlink() and (path.suffix == ".best_config" or "autotune" in path.name):
+                h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+                files += 1
+    return {"digest": h.hexdigest() if files else "none", "files": files}
+
+
+def default_inductor_cache_dir() -> str:
+    """Where Inductor caches when TORCHINDUCTOR_CACHE_DIR is unset: `<tempdir>/torchinductor_<user>`."""
+    # Mirrors torch._inductor.runtime.cache_dir_utils.default_cache_dir without importing Inductor.
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def _dir_digest(root: str) -> dict:
+    """sha256 over (relative path, size, mtime) of every file, in sorted walk order, capped.
+
+    A missing and an empty directory are both "absent": torch creates the empty one on import.
+    """
+    if not os.path.isdir(root):
+        return {"digest": "absent", "files": 0, "truncated": False}
+    h, files, truncated = hashlib.sha256(), 0, False
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Lock files are rewritten by every compile; they hold no kernels.
+        dirnames[:] = sorted(d for d in dirnames if d != "locks")
+        for name in sorted(filenames):
+            if name.endswith(".lock"):
+                continue
+            if files >= CACHE_WALK_MAX_FILES:
+                truncated = True
+                break
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:  # removed by a concurrent writer between listing and stat
+                continue
+            h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            files += 1
+        if truncated:
+            break
+    return {"digest": h.hexdigest() if files else "absent", "files": files, "truncated": truncated}
+
+
+def _is_within(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root

@@ -181,8 +181,8 @@ def refuse_unknown_additions(overrides: list[str], groups: set[str]) -> None:
                 break  # a free-form node: its keys are its builder's business
             if part not in node:
                 where = key.rpartition(".")[0] or "the root config"
-                raise ConfigError(f"+{key}", o.value(), f"{where} has no key {part!r} (a typo?); its keys are "
-                                  f"{', '.join(node.keys())}; override an existing key without '+'")
+                raise ConfigError(f"+{key}", o.value(), f"{where} has no key {part!r} (a typo?); its keys "
+                                  f"are {', '.join(node.keys())}; override an existing key without '+'")
             node = node._get_node(part)
 
 
@@ -240,16 +240,18 @@ def check_sweep(points: list[list[str]], choices: set[str], sweep_dir: Path | No
             launchers.append(check_launcher(cfg))
             plan_run(cfg, sweep_dir, dry_run=True)
         except TwinrunError as err:
-            raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): {err}; nothing was run") from None
+            raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): {err}; "
+                               "nothing was run") from None
         if launchers[-1] != launchers[0]:
-            raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): launcher.*: a sweep is submitted "
-                               "as one job array, so every point must share one launcher config; sweep the "
-                               "experiment, not the launcher; nothing was run")
+            raise TwinrunError(f"sweep point {number} ({' '.join(overrides)}): launcher.*: a sweep is "
+                               "submitted as one job array, so every point must share one launcher config; "
+                               "sweep the experiment, not the launcher; nothing was run")
     if points:
         print(f"twinrun: all {len(points)} sweep points validated", flush=True)
 
 
-def discard_unplanned(run_dir: Path, own_files=(".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")):
+def discard_unplanned(run_dir: Path,
+                      own_files=(".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")):
     """A rejected config leaves nothing on disk: remove the directory Hydra made for it (a run's or a
     sweep's), if it holds nothing twinrun wrote (no run.json) but Hydra's own record and empty logs."""
     rd = RunDir(run_dir)

@@ -96,8 +96,8 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
         )
     if intervention_name in ("native", "native_replicate"):
         raise TwinrunError(
-            f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} is "
-            "the twin's own; give the intervention class another `name` (its arm directory)"
+            f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} "
+            "is the twin's own; give the intervention class another `name` (its arm directory)"
         )
     mine = for_compute(_resolved(cfg, "intervention arm's"))
     twin = for_compute(_resolved(twin_of(cfg), "derived twin's"))

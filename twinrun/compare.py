@@ -45,8 +45,8 @@ def common_bins(a: dict, b: dict, name_a, name_b) -> tuple[dict, dict]:
     both are compared there; otherwise both as given (protocol_mismatch then names the grids)."""
     for small, large, label in ((a, b, name_a), (b, a, name_b)):
         if set(small) < set(large):
-            print(f"twinrun compare: {label} has stores at σ = {', '.join(f'{s:g}' for s in sorted(small))} only "
-                  "(the gate replicate is measured at gate bins): comparing there", file=sys.stderr)
+            print(f"twinrun compare: {label} has stores at σ = {', '.join(f'{s:g}' for s in sorted(small))} "
+                  "only (the gate replicate is measured at gate bins): comparing there", file=sys.stderr)
             kept = {s: large.pop(s) for s in sorted(small)}
             close(large)
             large.clear()
@@ -60,7 +60,8 @@ def kernel_path_fields(a: dict, b: dict) -> list[str]:
     sha_b = (mb.get("env") or {}).get("kernel_path_sha256")
     if sha_a is not None and sha_a == sha_b and ma.get("kernel_path") == mb.get("kernel_path"):
         return []
-    return kernel_path_diff(ma.get("kernel_path") or {}, mb.get("kernel_path") or {}) or ["kernel_path_sha256"]
+    return (kernel_path_diff(ma.get("kernel_path") or {}, mb.get("kernel_path") or {})
+            or ["kernel_path_sha256"])
 
 
 def vouched(run_a: Path | None, run_b: Path | None) -> bool:
@@ -72,7 +73,8 @@ def vouched(run_a: Path | None, run_b: Path | None) -> bool:
     try:
         if not index.reference or Path(index.reference).resolve() != run_b.resolve():
             return False
-        found = scan_run(index, readers, [SHIFT_VIEW], None, 1_000_000)  # the replicate's shifts; every store checked
+        # the replicate's shifts; every store checked
+        found = scan_run(index, readers, [SHIFT_VIEW], None, 1_000_000)
         inter = index.arm("intervention")["name"]
         verdict = reference_report(index, readers, found, inter, run_b, registered(index)["signal_alpha"],
                                    run_ok=False)
@@ -84,13 +86,15 @@ def vouched(run_a: Path | None, run_b: Path | None) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m twinrun.compare", description=__doc__.splitlines()[0],
-        epilog="exit codes: 0 compared on one kernel path (or across paths, vouched for by A's reference check); "
-        "2 bad input (missing or damaged store, different protocols); 3 kernel paths differ: refused, or with "
-        "--force printed with every number marked INVALID (still 3: the numbers are not valid).")
+        epilog="exit codes: 0 compared on one kernel path (or across paths, vouched for by A's reference "
+        "check); 2 bad input (missing or damaged store, different protocols); 3 kernel paths differ: "
+        "refused, or with --force printed with every number marked INVALID "
+        "(still 3: the numbers are not valid).")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     p.add_argument("--arm", default="native", help="arm of a run directory to compare (default: native)")
-    p.add_argument("--force", action="store_true", help="compute across kernel paths; every number marked INVALID")
+    p.add_argument("--force", action="store_true",
+                   help="compute across kernel paths; every number marked INVALID")
     args = p.parse_args(argv)
     a, b = {}, {}
     try:
@@ -99,7 +103,8 @@ def main(argv=None) -> int:
         a, b = common_bins(a, b, args.a, args.b)
         bad = protocol_mismatch(a, b)
         if bad:
-            raise TwinrunError(f"{args.a} and {args.b} were measured under different protocols ({', '.join(bad)})")
+            raise TwinrunError(f"{args.a} and {args.b} were measured under different protocols "
+                               f"({', '.join(bad)})")
         fields = kernel_path_fields(a, b)
         label = "valid: one kernel path"
         if fields and vouched(run_a, run_b):

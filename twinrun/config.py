@@ -185,7 +185,8 @@ class TwinrunConfig:
 # arithmetic, not what is measured (they are in the kernel path instead). The model config is not
 # part of it: weights move between paths and machines, and the parameter layout, which is, is
 # checked store by store.
-PROTOCOL_KEYS = ("data", "sigma_grid", "seed", "probe.n_images", "probe.n_draws", "probe.n_folds", "probe.params")
+PROTOCOL_KEYS = ("data", "sigma_grid", "seed", "probe.n_images", "probe.n_draws", "probe.n_folds",
+                 "probe.params")
 # The same protocol as each store's metadata records it (n_folds and params become the fold sizes
 # and the parameter layout): every store of a run must agree on these (checks.py, references.py).
 STORE_PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
@@ -205,7 +206,8 @@ def protocol_differences(a: dict, b: dict, keys=PROTOCOL_KEYS) -> list[str]:
 
 
 def build(node: dict, key: str):
-    """One level of Hydra instantiate (a config node becomes its object), with a one-line error naming the key."""
+    """One level of Hydra instantiate (a config node becomes its object), with a one-line error naming
+    the key."""
     try:
         return hydra.utils.instantiate(node)
     except Exception as err:  # noqa: BLE001 — instantiate wraps every builder failure in its own exception
@@ -221,7 +223,8 @@ def typed(schema: type, node: dict, where) -> Any:
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
     except OmegaConfBaseException as err:
-        raise StoreError(where, f"does not fit the {schema.__name__} schema ({str(err).splitlines()[0]})") from None
+        raise StoreError(where, f"does not fit the {schema.__name__} schema "
+                         f"({str(err).splitlines()[0]})") from None
 
 
 def register_configs() -> None:

@@ -98,9 +98,9 @@ def render(d: TensorDiff) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m twinrun.diff", description=__doc__.splitlines()[0],
-        epilog="exit codes: 0 bit-identical (every tensor equal, dtype included); 1 at least one tensor differs "
-        "(however close: see the max difference and cosine); 2 bad input (missing path, not safetensors, "
-        "different tensor names or shapes).")
+        epilog="exit codes: 0 bit-identical (every tensor equal, dtype included); 1 at least one tensor "
+        "differs (however close: see the max difference and cosine); 2 bad input (missing path, not "
+        "safetensors, different tensor names or shapes).")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     args = p.parse_args(argv)

@@ -24,11 +24,13 @@ class ModelError(TwinrunError):
 
 
 class Interrupted(TwinrunError):
-    """SIGINT or SIGTERM arrived: run.json records "interrupted"; resuming continues from the finished bins."""
+    """SIGINT or SIGTERM arrived: run.json records "interrupted"; resuming continues from the finished
+    bins."""
 
     def __init__(self, exit_code: int):
         name = "SIGINT" if exit_code == EXIT_INTERRUPTED else "SIGTERM"
-        super().__init__(f"interrupted by {name}; finished bins are kept: resume with `python -m twinrun.resume RUN_DIR`")
+        super().__init__(f"interrupted by {name}; finished bins are kept: resume with "
+                         "`python -m twinrun.resume RUN_DIR`")
         self.exit_code = exit_code
 
 

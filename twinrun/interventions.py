@@ -168,7 +168,8 @@ class ScaleModule(Intervention):
 
     def check(self, grid: list[float]) -> None:
         if not math.isfinite(self.factor):
-            raise ConfigError("intervention.factor", self.factor, "must be a finite number (0 ablates, 1 = native)")
+            raise ConfigError("intervention.factor", self.factor, "must be a finite number "
+                              "(0 ablates, 1 = native)")
 
     def check_model(self, model: torch.nn.Module) -> None:
         names = [n for n, _ in model.named_modules() if n]
@@ -245,7 +246,8 @@ def sweep_axis(node: dict) -> dict | None:
     imported to build it (a run directory names code; reading one must not run any)."""
     module, _, name = str(node.get("_target_", "")).rpartition(".")
     owner = sys.modules[__name__] if module == __name__ else sys.modules.get(module)
-    # vars(), not getattr: a module's __getattr__ (PEP 562 lazy loaders) could import on a name read from disk.
+    # vars(), not getattr: a module's __getattr__ (PEP 562 lazy loaders) could import on a name read
+    # from disk.
     cls = vars(owner).get(name) if isinstance(owner, ModuleType) else None
     axis = getattr(cls, "sweep_axis", None) if isinstance(cls, type) else None
     if not isinstance(axis, str) or axis not in node:

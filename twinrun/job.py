@@ -84,7 +84,8 @@ def _measure(index: RunIndex, arms: list, units: list[int] | None) -> RunRecord:
     todo = index.pending_units(units)
     mine = len(index.units) if units is None else len(units)
     if len(todo) < mine:
-        print(f"twinrun: resuming: {mine - len(todo)} of {mine} {kind.unit_noun}s already measured", flush=True)
+        print(f"twinrun: resuming: {mine - len(todo)} of {mine} {kind.unit_noun}s already measured",
+              flush=True)
     return measure_units(index, arms, session, todo, determinism, units)
 
 
@@ -160,7 +161,8 @@ class Progress:
 
     def __init__(self, total: int):
         self.total, self.done, self.t0 = total, 0, time.perf_counter()
-        self.bar = tqdm(total=total, unit="store", dynamic_ncols=True) if sys.stderr.isatty() and total else None
+        self.bar = (tqdm(total=total, unit="store", dynamic_ncols=True) if sys.stderr.isatty() and total
+                    else None)
 
     def step(self, what: str) -> None:
         self.done += 1
@@ -188,9 +190,11 @@ def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict) -> J
     sha = kernel_path_sha256(fp)
     if not rd.kernel_path_env(sha).is_file():
         write_json(rd.kernel_path_env(sha), fp)
-    job = {"kernel_path_sha256": sha, "hostname": fp["info"].get("hostname"), "boot_id": fp["info"].get("boot_id"),
+    job = {"kernel_path_sha256": sha, "hostname": fp["info"].get("hostname"),
+           "boot_id": fp["info"].get("boot_id"),
            "slurm_job_id": (fp["info"].get("slurm") or {}).get("SLURM_JOB_ID"),
            "sentinel_start": sentinel["digest"], "sentinel_end": None}
     index.add_job(job)
-    write_json(rd.job_env(job["index"]), {"fingerprint": fp, "determinism": determinism, "sentinel": sentinel})
+    write_json(rd.job_env(job["index"]), {"fingerprint": fp, "determinism": determinism,
+                                          "sentinel": sentinel})
     return job

@@ -23,7 +23,8 @@ from twinrun.files import atomic_write
 # Kwargs of the committed model (sigma_data comes from the data and is stored beside them).
 # mlp_ratio 2 keeps P near 49k: the probe stores F x P float32 per arm and bin.
 DEFAULT_ARCH: dict = {
-    "img_resolution": 8, "img_channels": 1, "patch_size": 2, "width": 32, "depth": 3, "heads": 4, "mlp_ratio": 2,
+    "img_resolution": 8, "img_channels": 1, "patch_size": 2, "width": 32, "depth": 3, "heads": 4,
+    "mlp_ratio": 2,
 }  # fmt: skip
 
 DEFAULT_WEIGHTS_PATH = Path(__file__).resolve().parent / "weights" / "dit_digits.safetensors"
@@ -172,7 +173,8 @@ class DiTDenoiser(nn.Module):
         assert img_resolution % patch_size == 0, f"patch_size={patch_size} must divide {img_resolution}"
         self.arch = {
             "img_resolution": img_resolution, "img_channels": img_channels, "patch_size": patch_size,
-            "width": width, "depth": depth, "heads": heads, "mlp_ratio": mlp_ratio, "sigma_data": float(sigma_data),
+            "width": width, "depth": depth, "heads": heads, "mlp_ratio": mlp_ratio,
+            "sigma_data": float(sigma_data),
         }  # fmt: skip
         self.img_resolution = img_resolution
         self.img_channels = img_channels

@@ -109,5 +109,6 @@ def reduce_sweep(sweep_dir: Path, resume: bool, local: bool, trusted: list[str])
             codes.append(err.exit_code)
     code, summary = max(codes or [EXIT_OK]), write_sweep_summary(sweep_dir)
     if not summary["all_valid"]:
-        code = max(code, EXIT_GATE if all(pt["status"] == "reduced" for pt in summary["points"]) else EXIT_USAGE)
+        code = max(code, EXIT_GATE if all(pt["status"] == "reduced" for pt in summary["points"])
+                   else EXIT_USAGE)
     return code

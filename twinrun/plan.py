@@ -92,20 +92,23 @@ def check_reference(reference: str | None, mine: dict, kind: Measure) -> str | N
         index = RunIndex.load(path)
         theirs = index.run_dir.read_arm_config(index.arm("twin")["name"])
     except StoreError as err:
-        raise ConfigError("reference", reference, f"must be an earlier, intact twinrun run directory ({err})") from None
+        raise ConfigError("reference", reference, "must be an earlier, intact twinrun "
+                          f"run directory ({err})") from None
     if index.measure != kind.name:
         raise ConfigError("reference", reference, f"measured {index.measure}, this run measures {kind.name}")
     differ = protocol_differences(theirs, mine, kind.protocol_keys)
     if differ:
         raise ConfigError("reference", reference, f"was measured under another protocol ({', '.join(differ)} "
-                          "differ); a reference must share data, grid, seed, images, draws, folds and probed parameters")
+                          "differ); a reference must share data, grid, seed, images, draws, folds and "
+                          "probed parameters")
     return str(path)
 
 
 # ----------------------------------------------------------------------------- plan
 
 
-def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, dry_run: bool = False) -> RunRecord:
+def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
+             dry_run: bool = False) -> RunRecord:
     """Validate, derive the twin, write configs, diff and run.json. Returns run.json's content.
 
     dry_run: validate only, write nothing (a sweep checks every point before the first runs).
@@ -114,7 +117,8 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None, 
     intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
     validated = kind.validate(cfg, intervention)
     validate_common(cfg)
-    arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate), noop=intervention.noop())
+    arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate),
+                             noop=intervention.noop())
     check_paths(cfg, run_dir)
     planned = kind.plan(cfg, intervention, arms, run_dir, validated)
     run: RunRecord = {
@@ -202,8 +206,8 @@ def load_arms(index: RunIndex, trusted=()) -> list[Arm]:
                              "for it (edited after planning?); restore it or start a new run directory")
         foreign = [t for t in targets(config) if not _allowed(t, trusted)]
         if foreign:
-            raise StoreError(path, f"names the builder _target_={foreign[0]!r}, which is neither twinrun's nor "
-                             "one you named: rerun your original command (with its --config-dir), or "
+            raise StoreError(path, f"names the builder _target_={foreign[0]!r}, which is neither twinrun's "
+                             "nor one you named: rerun your original command (with its --config-dir), or "
                              "`python -m twinrun.resume RUN_DIR --trust MODULE` if you trust that code")
         arms.append(Arm(entry["name"], config, entry["role"]))
     if index.has_gate_replicate():

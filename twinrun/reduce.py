@@ -35,14 +35,15 @@ def main(argv=None) -> int:
     p.add_argument("--estimands", help=f"comma-separated views: {', '.join(ESTIMANDS)} or a group the run "
                    "registered (reduce.groups); post-hoc if not the registered ones")
     p.add_argument("--gate-rule", choices=GATE_RULES, help="post-hoc if not the registered one")
-    p.add_argument("--signal-alpha", type=float, help="level of the test of signal, in (0, 0.5) (post-hoc if not "
-                   "the registered one)")
+    p.add_argument("--signal-alpha", type=float, help="level of the test of signal, in (0, 0.5) (post-hoc "
+                   "if not the registered one)")
     args = p.parse_args(argv)
     try:
         estimands = parse_estimands(args.estimands)
         if args.signal_alpha is not None and not 0 < args.signal_alpha < 0.5:
             raise TwinrunError(f"--signal-alpha={args.signal_alpha}: must be in (0, 0.5), e.g. 0.05")
-        return reduce_and_publish(RunDir(args.run_dir).require().path, estimands, args.gate_rule, args.signal_alpha)
+        return reduce_and_publish(RunDir(args.run_dir).require().path, estimands, args.gate_rule,
+                                  args.signal_alpha)
     except TwinrunError as err:
         fail(err)
 

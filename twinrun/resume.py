@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("run_dir", type=Path, help="a twinrun run directory (holds run.json)")
     p.add_argument("--trust", action="append", default=[], metavar="MODULE",
                    help="a module whose builders the run's configs may name (e.g. your model's); repeatable")
-    p.add_argument("--local", action="store_true", help="measure in this process even if the run was submitted")
+    p.add_argument("--local", action="store_true",
+                   help="measure in this process even if the run was submitted")
     args = p.parse_args(argv)
     raise_on_sigterm()
     try:

@@ -74,7 +74,8 @@ def _verdict(rd: RunDir) -> str | None:
         return None
     summary = rd.read_summary()
     # `passed`: every check and gate, the machinery arm's included (a run may have no gate bin).
-    return "reduced: valid, gates passed" if summary["passed"] else "reduced: NOT valid (checks or gates failed)"
+    return ("reduced: valid, gates passed" if summary["passed"]
+            else "reduced: NOT valid (checks or gates failed)")
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,8 @@ from twinrun.storage.sweepdir import SweepDir
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m twinrun.sweep", description=__doc__.splitlines()[0])
     p.add_argument("sweep_dir", type=Path, help="a sweep directory (holds numbered run directories)")
-    p.add_argument("--resume", action="store_true", help="resume every point that is not measured, then reduce")
+    p.add_argument("--resume", action="store_true",
+                   help="resume every point that is not measured, then reduce")
     p.add_argument("--local", action="store_true", help="with --resume: measure here even SLURM points")
     p.add_argument("--trust", action="append", default=[], metavar="MODULE",
                    help="a module whose builders the points' configs may name; repeatable")

@@ -57,7 +57,8 @@ def edm_loss(model: DiTDenoiser, images: torch.Tensor, generator: torch.Generato
     sigma = torch.exp(P_MEAN + P_STD * torch.randn(batch, generator=generator))
     noise = torch.randn(images.shape, generator=generator)
     sd = model.sigma_data
-    # lambda(sigma) = (sigma^2 + sigma_data^2) / (sigma * sigma_data)^2 makes the effective target unit-variance.
+    # lambda(sigma) = (sigma^2 + sigma_data^2) / (sigma * sigma_data)^2 makes the effective target
+    # unit-variance.
     weight = ((sigma**2 + sd**2) / (sigma * sd) ** 2).reshape(batch, 1, 1, 1)
     denoised = model(images + sigma.reshape(batch, 1, 1, 1) * noise, sigma)
     return (weight * (denoised - images) ** 2).mean()

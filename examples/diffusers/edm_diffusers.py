@@ -1,6 +1,7 @@
-"""EDM wrappers that let twinrun probe diffusers' UNet2DModel and DiTTransformer2DModel (random init).
+r"""EDM wrappers that let twinrun probe diffusers' UNet2DModel and DiTTransformer2DModel (random init).
 
-    PYTHONPATH=examples/diffusers python -m twinrun --config-dir examples/diffusers/conf +experiment=unet_pin_sigma
+    PYTHONPATH=examples/diffusers python -m twinrun --config-dir examples/diffusers/conf \
+        +experiment=unet_pin_sigma
 
 Each wrapper has twinrun's model interface: forward(x [B,C,H,W], sigma [B], sigma_cond [B]) -> denoised x,
 an attribute `sigma_data`, and COND_PARAM_PATTERNS naming its conditioning pathway (the σ embedding

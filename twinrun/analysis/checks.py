@@ -54,7 +54,8 @@ def _wanted(index: RunIndex) -> dict:
     wanted = {}
     hashes = {a["name"]: a.get("config_hash") for a in index.arms}
     for b in bins_of(index):
-        names = [*index.arm_names, *([REPLICATE] if REPLICATE in b.stores and REPLICATE not in hashes else [])]
+        names = [*index.arm_names,
+                 *([REPLICATE] if REPLICATE in b.stores and REPLICATE not in hashes else [])]
         for name in names:
             entry = b.stores[name]
             path = index.run_dir.store(name, entry["file"])  # validated and contained by RunIndex.load
@@ -74,7 +75,8 @@ def load_run(run_dir: Path) -> tuple[RunIndex, dict]:
     """
     index = RunIndex.load(run_dir)  # validates run.json field by field
     if index.measure != "probe":
-        raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not the σ probe this reducer reads")
+        raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not the σ probe "
+                         "this reducer reads")
     try:
         check_groups(index.registered.get("groups") or {})
     except TwinrunError as err:
@@ -123,22 +125,26 @@ def validity_checks(index: RunIndex, stores: dict) -> list[dict]:
     names = index.arm_names
     bins = bins_of(index)
     configs = {n: index.run_dir.read_arm_config(n) for n in names}
-    diffs = {n: arms_mod.outside_intervention(arms_mod.config_diff(configs[names[0]], configs[n])) for n in names}
+    diffs = {n: arms_mod.outside_intervention(arms_mod.config_diff(configs[names[0]], configs[n]))
+             for n in names}
     bad = {n: d for n, d in diffs.items() if d}
     out = [check("configs_differ_only_in_intervention", not bad,
                  "ok" if not bad else f"arms differ outside `intervention` at {bad}")]
-    unequal = sorted({i for (n, i), s in stores.items() if s.meta["draws_digest"] != stores[TWIN, i].meta["draws_digest"]})
+    unequal = sorted({i for (n, i), s in stores.items()
+                      if s.meta["draws_digest"] != stores[TWIN, i].meta["draws_digest"]})
     out.append(check("identical_draws", not unequal,
                      f"draw digests equal in all {len(bins)} bins" if not unequal
                      else f"draw digests differ between arms in bins {unequal}"))
     ref = next(iter(stores.values())).meta
-    mismatched = sorted({str(s.path) for s in stores.values() for k in STORE_PROTOCOL_KEYS if s.meta[k] != ref[k]})
+    mismatched = sorted({str(s.path) for s in stores.values() for k in STORE_PROTOCOL_KEYS
+                         if s.meta[k] != ref[k]})
     out.append(check("same_protocol", not mismatched,
                      "images, draws, folds and parameter layout equal in every store" if not mismatched
                      else f"protocol differs in {mismatched}"))
     wrong_sigma = [s.path.name for (n, i), s in stores.items() if s.meta["sigma"] != bins[i].sigma]
     out.append(check("stores_match_bins", not wrong_sigma,
-                     "every store's σ matches its bin" if not wrong_sigma else f"σ mismatch in {wrong_sigma}"))
+                     "every store's σ matches its bin" if not wrong_sigma
+                     else f"σ mismatch in {wrong_sigma}"))
     return out + provenance_checks(index, stores)
 
 
@@ -153,14 +159,16 @@ def provenance_checks(index: RunIndex, stores: dict) -> list[dict]:
         if fields or not records[0]:
             split[b.index] = fields or ["(no record)"]
     out.append(check("same_allocation_per_bin", not split,
-                     "every bin's arms ran back to back in one process (same job, node, boot, GPU)" if not split
-                     else "arms of a bin ran apart: " + "; ".join(f"bin {i}: {', '.join(f)}" for i, f in split.items())))
+                     "every bin's arms ran back to back in one process (same job, node, boot, GPU)"
+                     if not split else "arms of a bin ran apart: "
+                     + "; ".join(f"bin {i}: {', '.join(f)}" for i, f in split.items())))
     paths = {(s.meta.get("env") or {}).get("kernel_path_sha256") for s in stores.values()}
     out.append(check("one_kernel_path", len(paths) == 1 and None not in paths,
                      "every store was measured on one kernel path" if len(paths) == 1
                      else f"stores come from {len(paths)} kernel paths"))
     jobs = index.jobs
-    readings = {j["sentinel_start"] for j in jobs} | {j["sentinel_end"] for j in jobs if j.get("sentinel_end")}
+    readings = ({j["sentinel_start"] for j in jobs}
+                | {j["sentinel_end"] for j in jobs if j.get("sentinel_end")})
     readings |= {(s.meta.get("env") or {}).get("sentinel") for s in stores.values()}
     unclosed = bool(jobs) and jobs[-1].get("sentinel_end") is None
     ok = len(readings) == 1 and not unclosed
@@ -178,9 +186,10 @@ def machinery_check(index: RunIndex, found: Scan, arm: str) -> dict:
     differ = [b.sigma for b in bins_of(index) if not found.pairs[arm, TWIN, b.index].identical]
     n = len(index.units)
     return check("machinery_is_a_no_op", not differ,
-                 f"{arm} (the intervention's code at its no-op setting) is bit-identical to the twin in all {n} bins"
-                 if not differ else f"{arm} differs from the twin at σ = {', '.join(f'{s:g}' for s in differ)}: "
-                 "the intervention's code perturbs the model even at its no-op setting")
+                 f"{arm} (the intervention's code at its no-op setting) is bit-identical to the twin in all "
+                 f"{n} bins" if not differ
+                 else f"{arm} differs from the twin at σ = {', '.join(f'{s:g}' for s in differ)}: the "
+                 "intervention's code perturbs the model even at its no-op setting")
 
 
 def read_arm_config(run_dir: Path, arm: str) -> dict:

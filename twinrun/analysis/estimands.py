@@ -31,7 +31,8 @@ class MinusBaseMean:
     every row against the F rows of M (`partials`, summed over column chunks)."""
 
     def partials(self, x: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(⟨S_{b,a,f}, M_g⟩ [bins, arms, F, F], ⟨M_f, M_g⟩ [F, F]) of one column chunk x [bins, arms, F, width]."""
+        """(⟨S_{b,a,f}, M_g⟩ [bins, arms, F, F], ⟨M_f, M_g⟩ [F, F]) of one column chunk
+        x [bins, arms, F, width]."""
         n_bins, n_arms, n_folds, width = x.shape
         mean = x[:, base].mean(0)
         return (x.view(-1, width) @ mean.T).view(n_bins, n_arms, n_folds, n_folds), mean @ mean.T
@@ -49,7 +50,8 @@ class Estimand:
     name: str
     doc: str
     selects: Callable[[dict], bool]  # layout entry -> are its columns part of this view?
-    derive: MinusBaseMean | None = None  # a derived view of the selected columns (None: the columns as stored)
+    # a derived view of the selected columns (None: the columns as stored)
+    derive: MinusBaseMean | None = None
 
 
 # The view whose shift (max relative difference of the sums) the replicate, the gates' size and
@@ -59,7 +61,8 @@ SHIFT_VIEW = "all"
 
 ESTIMANDS = {e.name: e for e in (
     Estimand(SHIFT_VIEW, "every probed parameter", lambda entry: True),
-    Estimand("cond", "the conditioning pathway (the model's COND_PARAM_PATTERNS)", lambda entry: bool(entry["cond"])),
+    Estimand("cond", "the conditioning pathway (the model's COND_PARAM_PATTERNS)",
+             lambda entry: bool(entry["cond"])),
     Estimand("residual", "each bin's direction minus the twin's mean direction over bins", lambda entry: True,
              derive=MinusBaseMean()),
 )}
@@ -85,13 +88,13 @@ def available(layout: list[dict], groups: dict | None = None) -> list[str]:
 def check_groups(groups) -> None:
     """reduce.groups: {name: [fnmatch pattern, ...]} with names that are not built-ins."""
     if not isinstance(groups, dict):
-        raise ConfigError("reduce.groups", groups, "must map a group name to a list of parameter-name patterns, "
-                          'e.g. reduce.groups={block0:["blocks.0.*"]}')
+        raise ConfigError("reduce.groups", groups, "must map a group name to a list of parameter-name "
+                          'patterns, e.g. reduce.groups={block0:["blocks.0.*"]}')
     for name, pats in groups.items():
         key = f"reduce.groups.{name}"
         if not isinstance(name, str) or not GROUP_NAME.fullmatch(name) or name in ESTIMANDS:
-            raise ConfigError(key, pats, f"a group name is a letter then letters, digits or '_', and not one of the "
-                              f"built-in estimands ({', '.join(ESTIMANDS)}); rename the group")
+            raise ConfigError(key, pats, "a group name is a letter then letters, digits or '_', and not one "
+                              f"of the built-in estimands ({', '.join(ESTIMANDS)}); rename the group")
         if not isinstance(pats, list | tuple) or not pats or not all(isinstance(p, str) and p for p in pats):
             raise ConfigError(key, pats, 'must be a non-empty list of fnmatch patterns, e.g. ["blocks.0.*"]')
 
@@ -104,17 +107,18 @@ def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduc
     known = registry(groups)
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise ConfigError(what, list(names), f"{unknown or 'empty'}: choose from {', '.join(known)} (a new one is a "
-                          'group: reduce.groups={NAME:["PATTERN", ...]})')
+        raise ConfigError(what, list(names), f"{unknown or 'empty'}: choose from {', '.join(known)} (a new "
+                          'one is a group: reduce.groups={NAME:["PATTERN", ...]})')
     if layout is None:
         return
     for name in (n for n in names if n in groups):
         if not any(known[name].selects(entry) for entry in layout):
-            raise ConfigError(f"reduce.groups.{name}", list(groups[name]), "matches no probed parameter (parameters "
-                              f"look like {', '.join(e['name'] for e in layout[:3])}); fix the pattern or probe.params")
+            raise ConfigError(f"reduce.groups.{name}", list(groups[name]), "matches no probed parameter "
+                              f"(parameters look like {', '.join(e['name'] for e in layout[:3])}); fix the "
+                              "pattern or probe.params")
     if "cond" in names and not any(known["cond"].selects(entry) for entry in layout):
-        raise ConfigError(what, list(names), "`cond` needs conditioning parameters among probe.params (the model "
-                          "declares none among them); drop `cond` or probe them")
+        raise ConfigError(what, list(names), "`cond` needs conditioning parameters among probe.params (the "
+                          "model declares none among them); drop `cond` or probe them")
 
 
 def declared_groups(r: DictConfig) -> dict[str, list[str]]:

@@ -96,7 +96,8 @@ def fold_pair_variance(h: np.ndarray) -> tuple[float, float]:
         # Three folds make three pairs, each the complement of one row: R and T carry the same
         # information and ζ2 cannot be told from ζ1. Nothing is removed (the plain, conservative jackknife).
         return jackknife_var, 0.0
-    moments = np.array([[(f - 2) ** 2 / (f - 1), (f - 2) / (f - 1)], [(f - 2) * (f - 1), f * (f - 1) / 2 - 1]])
+    moments = np.array([[(f - 2) ** 2 / (f - 1), (f - 2) / (f - 1)],
+                        [(f - 2) * (f - 1), f * (f - 1) / 2 - 1]])
     _, zeta2 = np.linalg.solve(moments, [r_ss, t_ss])
     return jackknife_var, max(float(zeta2), 0.0)
 

@@ -16,7 +16,8 @@ def _size(est, shift: float) -> str:
     """The size of a difference, in the words every verdict uses."""
     parts = [f"max relative difference of the sums {shift:.3e}"]
     if est.cos is not None:
-        parts += [f"1 − cos {1 - est.cos:.3e} ± {est.se:.1e}", f"norm ratio {est.norm_ratio:.6f} ± {est.norm_ratio_se:.1e}"]
+        parts += [f"1 − cos {1 - est.cos:.3e} ± {est.se:.1e}",
+                  f"norm ratio {est.norm_ratio:.6f} ± {est.norm_ratio_se:.1e}"]
     return ", ".join(parts)
 
 
@@ -30,7 +31,8 @@ def decide(identical: bool, shift: float, replicate_shift: float | None, rule: s
         return False, "not a no-op on a deterministic path"
     if rule == "bit_identical":
         return False, "not bit-identical (gate_rule=bit_identical)"
-    return shift <= replicate_shift, "within the replicate" if shift <= replicate_shift else "beyond the replicate"
+    return shift <= replicate_shift, ("within the replicate" if shift <= replicate_shift
+                                      else "beyond the replicate")
 
 
 def gate_row(sigma: float, name: str, est, identical: bool, shift: float, replicate_shift: float | None,
@@ -40,19 +42,22 @@ def gate_row(sigma: float, name: str, est, identical: bool, shift: float, replic
     if identical:
         detail = f"{where}: bit-identical to the twin"
     elif replicate_shift is None:
-        detail = (f"{where}: the arms differ ({_size(est, shift)}) and no replicate of the twin was measured, so "
-                  "nothing proves the kernel path nondeterministic (a run planned before gate replicates existed: "
-                  "measure it again into a new run directory)")
+        detail = (f"{where}: the arms differ ({_size(est, shift)}) and no replicate of the twin was "
+                  "measured, so nothing proves the kernel path nondeterministic (a run planned before gate "
+                  "replicates existed: measure it again into a new run directory)")
     elif replicate_shift == 0.0:
-        detail = (f"not a no-op: the arms differ at a bin where the intervention claims to do nothing ({where}: "
-                  f"{_size(est, shift)}); the twin's replicate is bit-identical, so the kernel path is deterministic")
+        detail = ("not a no-op: the arms differ at a bin where the intervention claims to do nothing "
+                  f"({where}: {_size(est, shift)}); the twin's replicate is bit-identical, so the kernel "
+                  "path is deterministic")
     else:
         relation = "≤" if shift <= replicate_shift else ">"
-        detail = (f"{where}: the replicate proves the kernel path nondeterministic (twin vs replicate: max relative "
-                  f"difference {replicate_shift:.3e}); intervention vs twin: {_size(est, shift)} {relation} the "
-                  "replicate's" + ("" if rule == "replicate" else "; gate_rule=bit_identical accepts no difference"))
-    return {"sigma": sigma, "estimand": name, "passed": passed, "rule": decided_by, "bit_identical": identical,
-            "max_shift": shift, "replicate_max_shift": replicate_shift, "detail": detail}
+        detail = (f"{where}: the replicate proves the kernel path nondeterministic (twin vs replicate: max "
+                  f"relative difference {replicate_shift:.3e}); intervention vs twin: {_size(est, shift)} "
+                  f"{relation} the replicate's"
+                  + ("" if rule == "replicate" else "; gate_rule=bit_identical accepts no difference"))
+    return {"sigma": sigma, "estimand": name, "passed": passed, "rule": decided_by,
+            "bit_identical": identical, "max_shift": shift, "replicate_max_shift": replicate_shift,
+            "detail": detail}
 
 
 def gates(index, found, estimates: dict, inter: str, names: list[str], rule: str) -> list[dict]:
@@ -65,7 +70,8 @@ def gates(index, found, estimates: dict, inter: str, names: list[str], rule: str
         for name in names:
             rep_shift = None if rep is None else rep.shift(name)
             shift = 0.0 if pair.identical else pair.shift(name)
-            rows.append(gate_row(b.sigma, name, estimates[b.index, name], pair.identical, shift, rep_shift, rule))
+            rows.append(gate_row(b.sigma, name, estimates[b.index, name], pair.identical, shift, rep_shift,
+                                 rule))
     return rows
 
 
@@ -75,7 +81,8 @@ def replicate_report(index, found) -> dict | None:
             if (REPLICATE, TWIN, b.index) in found.pairs]
     if not bins:
         return None
-    rows = [{"sigma": b.sigma, "bit_identical": p.identical, "max_abs_diff": 0.0 if p.identical else p.max_abs_diff,
+    rows = [{"sigma": b.sigma, "bit_identical": p.identical,
+             "max_abs_diff": 0.0 if p.identical else p.max_abs_diff,
              "max_shift": 0.0 if p.identical else p.shift(SHIFT_VIEW)} for b, p in bins]
     differ = sum(not r["bit_identical"] for r in rows)
     detail = f"{differ} / {len(rows)} tensors differ between the native twin and its replicate"

@@ -73,8 +73,8 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
     if machinery:
         checks.append(machinery_check(index, found, machinery[0]))
     elif not gate_rows:
-        checks.append(check("has_gate", False, "no bin where the intervention is a no-op and no machinery arm: "
-                            "nothing vouches for the instrument"))
+        checks.append(check("has_gate", False, "no bin where the intervention is a no-op and no machinery "
+                            "arm: nothing vouches for the instrument"))
     valid = all(c["passed"] for c in checks)
     ok = valid and all(g["passed"] for g in gate_rows)
     effects = [pair_row(estimates[b.index, n], sigma=b.sigma, estimand=n, gate=b.gate)
@@ -102,7 +102,8 @@ def reduce_run(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None,
     index, readers = load_run(run_dir)
     try:
         reg = registered(index)
-        used = {**reg, "estimands": list(estimands or reg["estimands"]), "gate_rule": gate_rule or reg["gate_rule"],
+        used = {**reg, "estimands": list(estimands or reg["estimands"]),
+                "gate_rule": gate_rule or reg["gate_rule"],
                 "signal_alpha": float(reg["signal_alpha"] if signal_alpha is None else signal_alpha)}
         groups = reg.get("groups") or {}
         for what, settings in (("registered estimands", reg), ("--estimands", used)):

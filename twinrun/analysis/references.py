@@ -25,9 +25,10 @@ from twinrun.storage.store import StoreReader
 
 def pair_row(est, **keys) -> dict:
     """One estimate as a summary row: every number beside its SE, norm² always shown."""
-    return {**keys, "cos": est.cos, "se": est.se, "norm_ratio": est.norm_ratio, "norm_ratio_se": est.norm_ratio_se,
-            "cos_naive": est.cos_naive, "below_noise": est.below_noise, "norm2": est.norm2_a, "norm2_se": est.norm2_a_se,
-            "norm2_base": est.norm2_b, "norm2_base_se": est.norm2_b_se, "t_crit": est.t_crit}
+    return {**keys, "cos": est.cos, "se": est.se, "norm_ratio": est.norm_ratio,
+            "norm_ratio_se": est.norm_ratio_se, "cos_naive": est.cos_naive, "below_noise": est.below_noise,
+            "norm2": est.norm2_a, "norm2_se": est.norm2_a_se, "norm2_base": est.norm2_b,
+            "norm2_base_se": est.norm2_b_se, "t_crit": est.t_crit}
 
 
 def cross_scan(sides: dict[str, dict], pairs: list[tuple[str, str]], names: list[str] | None,
@@ -43,7 +44,8 @@ def cross_scan(sides: dict[str, dict], pairs: list[tuple[str, str]], names: list
     return scan(readers, list(sides), len(sigmas), names, None, bases, pairs, chunk_params), sigmas, names
 
 
-def cross_rows(found, sigmas: list[float], names: list[str], other: str, base: str, sizes, alpha: float) -> list[dict]:
+def cross_rows(found, sigmas: list[float], names: list[str], other: str, base: str, sizes,
+               alpha: float) -> list[dict]:
     """other against base bin by bin: debiased cos, norm ratio |μ_other| / |μ_base|, bit-identity and
     max relative difference. `residual` removes base's mean over bins from both."""
     o, b = found.arms.index(other), found.arms.index(base)
@@ -61,7 +63,8 @@ def cross_rows(found, sigmas: list[float], names: list[str], other: str, base: s
 def cross_estimates(base: dict, other: dict, alpha: float, names: list[str] | None = None,
                     chunk_params: int = 1_000_000) -> list[dict]:
     """other against base ({σ: StoreReader} each, same protocol), every available estimand, in one pass."""
-    found, sigmas, names = cross_scan({"other": other, "base": base}, [("other", "base")], names, chunk_params)
+    found, sigmas, names = cross_scan({"other": other, "base": base}, [("other", "base")], names,
+                                      chunk_params)
     sizes = np.asarray(base[sigmas[0]].meta["fold_sizes"], dtype=np.float64)
     return cross_rows(found, sigmas, names, "other", "base", sizes, alpha)
 
@@ -84,8 +87,10 @@ def reproduced(rows: list[dict], rep: dict) -> tuple[bool, str]:
     """(alive, rule): bit-identical everywhere, or within the replicate where it proves nondeterminism."""
     if all(r["bit_identical"] for r in rows):
         return True, "bit-identical in every bin"
-    ok = all(r["bit_identical"] or (rep.get(r["sigma"]) or 0.0) > 0 and r["max_shift"] <= rep[r["sigma"]] for r in rows)
-    return (True, "within the replicate's difference where not bit-identical") if ok else (False, "not reproduced")
+    ok = all(r["bit_identical"] or (rep.get(r["sigma"]) or 0.0) > 0 and r["max_shift"] <= rep[r["sigma"]]
+             for r in rows)
+    return ((True, "within the replicate's difference where not bit-identical") if ok
+            else (False, "not reproduced"))
 
 
 def cause_fields(run_dir: Path, ref_dir: Path, mine: dict, ref: dict) -> tuple[list[str], list[str]]:
@@ -110,13 +115,16 @@ def _dead_detail(kp: list[str], cfg: list[str], rows: list[dict]) -> str:
     if [k for k in cfg if k not in model]:
         text += f"Config fields that differ: {', '.join(k for k in cfg if k not in model)}. "
     if kp:
-        text += f"Kernel-path fields that differ: {', '.join(kp)}" + ("." if model else ": this gap is the environment's. ")
+        text += (f"Kernel-path fields that differ: {', '.join(kp)}"
+                 + ("." if model else ": this gap is the environment's. "))
     if not kp and not cfg:
-        text += "No recorded kernel-path or config field differs: the cause is unrecorded (weights file, data). "
+        text += ("No recorded kernel-path or config field differs: the cause is unrecorded "
+                 "(weights file, data). ")
     return text + " Nothing is read against it; read effects against the twin only."
 
 
-def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alpha: float, run_ok: bool) -> dict:
+def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alpha: float,
+                     run_ok: bool) -> dict:
     """Is the reference alive in this environment? Its native arm against today's native twin.
 
     A second pass (the run's own pass, `found`, is done): the reference's twin stores, read once,
@@ -169,9 +177,11 @@ def _against_reference(index, readers: dict, ref: dict, inter: str | None, alpha
             close(sides.get(label, {}))
     sizes = np.asarray(ref[sigmas[0]].meta["fold_sizes"], dtype=np.float64)
     rows = cross_rows(found, sigmas, names, "reference", "native", sizes, alpha)
-    inter_rows = None if inter is None else cross_rows(found, sigmas, names, "intervention", "reference", sizes, alpha)
+    inter_rows = None if inter is None else cross_rows(found, sigmas, names, "intervention", "reference",
+                                                       sizes, alpha)
     return rows, inter_rows
 
 
 def _reopen(index, readers: dict, arm: str) -> dict:
-    return {b.sigma: StoreReader(r.path, r.expected_sha256) for b in bins_of(index) for r in [readers[arm, b.index]]}
+    return {b.sigma: StoreReader(r.path, r.expected_sha256)
+            for b in bins_of(index) for r in [readers[arm, b.index]]}

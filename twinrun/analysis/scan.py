@@ -73,8 +73,8 @@ def _same_shape(readers: dict) -> list[str]:
     want = [(t.name, t.numel) for t in first.tensors]
     for r in readers.values():
         if [(t.name, t.numel) for t in r.tensors] != want or r.n_folds != first.n_folds:
-            raise StoreError(r.path, f"its parameters or folds differ from {first.path.name}'s: stores compared "
-                             "together must share one protocol (measure them under one config)")
+            raise StoreError(r.path, f"its parameters or folds differ from {first.path.name}'s: stores "
+                             "compared together must share one protocol (measure them under one config)")
     return [name for name, _ in want]
 
 
@@ -94,14 +94,17 @@ def scan(readers: dict[tuple[str, int], StoreReader], gram_arms: list[str], n_bi
     chunk = max(1, min(chunk_params, BUFFER_BYTES // (len(keys) * n_folds * 8)))
     acc = _Grams(gram_arms, n_bins, n_folds, chunk, names, groups, bases)
     pair_names = list(dict.fromkeys([*names, SHIFT_VIEW]))  # always: the replicate and references read it
-    found = {(x, y, b): Pair() for x, y in pairs for b in range(n_bins) if (x, b) in readers and (y, b) in readers}
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # reads and sha256 release the GIL
+    found = {(x, y, b): Pair() for x, y in pairs for b in range(n_bins)
+             if (x, b) in readers and (y, b) in readers}
+    # reads and sha256 release the GIL
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         for i, name in enumerate(order):
             these, compared = views(entry_of[name], names, groups), views(entry_of[name], pair_names, groups)
             numel = entry_of[name]["numel"]
             for lo in range(0, max(numel, 1), chunk):
                 hi = min(lo + chunk, numel)
-                chunks = dict(zip(keys, pool.map(_columns, [readers[k] for k in keys], repeat(i), repeat(lo), repeat(hi))))
+                chunks = dict(zip(keys, pool.map(_columns, [readers[k] for k in keys], repeat(i), repeat(lo),
+                                                 repeat(hi))))
                 if hi == lo:
                     continue
                 for (x, y, b), pair in found.items():
@@ -126,14 +129,16 @@ class _Grams:
         self.names = list(names)
         self.derived = {n: known[n].derive for n in names if known[n].derive is not None}
         self.bases = list(bases) if self.derived else []
-        self.buffer = torch.empty(n_bins * self.width * chunk, dtype=torch.float64)  # reused: no page faults per chunk
+        # reused: no page faults per chunk
+        self.buffer = torch.empty(n_bins * self.width * chunk, dtype=torch.float64)
         self.g = {n: torch.zeros(n_bins, self.width, self.width, dtype=torch.float64) for n in names}
         self.partials = {}  # (derived estimand, base arm) -> its derive entry's partial sums so far
 
     def add(self, chunks: dict, width: int, these: tuple[str, ...]) -> None:
         if not these:
             return
-        x = self.buffer[: self.n_bins * self.width * width].view(self.n_bins, len(self.arms), self.n_folds, width)
+        x = self.buffer[: self.n_bins * self.width * width].view(self.n_bins, len(self.arms), self.n_folds,
+                                                                 width)
         for a, arm in enumerate(self.arms):
             for b in range(self.n_bins):
                 x[b, a] = chunks[arm, b]
@@ -155,5 +160,6 @@ class _Grams:
                 out[n, None] = self.g[n].view(shape).numpy()
                 continue
             for m in self.bases:
-                out[n, m] = self.derived[n].gram(self.g[n], self.partials[n, m], len(self.arms)).view(shape).numpy()
+                out[n, m] = self.derived[n].gram(self.g[n], self.partials[n, m],
+                                                 len(self.arms)).view(shape).numpy()
         return out

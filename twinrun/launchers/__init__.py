@@ -52,12 +52,12 @@ def check(launcher: dict, probe_compile=False) -> None:
     if split == "bins" and probe_compile:  # false/None: eager; "default"/"max-autotune": compiled
         # Concurrent elements would compile into one shared cache, each fingerprinting another cache
         # digest: every bin on its own kernel path, and the run refused as straddling.
-        raise ConfigError("launcher.split", split, f"cannot run with probe.compile={probe_compile!r}: the bins' "
-                          "jobs would share one compile cache and land on different kernel paths; use "
-                          "launcher.split=pair, or probe.compile=false")
+        raise ConfigError("launcher.split", split, f"cannot run with probe.compile={probe_compile!r}: "
+                          "the bins' jobs would share one compile cache and land on different kernel "
+                          "paths; use launcher.split=pair, or probe.compile=false")
     if LAUNCHERS[name].cluster != "slurm" and launcher.get("constraint") is not None:
-        raise ConfigError("launcher.constraint", launcher["constraint"], f"launcher={name} runs on this machine "
-                          "and would ignore it: remove it, or use launcher=slurm")
+        raise ConfigError("launcher.constraint", launcher["constraint"], f"launcher={name} runs on this "
+                          "machine and would ignore it: remove it, or use launcher=slurm")
     bad = unsafe_sbatch_knob(launcher, trusted=True)
     if bad is not None:
         raise ConfigError(f"launcher.{bad[0]}", bad[1], "may hold only letters, digits and _.,:@%+=|&()[]*- "

@@ -51,7 +51,8 @@ def _validate_job_record(c: Checker, record: dict, where: str, cluster: str) -> 
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
         c.fail(f"{where}job_id", f"{show(job_id)} is not a job id")
     if cluster == "local" and not (job_id.isdigit() and 1 <= int(job_id) < LOCAL_JOB_ID_END):
-        c.fail(f"{where}job_id", f"{show(job_id)} is not a local job's process id (1 to {LOCAL_JOB_ID_END - 1})")
+        c.fail(f"{where}job_id", f"{show(job_id)} is not a local job's process id "
+               f"(1 to {LOCAL_JOB_ID_END - 1})")
     for key in ("result", "stdout", "stderr"):
         c.get(record, key, f"{where}{key}", str)
 
@@ -146,7 +147,8 @@ def submitted_launcher(rd: RunDir) -> dict | None:
         raise StoreError(rd.path, f"its job {launch['job_id']} is still {state}: wait for it, or scancel it "
                          "and resume again")
     try:
-        launcher = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(LauncherConfig), launch["launcher"]))
+        launcher = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(LauncherConfig),
+                                                          launch["launcher"]))
     except OmegaConfBaseException as err:
         raise StoreError(rd.launch_json, f"field launcher: {str(err).splitlines()[0]}") from None
     safe_name(launcher["folder"], "launcher.folder", rd.launch_json)
@@ -158,8 +160,8 @@ def submitted_launcher(rd: RunDir) -> dict | None:
     if launcher["additional_parameters"]:
         # sbatch options from a file anyone could have edited (`export: LD_PRELOAD=…`): the user's own only.
         raise StoreError(rd.launch_json, f"field launcher.additional_parameters holds sbatch options "
-                         f"{launcher['additional_parameters']}; a run directory chooses no job options: rerun your "
-                         "original command with hydra.run.dir=RUN_DIR, or resume with --local")
+                         f"{launcher['additional_parameters']}; a run directory chooses no job options: "
+                         "rerun your original command with hydra.run.dir=RUN_DIR, or resume with --local")
     bad = unsafe_sbatch_knob(launcher, trusted=False)
     if bad is not None:
         raise StoreError(rd.launch_json, f"field launcher.{bad[0]}: {bad[1]!r} may hold only letters, digits "

@@ -122,8 +122,8 @@ def _check_fits(launcher: dict, partition: str, nodes: list[dict]) -> None:
     most_mb = max((n["mem_mb"] for n in nodes if n["mem_mb"] is not None), default=None)
     if most_mb is not None and launcher["mem_gb"] is not None and launcher["mem_gb"] * 1024 > most_mb:
         raise ConfigError("launcher.mem_gb", launcher["mem_gb"],
-                          f"partition {partition}'s largest node has {most_mb / 1024:.1f} GB; ask for at most that "
-                          "(or null for the cluster's default)")
+                          f"partition {partition}'s largest node has {most_mb / 1024:.1f} GB; ask for at "
+                          "most that (or null for the cluster's default)")
     limits = [n["limit_min"] for n in nodes]
     if limits and None not in limits and launcher["timeout_min"] > max(limits):
         raise ConfigError("launcher.timeout_min", launcher["timeout_min"],
@@ -151,8 +151,8 @@ def _number(text: str) -> int | None:
 def _sinfo() -> dict[str, list[dict]]:
     """{partition (the default marked '*'): its node kinds (gres, cpus, mem_mb, limit_min)} from sinfo."""
     try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%P|%G|%c|%m|%l"], check=False, capture_output=True, text=True,
-                             timeout=SCHEDULER_TIMEOUT_S)
+        out = subprocess.run(["sinfo", "-h", "-o", "%P|%G|%c|%m|%l"], check=False, capture_output=True,
+                             text=True, timeout=SCHEDULER_TIMEOUT_S)
         reason = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
     except (OSError, subprocess.TimeoutExpired) as err:
         out, reason = None, str(err)
@@ -163,7 +163,8 @@ def _sinfo() -> dict[str, list[dict]]:
     for line in out.stdout.splitlines():
         partition, gres, cpus, mem, limit = ([*line.split("|"), "", "", "", ""])[:5]
         partitions.setdefault(partition.strip(), []).append(
-            {"gres": gres.strip(), "cpus": _number(cpus), "mem_mb": _number(mem), "limit_min": _minutes(limit.strip())})
+            {"gres": gres.strip(), "cpus": _number(cpus), "mem_mb": _number(mem),
+             "limit_min": _minutes(limit.strip())})
     return partitions
 
 

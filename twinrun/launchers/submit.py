@@ -46,7 +46,8 @@ def make_executor(launcher: dict, folder_root: Path, job_name: str) -> submitit.
     return executor
 
 
-def submit(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> list[tuple[Element, object]]:
+def submit(run_dirs: list[Path], launcher: dict, folder_root: Path,
+           trusted=()) -> list[tuple[Element, object]]:
     """One job per planned run directory (split=pair) or per pending unit (split=bins), all in one
     submission (one SLURM job array if several). Returns [(Element, submitit job)].
 
@@ -70,8 +71,8 @@ def submit(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) 
     kind = "SLURM" if cluster == "slurm" else "submitit local"
     if len(jobs) > 1 and cluster == "slurm":
         print(f"twinrun: submitted {kind} job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} "
-              f"{'runs' if len(jobs) == len(run_dirs) else 'jobs'}; logs in {folder_root / launcher['folder']})",
-              flush=True)
+              f"{'runs' if len(jobs) == len(run_dirs) else 'jobs'}; logs in "
+              f"{folder_root / launcher['folder']})", flush=True)
     for e, job in submitted:
         which = "" if e.units is None else f" unit {', '.join(map(str, e.units))} of"
         print(f"twinrun: submitted {kind} job {job.job_id} for{which} {e.run_dir}", flush=True)

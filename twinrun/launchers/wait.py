@@ -94,7 +94,8 @@ def _cancel_stuck(label: str, job, state: str) -> int:
     reason = state.partition("(")[2].rstrip(")").split(",")[0].strip()
     job.cancel(check=False)
     print(f"twinrun: error: {label}: job {job.job_id} cancelled: it was {state}, which waiting cannot "
-          f"resolve; change launcher.{UNRESOLVABLE[reason].replace(', ', ', launcher.').replace(' or ', ' or launcher.')} "
+          "resolve; change "
+          f"launcher.{UNRESOLVABLE[reason].replace(', ', ', launcher.').replace(' or ', ' or launcher.')} "
           "to fit the partition and resume", file=sys.stderr, flush=True)
     return EXIT_USAGE
 

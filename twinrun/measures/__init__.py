@@ -1,4 +1,5 @@
-"""Measurement kinds: MEASURES lists each, and the config's `measure` key selects one (`probe` the default)."""
+"""Measurement kinds: MEASURES lists each, and the config's `measure` key selects one (`probe` the
+default)."""
 
 from twinrun.errors import ConfigError
 from twinrun.measures.kind import Measure

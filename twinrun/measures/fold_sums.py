@@ -53,7 +53,8 @@ def layout(model: torch.nn.Module, names: list[str], cond_patterns: list[str]) -
     for n in names:
         numel = params[n].numel()
         cond = any(fnmatch.fnmatchcase(n, p) for p in cond_patterns)
-        out.append({"name": n, "offset": offset, "numel": numel, "shape": list(params[n].shape), "cond": cond})
+        out.append({"name": n, "offset": offset, "numel": numel, "shape": list(params[n].shape),
+                    "cond": cond})
         offset += numel
     return out
 
@@ -117,8 +118,8 @@ def fold_sums(
     """
     assert method in ("vmap", "folds"), f"method must be resolved before the probe runs, got {method!r}"
     if method == "folds":
-        return plain_fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, chunk_images,
-                               chunk_draws, forward)
+        return plain_fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds,
+                               chunk_images, chunk_draws, forward)
     params = dict(model.named_parameters())
     probed = {n: params[n].detach() for n in names}
     frozen = {n: p.detach() for n, p in params.items() if n not in probed}

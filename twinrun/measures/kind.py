@@ -53,7 +53,8 @@ class Measure:
     # (cfg, intervention) -> what plan needs (e.g. the built data): the kind's own keys, before the
     # arms are derived, so a bad setting is refused before anything else is built.
     validate: Callable[[DictConfig, object], object]
-    plan: Callable[[DictConfig, object, list, Path | None, object], Plan]  # (cfg, intervention, arms, dir, validated)
+    # (cfg, intervention, arms, dir, validated)
+    plan: Callable[[DictConfig, object, list, Path | None, object], Plan]
     protocol_keys: tuple[str, ...]  # config keys two runs must share to measure the same thing
     open_session: Callable[[dict, list, torch.device], Session]  # (config, arms, device), in the job
     device: Callable[[dict], str]  # the config's device setting (`auto`, `cpu`, `cuda:N`)

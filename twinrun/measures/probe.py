@@ -64,8 +64,8 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if p.n_images < 3:
         raise ConfigError("probe.n_images", p.n_images, "must be ≥ 3 (the estimator needs 3 folds)")
     if not 3 <= p.n_folds <= p.n_images:
-        raise ConfigError("probe.n_folds", p.n_folds, f"must be between 3 (the jackknife SE needs 3 folds) and "
-                          f"probe.n_images={p.n_images} (a fold holds ≥ 1 image)")
+        raise ConfigError("probe.n_folds", p.n_folds, "must be between 3 (the jackknife SE needs 3 folds) "
+                          f"and probe.n_images={p.n_images} (a fold holds ≥ 1 image)")
     if not p.params:
         raise ConfigError("probe.params", list(p.params), "give at least one pattern, e.g. ['*']")
     for key in ("chunk_images", "chunk_draws"):
@@ -98,9 +98,9 @@ def check_measures_something(intervention: Intervention, grid: list[float]) -> N
     key = f"intervention({type(intervention).__name__})"
     noop = intervention.noop()
     if not intervention.gate_sigmas(grid) and noop is None:
-        raise ConfigError(key, grid, "has no gate bin (no bin of the grid where it claims to be a no-op) and no "
-                          "no-op setting (`noop()`, run as its machinery arm): nothing would vouch for the "
-                          "instrument; add its no-op σ to sigma_grid.sigmas or declare a no-op setting")
+        raise ConfigError(key, grid, "has no gate bin (no bin of the grid where it claims to be a no-op) and "
+                          "no no-op setting (`noop()`, run as its machinery arm): nothing would vouch for "
+                          "the instrument; add its no-op σ to sigma_grid.sigmas or declare a no-op setting")
     at_noop = noop is not None and all(getattr(intervention, k, None) == v for k, v in noop.items())
     sigma_only = type(intervention).attach is Intervention.attach
     twin = Native()
@@ -118,24 +118,25 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
     noise_bytes = 4 * p.n_images * p.n_draws * math.prod(image_shape)
     memory = memory_bytes()
     if noise_bytes > memory // 2:
-        raise ConfigError("probe.n_draws", p.n_draws, f"a bin's noise for probe.n_images={p.n_images} would take "
-                          f"{noise_bytes / 2**30:.1f} GiB, over half this machine's {memory / 2**30:.0f} GiB; "
-                          "use fewer draws or images")
+        raise ConfigError("probe.n_draws", p.n_draws, f"a bin's noise for probe.n_images={p.n_images} "
+                          f"would take {noise_bytes / 2**30:.1f} GiB, over half this machine's "
+                          f"{memory / 2**30:.0f} GiB; use fewer draws or images")
     n_params = sum(numels)  # numels: one per probed parameter tensor
     store_bytes = n_stores * store_size(p.n_folds, n_params, len(numels), p.n_images)
     where = Path(run_dir) if run_dir is not None else Path.cwd()
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    print(f"twinrun: the stores will take about {store_bytes / 1e6:,.1f} MB ({store_bytes:,} bytes: {n_stores} "
-          f"stores of {p.n_folds} folds x {n_params:,} parameters); {free / 1e9:,.1f} GB free at {where}", flush=True)
+    print(f"twinrun: the stores will take about {store_bytes / 1e6:,.1f} MB ({store_bytes:,} bytes: "
+          f"{n_stores} stores of {p.n_folds} folds x {n_params:,} parameters); {free / 1e9:,.1f} GB free "
+          f"at {where}", flush=True)
     resuming = run_dir is not None and (Path(run_dir) / "run.json").exists()
     if store_bytes > free and not resuming:
         # (A resume writes only the missing stores, beside those already on this disk: not refused here.)
-        raise ConfigError("probe.params", list(p.params), f"the stores would take {store_bytes / 2**30:.2f} GiB "
-                          f"({store_bytes} bytes), more than the {free / 2**30:.2f} GiB free at {where}; probe fewer "
-                          "parameters or folds, or put the run directory on a file system with room (hydra.run.dir=..., "
-                          "or hydra.sweep.dir=... for a sweep)")
+        raise ConfigError("probe.params", list(p.params), f"the stores would take {store_bytes / 2**30:.2f} "
+                          f"GiB ({store_bytes} bytes), more than the {free / 2**30:.2f} GiB free at {where}; "
+                          "probe fewer parameters or folds, or put the run directory on a file system "
+                          "with room (hydra.run.dir=..., or hydra.sweep.dir=... for a sweep)")
     return store_bytes
 
 
@@ -236,7 +237,8 @@ class ProbeSession:
 
     def begin_unit(self, u: UnitEntry) -> None:
         # This bin's draws, keyed by (seed, σ, image id, draw): the same for every arm.
-        self.eps = draws.noise(self.seed, u["probe"]["sigma"], self.c.image_ids, self.p.n_draws, self.image_shape)
+        self.eps = draws.noise(self.seed, u["probe"]["sigma"], self.c.image_ids, self.p.n_draws,
+                               self.image_shape)
 
     def measure(self, u: UnitEntry, arm: str, stamp: dict) -> tuple[dict, dict]:
         """Probe this arm at this bin (its σ_cond, its hooks on and off again), as the store's tensors."""
@@ -247,12 +249,14 @@ class ProbeSession:
         with attached(intervention, c.model):
             sums = trial.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
                                         sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
-                                        p.chunk_images, p.chunk_draws, method=self.method, forward=self.forward)
+                                        p.chunk_images, p.chunk_draws, method=self.method,
+                                        forward=self.forward)
         fs.check_finite(sums, arm, u["index"], sigma)
         meta = {"arm": arm, "bin_index": u["index"], "sigma": sigma, "sigma_cond": float(sigma_cond),
-                "n_images": p.n_images, "n_draws": p.n_draws, "fold_sizes": c.fold_sizes, "image_ids": c.image_ids,
-                "seed": self.seed, "draws_digest": draws.digest(eps, sigma), "config_hash": stamp["config_hash"],
-                "layout": c.layout, "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
+                "n_images": p.n_images, "n_draws": p.n_draws, "fold_sizes": c.fold_sizes,
+                "image_ids": c.image_ids, "seed": self.seed, "draws_digest": draws.digest(eps, sigma),
+                "config_hash": stamp["config_hash"], "layout": c.layout, "env": stamp["env"],
+                "kernel_path": stamp["kernel_path"]}
         return fold_tensors(sums, c.layout), meta
 
 

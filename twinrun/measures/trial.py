@@ -68,8 +68,8 @@ def refuse_compiled_hooks(mode: str | None, interventions: dict) -> None:
     nn.Modules), so an intervention that acts through hooks would silently do nothing compiled."""
     hooked = [arm for arm, i in interventions.items() if type(i).attach is not Intervention.attach]
     if mode is not None and hooked:
-        raise ConfigError("probe.compile", mode, f"arm {hooked[0]} acts through forward hooks, which a compiled "
-                          "model does not see; set probe.compile=false for this intervention")
+        raise ConfigError("probe.compile", mode, f"arm {hooked[0]} acts through forward hooks, which a "
+                          "compiled model does not see; set probe.compile=false for this intervention")
 
 
 def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images: torch.Tensor, sigma: float,
@@ -100,12 +100,14 @@ def job_trial(model, names, images, sigma: float, interventions: dict, p: ProbeC
                    for arm, i in interventions.items()}
     method, forward = run_trial(model, names, images, sigma, sigma_conds, p.method, mode, interventions)
     if mode is not None:
-        warm_up(model, forward, names, images, sigma, next(iter(sigma_conds.values())), p, fold_of_image, n_folds)
+        warm_up(model, forward, names, images, sigma, next(iter(sigma_conds.values())), p, fold_of_image,
+                n_folds)
     log.info("probe method %s, compile %s", method, mode or "off")
     return method, forward, mode
 
 
-def warm_up(model, forward, names, images, sigma, sigma_cond, p: ProbeConfig, fold_of_image, n_folds: int) -> None:
+def warm_up(model, forward, names, images, sigma, sigma_cond, p: ProbeConfig, fold_of_image,
+            n_folds: int) -> None:
     """Compile every shape the bins and the sentinel will run (one bin's worth of calls, seeded
     draws), so the cache the fingerprint then reads is the cache the whole run uses: a resume on
     the same cache finds the same digest instead of the entries the first job's bins added."""

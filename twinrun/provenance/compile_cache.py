@@ -39,7 +39,8 @@ def autotune_choices(caches: dict) -> dict:
         for path in sorted(Path(root).rglob("*")):
             if files >= CACHE_WALK_MAX_FILES:
                 break
-            if path.is_file() and not path.is_symlink() and (path.suffix == ".best_config" or "autotune" in path.name):
+            if path.is_file() and not path.is_symlink() and (path.suffix == ".best_config"
+                                                             or "autotune" in path.name):
                 h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
                 files += 1
     return {"digest": h.hexdigest() if files else "none", "files": files}

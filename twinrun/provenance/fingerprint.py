@@ -54,8 +54,9 @@ NUMERICS_ENV = (
 )
 NUMERICS_ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_")
 # Installed packages (normalised names, prefixes) that choose the kernels a probe runs.
-NUMERICS_PACKAGES = ("torch", "triton", "pytorch-triton", "nvidia-", "cuda-", "diffusers", "xformers", "flash-attn",
-                     "transformers", "accelerate", "numpy", "safetensors", "intel-openmp", "mkl")
+NUMERICS_PACKAGES = ("torch", "triton", "pytorch-triton", "nvidia-", "cuda-", "diffusers", "xformers",
+                     "flash-attn", "transformers", "accelerate", "numpy", "safetensors", "intel-openmp",
+                     "mkl")
 # Inductor exports these itself on first compile; their resolved paths are read separately.
 ISA_FLAG = re.compile(r"avx|sse|amx|fma|f16c|vnni|bf16|fp16|asimd|sve|neon")
 SLURM_ENV = (

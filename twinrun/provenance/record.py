@@ -92,7 +92,7 @@ def straddling_rule(run_dir: Path, kernel_path_file, fp: dict):
             fields = ["(unrecorded)"]
         raise KernelPathRefused(
             f"{run_dir}: its finished units were measured on another kernel path (differs in "
-            f"{', '.join(fields) or 'kernel_path'}); twins must not straddle environments: resume it where it "
-            "started, or start a new run directory")
+            f"{', '.join(fields) or 'kernel_path'}); twins must not straddle environments: resume it "
+            "where it started, or start a new run directory")
 
     return refuse

@@ -193,7 +193,8 @@ def plot_sweep(sweep_summary: dict, path: Path, estimand: str = "all") -> Path |
     handles = [plt.Rectangle((0, 0), 1, 1, fc=CELL_STYLES[s][1] or "0.6", hatch=CELL_STYLES[s][2], ec="0.3",
                              label=CELL_STYLES[s][0]) for s in present]
     if g["gates"]:
-        handles.append(plt.Rectangle((0, 0), 1, 1, fill=False, ec="tab:orange", lw=2.5, label="no-op gate bin"))
+        handles.append(plt.Rectangle((0, 0), 1, 1, fill=False, ec="tab:orange", lw=2.5,
+                                     label="no-op gate bin"))
     fig.legend(handles=handles, loc="lower center", fontsize=7, frameon=False, ncol=1)
     fig.tight_layout(rect=(0, 0.05 + 0.045 * len(handles), 1, 1))
     try:
@@ -219,5 +220,5 @@ def sweep_caption(sweep_summary: dict, estimand: str = "all") -> str:
     parts = [CELL_STYLES[s][0] for s in present]
     if g["gates"]:
         parts.append("orange box: no-op gate bin")
-    return (f"Effect 1 − debiased cos to the native twin of `{g['intervention']}`, estimand `{estimand}`, over "
-            f"({g['row_axis']}, noising σ). Cells: " + "; ".join(parts) + ".")
+    return (f"Effect 1 − debiased cos to the native twin of `{g['intervention']}`, estimand `{estimand}`, "
+            f"over ({g['row_axis']}, noising σ). Cells: " + "; ".join(parts) + ".")

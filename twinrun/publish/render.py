@@ -20,15 +20,16 @@ def verdict_line(summary: dict) -> str:
     if summary.get("post_hoc"):
         ph = summary["post_hoc"]
         return (f"POST-HOC VIEW (registered {ph['registered']}, used {ph['used']}); the registered analysis "
-                f"{'passed' if ph['registered_passed'] else 'FAILED'} and stands. Written to {ph['view_dir']}")
+                f"{'passed' if ph['registered_passed'] else 'FAILED'} and stands. Written to "
+                f"{ph['view_dir']}")
     return "registered analysis (settings recorded at plan time: " + str(summary["registered"]) + ")"
 
 
 def render(summary: dict) -> str:
     lines = [f"twinrun reduce: {summary['run_dir']}", verdict_line(summary), "", "validity checks:"]
     lines += [f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}" for c in summary["checks"]]
-    lines += ["", (f"no-op gates (rule: {summary['used']['gate_rule']}; intervention vs native twin where the "
-              "intervention does nothing):")]
+    lines += ["", (f"no-op gates (rule: {summary['used']['gate_rule']}; intervention vs native twin where "
+                   "the intervention does nothing):")]
     lines += [f"  [{'ok' if g['passed'] else 'FAIL'}] ({g['rule']}) {g['detail']}" for g in summary["gates"]]
     if summary.get("replicate"):
         lines += ["", f"replicate: {summary['replicate']['detail']}"]
@@ -39,7 +40,8 @@ def render(summary: dict) -> str:
                        "nothing else from this run should be read.")]
         return "\n".join(lines)
     lines += ["", ("effects (debiased cos and norm ratio |μ_arm| / |μ_twin| to the twin, ± jackknife SE; 95% "
-                   "interval = value ± t_{F−1}·SE; 1 − cos is the change of direction, the ratio the change of size):"),
+                   "interval = value ± t_{F−1}·SE; 1 − cos is the change of direction, "
+                   "the ratio the change of size):"),
               f"  {'σ':>6}  {'estimand':<9} {'cos ± se':>22} {'norm ratio ± se':>22} {'naive cos':>10}"]
     for x in summary["effects"]:
         if x["below_noise"]:

@@ -37,10 +37,12 @@ def effect_table(effects: list[dict]) -> list[str]:
 
 
 def gate_table(gates: list[dict]) -> list[str]:
-    return _table(["σ", "estimand", "passed", "decided by", "bit-identical", "max rel. diff", "replicate's", "detail"],
+    return _table(["σ", "estimand", "passed", "decided by", "bit-identical", "max rel. diff", "replicate's",
+                   "detail"],
                   [[f"{g['sigma']:g}", g["estimand"], "yes" if g["passed"] else "**NO**", g["rule"],
                     "yes" if g["bit_identical"] else "no", f"{g['max_shift']:.2e}",
-                    "–" if g["replicate_max_shift"] is None else f"{g['replicate_max_shift']:.2e}", g["detail"]]
+                    "–" if g["replicate_max_shift"] is None else f"{g['replicate_max_shift']:.2e}",
+                    g["detail"]]
                    for g in gates])
 
 
@@ -53,13 +55,15 @@ def reference_lines(ref: dict, effects: list[dict]) -> list[str]:
     rows = []
     for r in ref["native_vs_reference"]:
         e = own.get((r["sigma"], r["estimand"]))
-        shift = "below noise" if r["below_noise"] else f"{pm(1 - r['cos'], r['se'])}; ratio {pm(r['norm_ratio'], r['norm_ratio_se'])}"
+        shift = ("below noise" if r["below_noise"]
+                 else f"{pm(1 - r['cos'], r['se'])}; ratio {pm(r['norm_ratio'], r['norm_ratio_se'])}")
         effect = ("–" if e is None else "below noise" if e["below_noise"]
                   else f"{pm(1 - e['cos'], e['se'])}; ratio {pm(e['norm_ratio'], e['norm_ratio_se'])}")
-        rows.append([f"{r['sigma']:g}", r["estimand"], "yes" if r["bit_identical"] else "no", f"{r['max_shift']:.2e}",
-                     shift, effect])
-    return lines + [""] + _table(["σ", "estimand", "bit-identical", "max rel. diff", ("reference shift: 1 − cos; norm "
-                                  "ratio"), "intervention's effect: 1 − cos; norm ratio"], rows)
+        rows.append([f"{r['sigma']:g}", r["estimand"], "yes" if r["bit_identical"] else "no",
+                     f"{r['max_shift']:.2e}", shift, effect])
+    return lines + [""] + _table(["σ", "estimand", "bit-identical", "max rel. diff",
+                                  "reference shift: 1 − cos; norm ratio",
+                                  "intervention's effect: 1 − cos; norm ratio"], rows)
 
 
 def env_summary(index: RunIndex) -> list[str]:
@@ -97,7 +101,8 @@ def _header(out_dir: Path, summary: dict) -> list[str]:
     else:
         lines += [f"Registered analysis (recorded at plan time): `{summary['registered']}`.", ""]
     ok = summary["passed"]
-    lines += ["## Verdict", "", "**VALID** — every validity check and no-op gate passed; effects below." if ok else
+    lines += ["## Verdict", "",
+              "**VALID** — every validity check and no-op gate passed; effects below." if ok else
               "**INSTRUMENT BROKEN** — a validity check or no-op gate failed. Effects are withheld; "
               "nothing else from this run should be read."]
     return lines
@@ -120,10 +125,12 @@ def write_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
         lines += reference_lines(summary["reference"], summary["effects"])
     env_lines = env_summary(index)
     if env_lines:
-        lines += ["", "## Environment", "", "Full fingerprints: `env/job*.json`.", ""] + [f"- {x}" for x in env_lines]
+        lines += (["", "## Environment", "", "Full fingerprints: `env/job*.json`.", ""]
+                  + [f"- {x}" for x in env_lines])
     if index.command:
-        lines += ["", "## Reproduce", "", "Measure afresh, into a new run directory:", "", "```bash", index.command,
-                  "```", "", "Resume this run in place (verified bins are kept, the rest measured):", "", "```bash",
+        lines += ["", "## Reproduce", "", "Measure afresh, into a new run directory:", "", "```bash",
+                  index.command, "```", "",
+                  "Resume this run in place (verified bins are kept, the rest measured):", "", "```bash",
                   f"python -m twinrun.resume {shlex.quote(str(run_dir))}", "```"]
     path = out_dir / REPORT_MD
     atomic_write(path, ("\n".join(lines) + "\n").encode())

@@ -57,7 +57,8 @@ def write_sweep_report(sd: SweepDir, summary: dict) -> Path:
     swept = swept_variables(summary["points"])
     lines = ["# twinrun sweep report", "", f"{n} {'point' if n == 1 else 'points'}; {verdict}.",
              f"Swept: {', '.join(f'`{k}`' for k in swept) or 'nothing (one point)'}.",
-             "", "| point | overrides | status | valid | gates passed | report |", "|---|---|---|---|---|---|"]
+             "", "| point | overrides | status | valid | gates passed | report |",
+             "|---|---|---|---|---|---|"]
     for p in summary["points"]:
         rel = Path(p["run_dir"]).relative_to(sd.path)
         lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} | {_yes_no(p['valid'])} "

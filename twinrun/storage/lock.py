@@ -93,7 +93,8 @@ def _open(path: Path) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as err:
-        raise StoreError(path, f"cannot open the run lock ({err.strerror}); finished stores are kept") from None
+        raise StoreError(path, f"cannot open the run lock ({err.strerror}); "
+                         "finished stores are kept") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise StoreError(path, "the run lock is not a regular file; remove it and run again")
@@ -115,7 +116,8 @@ def _acquire(path: Path, mode: int = fcntl.LOCK_EX, what=None) -> int:
                              "wait for it or stop it") from None
         except OSError as err:
             os.close(fd)
-            raise StoreError(path, f"cannot lock ({err.strerror}): the file system must support flock") from None
+            raise StoreError(path, f"cannot lock ({err.strerror}): "
+                             "the file system must support flock") from None
         try:
             same_file = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
         except FileNotFoundError:
@@ -132,8 +134,9 @@ def _take_over(path: Path, fd: int, mine: dict) -> None:
     requeued = holder is not None and mine["slurm_job_id"] is not None \
         and holder.get("slurm_job_id") == mine["slurm_job_id"]
     if holder is not None and holder.get("host") != mine["host"] and not requeued:
-        raise StoreError(path.parent, f"was being written by pid {holder.get('pid')} on {holder.get('host')}, "
-                         f"which did not release it; if that job is gone, remove {path} and run again")
+        raise StoreError(path.parent, f"was being written by pid {holder.get('pid')} on "
+                         f"{holder.get('host')}, which did not release it; if that job is gone, "
+                         f"remove {path} and run again")
     if left.strip():
         who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "an unreadable record"
         print(f"twinrun: recovering the stale lock {path} ({who}; its holder is gone)", flush=True)
@@ -142,7 +145,8 @@ def _take_over(path: Path, fd: int, mine: dict) -> None:
         os.pwrite(fd, json.dumps(mine).encode(), 0)
         os.fsync(fd)
     except OSError as err:
-        raise StoreError(path, f"cannot write the run lock ({err.strerror}); finished stores are kept") from None
+        raise StoreError(path, f"cannot write the run lock ({err.strerror}); "
+                         "finished stores are kept") from None
 
 
 @contextmanager
@@ -199,7 +203,8 @@ def update_lock(path: Path, timeout_s: float = UPDATE_TIMEOUT_S):
                                      "process or a hung file system?); finished stores are kept") from None
                 time.sleep(UPDATE_POLL_S)
             except OSError as err:
-                raise StoreError(path, f"cannot lock ({err.strerror}): the file system must support flock") from None
+                raise StoreError(path, f"cannot lock ({err.strerror}): "
+                                 "the file system must support flock") from None
         yield
     finally:
         os.close(fd)  # releases the flock

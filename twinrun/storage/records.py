@@ -305,7 +305,8 @@ def _check_item(c: Checker, item, field: str, hint) -> None:
 
 
 def _without_none(hint):
-    """(the hint without None (and without NotRequired, which __required_keys__ says), whether None is allowed)."""
+    """(the hint without None (and without NotRequired, which __required_keys__ says), whether None is
+    allowed)."""
     if typing.get_origin(hint) is NotRequired:
         hint = typing.get_args(hint)[0]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -338,8 +339,9 @@ def validate_run(path: Path, run: dict) -> RunRecord:
     tools add some), then the rules across fields."""
     c = Checker(path)
     if run.get("format") in OLD_RUN_FORMATS:
-        raise StoreError(path, f"format {run['format']!r} (σ bins, written by an earlier twinrun) is no longer "
-                         f"read; measure the run again into a new run directory (run.json is now {RUN_FORMAT})")
+        raise StoreError(path, f"format {run['format']!r} (σ bins, written by an earlier twinrun) is no "
+                         "longer read; measure the run again into a new run directory "
+                         f"(run.json is now {RUN_FORMAT})")
     if run.get("format") != RUN_FORMAT:
         c.fail("format", f"{show(run.get('format'))} is not {RUN_FORMAT!r} (not a twinrun run index)")
     check_typed(c, run, RunRecord, "")
@@ -397,7 +399,8 @@ def validate_store_meta(path: Path, meta: dict) -> ProbeStoreMeta:
     if meta["bin_index"] < 0:
         c.fail("metadata.bin_index", f"{meta['bin_index']} is negative")
     if len(sizes) < 2 or not all(type(n) is int and n >= 1 for n in sizes) or sum(sizes) != n_images:
-        c.fail("metadata.fold_sizes", f"{show(sizes)} must be ≥ 2 positive counts summing to n_images={n_images}")
+        c.fail("metadata.fold_sizes", f"{show(sizes)} must be ≥ 2 positive counts summing to "
+               f"n_images={n_images}")
     offset = 0
     for i, g in enumerate(meta["layout"]):
         if g["offset"] != offset or g["numel"] < 0:

@@ -136,7 +136,8 @@ class RunDir:
     def inside(self, path: Path) -> Path:
         """`path` itself, once its resolved form (symlinks followed) is inside this run directory."""
         if not self._is_inside(path):
-            raise StoreError(path, f"resolves outside the run directory {self.path} (a symlink or '..'): refused")
+            raise StoreError(path, f"resolves outside the run directory {self.path} "
+                             "(a symlink or '..'): refused")
         return path
 
     def _is_inside(self, path: Path) -> bool:
@@ -172,7 +173,8 @@ class RunDir:
             named = RunIndex.load(self).reference if self.is_run() else None
             if named is None or Path(named).resolve() != Path(reference["path"]).resolve():
                 raise StoreError(self.summary_json, f"field reference.path: {reference['path']!r} is not the "
-                                 f"reference run.json names ({named!r}); the file is damaged or was edited by hand")
+                                 f"reference run.json names ({named!r}); the file is damaged "
+                                 "or was edited by hand")
         return summary
 
 
@@ -311,7 +313,8 @@ class RunIndex:
         """The kernel paths the whole units (of `doc`, default run.json as last read) were measured on."""
         units = (doc or self.doc)["units"]
         return {e.get("kernel_path_sha256") for u in units if u["index"] != except_unit and
-                all(x["status"] == "done" for x in u["stores"].values()) for e in u["stores"].values()} - {None}
+                all(x["status"] == "done" for x in u["stores"].values())
+                for e in u["stores"].values()} - {None}
 
     def own_failure(self, units: list[int] | None) -> Failure | None:
         """The failure recorded at these units (an array element's; never another element's), or the
@@ -334,7 +337,8 @@ class RunIndex:
         with update_lock(self.run_dir.index_lock):
             # A run.json not written yet has no other writer: the document in memory is the record.
             rd = self.run_dir
-            doc = validate_run(rd.run_json, read_json(rd.run_json)) if os.path.lexists(rd.run_json) else self.doc
+            doc = (validate_run(rd.run_json, read_json(rd.run_json)) if os.path.lexists(rd.run_json)
+                   else self.doc)
             change(doc)
             write_json(rd.run_json, doc)
         if doc is not self.doc:  # (clearing the very document read back would empty it)
@@ -386,7 +390,8 @@ class RunIndex:
 
         self._update(change)
 
-    def mark_done(self, u: UnitEntry, arm: str, sha256: str, kernel_path_sha256: str, refuse: StraddleRule) -> None:
+    def mark_done(self, u: UnitEntry, arm: str, sha256: str, kernel_path_sha256: str,
+                  refuse: StraddleRule) -> None:
         """Record the store done, unless `refuse` objects to joining the whole units of run.json as it
         is now (another array element's, finished since this job started) on this kernel path."""
         def change(doc: RunRecord) -> None:

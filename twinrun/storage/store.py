@@ -32,7 +32,8 @@ MAX_STORE_BYTES = 1 << 44  # 16 TiB: streamed, never held whole; the header must
 
 
 def write_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> str:
-    """Write named float32 CPU tensors with their metadata (JSON-encoded strings); return the file's sha256."""
+    """Write named float32 CPU tensors with their metadata (JSON-encoded strings); return the file's
+    sha256."""
     # Each tensor's own digest travels inside the store, so a store handed around without its
     # run.json still proves its numbers intact (a flipped byte is caught by compare too).
     digests = {name: hashlib.sha256(t.numpy().tobytes()).hexdigest() for name, t in tensors.items()}
@@ -143,20 +144,25 @@ class StoreReader:
     def _read_metadata(self, raw) -> None:
         fmt = raw.get("format") if isinstance(raw, dict) else None
         if fmt == OLD_STORE_FORMAT:
-            raise StoreError(self.path, f"format {OLD_STORE_FORMAT} (one [n_folds, n_params] matrix) is no longer "
-                             f"read; measure the run again into a new run directory (stores are now {STORE_FORMAT})")
+            raise StoreError(self.path, f"format {OLD_STORE_FORMAT} (one [n_folds, n_params] matrix) is no "
+                             "longer read; measure the run again into a new run directory "
+                             f"(stores are now {STORE_FORMAT})")
         if fmt != STORE_FORMAT:
             raise StoreError(self.path, f"not a twinrun store (format {fmt!r}, expected {STORE_FORMAT})")
         digests = _decode(raw.get(TENSOR_SHA256, "null")) if isinstance(raw.get(TENSOR_SHA256), str) else None
-        if not (isinstance(digests, dict) and all(isinstance(d, str) and HEX64.fullmatch(d) for d in digests.values())):
-            raise StoreError(self.path, f"metadata field {TENSOR_SHA256} is not a map of sha256 digests: damaged")
+        if not (isinstance(digests, dict)
+                and all(isinstance(d, str) and HEX64.fullmatch(d) for d in digests.values())):
+            raise StoreError(self.path, f"metadata field {TENSOR_SHA256} is not a map of sha256 "
+                             "digests: damaged")
         self.digests = digests
         self.meta = validate_store_meta(self.path, {k: _decode(v) for k, v in raw.items()
-                                                    if isinstance(v, str) and k not in ("format", TENSOR_SHA256)})
+                                                    if isinstance(v, str)
+                                                    and k not in ("format", TENSOR_SHA256)})
         self.layout, self.n_folds = self.meta["layout"], len(self.meta["fold_sizes"])
 
     def _read_tensors(self, header: dict, start: int, size: int) -> None:
-        """One float32 [numel, n_folds] tensor per layout entry, tiling the payload exactly to the file's end."""
+        """One float32 [numel, n_folds] tensor per layout entry, tiling the payload exactly to the file's
+        end."""
         numel = {g["name"]: g["numel"] for g in self.layout}
         if set(header) != set(numel) or set(self.digests) != set(numel):
             raise StoreError(self.path, f"its tensors {sorted(header)[:4]} are not its layout's parameters "
@@ -168,7 +174,8 @@ class StoreReader:
                 raise StoreError(self.path, f"tensor {name!r} is not float32 [{numel[name]}, {self.n_folds}] "
                                  "(numel, folds) as its layout says")
             begin, end = info["data_offsets"]
-            if not (type(begin) is int and type(end) is int and end - begin == 4 * numel[name] * self.n_folds):
+            if not (type(begin) is int and type(end) is int
+                    and end - begin == 4 * numel[name] * self.n_folds):
                 raise StoreError(self.path, f"tensor {name!r}: offsets do not match its shape")
             entries.append(Tensor(name, start + begin, numel[name]))
         entries.sort(key=lambda e: e.start)
@@ -178,7 +185,8 @@ class StoreReader:
                 raise StoreError(self.path, "tensor offsets overlap or leave gaps: damaged")
             expected += 4 * e.numel * self.n_folds
         if expected != size:
-            raise StoreError(self.path, f"{size} bytes, but its header describes {expected}: truncated or padded")
+            raise StoreError(self.path, f"{size} bytes, but its header describes {expected}: "
+                             "truncated or padded")
         self.tensors = entries  # in file order: the order a streaming reader reads them in
 
     # ---- the payload, front to back
@@ -198,15 +206,15 @@ class StoreReader:
         self._pos += len(data)
         if hi == tensor.numel:
             if self._tensor_hash.hexdigest() != self.digests[tensor.name]:
-                raise StoreError(self.path, f"tensor {tensor.name!r} does not match its sha256 in the store's "
-                                 "metadata: damaged or altered")
+                raise StoreError(self.path, f"tensor {tensor.name!r} does not match its sha256 in the "
+                                 "store's metadata: damaged or altered")
             self._current += 1
         # safetensors stores little-endian; this view is exact on the little-endian machines torch targets.
         assert sys.byteorder == "little", "twinrun reads stores on little-endian machines only"
         chunk = torch.frombuffer(bytearray(data), dtype=torch.float32).view(hi - lo, self.n_folds).T
         if not bool(torch.isfinite(chunk).all()):
-            raise StoreError(self.path, f"tensor {tensor.name!r} holds NaN or inf (twinrun never writes such a "
-                             "store): damaged or forged")
+            raise StoreError(self.path, f"tensor {tensor.name!r} holds NaN or inf (twinrun never writes "
+                             "such a store): damaged or forged")
         return chunk
 
     def finish(self) -> str:
@@ -243,8 +251,8 @@ def read_store(path: Path, sha256: str | None = None) -> Store:
         offsets = {g["name"]: g["offset"] for g in reader.layout}
         n_params = sum(g["numel"] for g in reader.layout)
         if 4 * reader.n_folds * n_params > memory_bytes():
-            raise StoreError(path, f"{4 * reader.n_folds * n_params} bytes of sums do not fit in this machine's "
-                             "memory: read it with the streaming reducer")
+            raise StoreError(path, f"{4 * reader.n_folds * n_params} bytes of sums do not fit in this "
+                             "machine's memory: read it with the streaming reducer")
         sums = torch.empty(reader.n_folds, n_params, dtype=torch.float32)
         for t in reader.tensors:
             sums[:, offsets[t.name] : offsets[t.name] + t.numel] = reader.columns(t, 0, t.numel)

@@ -93,10 +93,9 @@ def _stuck(key, state: str, since: dict) -> bool:
 def _cancel_stuck(label: str, job, state: str) -> int:
     reason = state.partition("(")[2].rstrip(")").split(",")[0].strip()
     job.cancel(check=False)
+    knobs = "launcher." + UNRESOLVABLE[reason].replace(", ", ", launcher.").replace(" or ", " or launcher.")
     print(f"twinrun: error: {label}: job {job.job_id} cancelled: it was {state}, which waiting cannot "
-          "resolve; change "
-          f"launcher.{UNRESOLVABLE[reason].replace(', ', ', launcher.').replace(' or ', ' or launcher.')} "
-          "to fit the partition and resume", file=sys.stderr, flush=True)
+          f"resolve; change {knobs} to fit the partition and resume", file=sys.stderr, flush=True)
     return EXIT_USAGE
 
 

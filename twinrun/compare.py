@@ -17,7 +17,7 @@ from pathlib import Path
 from twinrun.analysis.checks import arm_stores, close, load_run, registered, scan_run
 from twinrun.analysis.estimands import SHIFT_VIEW
 from twinrun.analysis.references import cross_estimates, protocol_mismatch, reference_report
-from twinrun.config import ReduceConfig
+from twinrun.config import STORE_IDENTITY_KEYS, ReduceConfig
 from twinrun.errors import EXIT_OK, EXIT_REFUSED, StoreError, TwinrunError, fail
 from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.publish.render import pm
@@ -64,6 +64,31 @@ def kernel_path_fields(a: dict, b: dict) -> list[str]:
             or ["kernel_path_sha256"])
 
 
+def measured_fields(a: dict, b: dict) -> list[str]:
+    """What was measured that differs between the two sides: the model as built, the probed data."""
+    ma, mb = next(iter(a.values())).meta, next(iter(b.values())).meta
+    return [k for k in STORE_IDENTITY_KEYS if ma.get(k) != mb.get(k)]
+
+
+def _difference(measured: list[str], fields: list[str]) -> str:
+    """How two sides differ, the measured thing first, then the environment."""
+    what = {"model_sha256": "models (their parameters and buffers as built)", "data_sha256": "images"}
+    parts = [f"measured different {' and '.join(what[k] for k in measured)}"] if measured else []
+    parts += [f"ran on different kernel paths (differs in {', '.join(fields)})"] if fields else []
+    return " and ".join(parts)
+
+
+def verdict(rows: list[dict], fields: list[str], measured: list[str]) -> str | None:
+    """The label of a comparison on its own numbers, or None when only a same-environment check (or
+    --force) could let it through: the kernel paths differ and so do the numbers."""
+    if all(r["bit_identical"] for r in rows):
+        differ = f"; the records differ ({_difference(measured, fields)}), the numbers do not"
+        return f"valid: bit-identical in every bin{differ if fields else ''}"
+    if not fields:
+        return "valid: one kernel path" + (f"; {_difference(measured, [])}" if measured else "")
+    return None
+
+
 def vouched(run_a: Path | None, run_b: Path | None) -> bool:
     """A's own run has B as its reference, and today's twin of A reproduces B: recomputed from the
     stores of both runs now (summary.json is never trusted)."""
@@ -106,17 +131,20 @@ def main(argv=None) -> int:
             raise TwinrunError(f"{args.a} and {args.b} were measured under different protocols "
                                f"({', '.join(bad)})")
         fields = kernel_path_fields(a, b)
-        label = "valid: one kernel path"
-        if fields and vouched(run_a, run_b):
-            label = f"vouched: {run_a}'s same-environment twin found {run_b} alive"
-        elif fields and not args.force:
-            print(f"twinrun: refused: {args.a} and {args.b} ran on different kernel paths (differs in "
-                  f"{', '.join(fields)}) and no same-environment control vouches for {args.b}; run "
-                  f"`python -m twinrun ... reference={args.b}` here first, or pass --force", file=sys.stderr)
-            return EXIT_REFUSED
-        elif fields:
-            label = f"INVALID: kernel paths differ ({', '.join(fields)})"
+        measured = measured_fields(a, b)
+        # Read first: bit-identical stores are bit-identical whatever their kernel-path records say;
+        # the refusal is for numbers that differ.
         rows = cross_estimates(a, b, ReduceConfig().signal_alpha)
+        label = verdict(rows, fields, measured)
+        if label is None and vouched(run_a, run_b):
+            label = f"vouched: {run_a}'s same-environment twin found {run_b} alive"
+        elif label is None and not args.force:
+            print(f"twinrun: refused: {args.a} and {args.b} {_difference(measured, fields)} and no "
+                  f"same-environment control vouches for {args.b}; run `python -m twinrun ... "
+                  f"reference={args.b}` here first, or pass --force", file=sys.stderr)
+            return EXIT_REFUSED
+        elif label is None:
+            label = f"INVALID: {_difference(measured, fields)}"
     except TwinrunError as err:
         fail(err)
     finally:

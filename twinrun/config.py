@@ -74,6 +74,13 @@ class ProbeConfig:
     # false | default | max-autotune: torch.compile mode of the model's forward for the probe (folds
     # method only). Caches live in determinism.compile_cache_dir; mode and cache are in the kernel path.
     compile: Any = False
+    # false: the probe measures the model in eval mode (model.eval(), and says so when the model was
+    # built with train-mode modules): batch statistics would couple a fold's samples, so a store would
+    # not be a sum of per-sample gradients, and dropout would draw different masks per arm. true: as
+    # built in train mode; modules that couple samples (BatchNorm) are refused at plan time, and random
+    # ones (dropout) draw from a stream keyed like the noise, so every arm sees the same masks (folds
+    # method only).
+    train_mode: bool = False
 
 
 @dataclass
@@ -186,10 +193,13 @@ class TwinrunConfig:
 # part of it: weights move between paths and machines, and the parameter layout, which is, is
 # checked store by store.
 PROTOCOL_KEYS = ("data", "sigma_grid", "seed", "probe.n_images", "probe.n_draws", "probe.n_folds",
-                 "probe.params")
+                 "probe.params", "probe.train_mode")
 # The same protocol as each store's metadata records it (n_folds and params become the fold sizes
 # and the parameter layout): every store of a run must agree on these (checks.py, references.py).
 STORE_PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
+# What was measured, as each store records it: every store of a run must agree on these, and a
+# reference whose differ is dead for that reason (the model's or the data's), not the environment's.
+STORE_IDENTITY_KEYS = ("model_sha256", "data_sha256")
 
 
 def _at(config: dict, dotted: str):

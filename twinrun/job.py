@@ -8,6 +8,8 @@ atomically and recorded as it lands. Failures and interrupts are recorded before
 finished units are kept. What a unit holds is the measurement kind's (twinrun/measures).
 """
 
+import hashlib
+import json
 import signal
 import sys
 import threading
@@ -114,6 +116,8 @@ def measure_units(
         if units is not None:  # an array element: recorded at its unit, so the waiting launcher says exit 3
             index.mark_failed(todo[0], next(iter(todo[0]["stores"])), failure_record(err))
         raise
+    identity = identity_sha256(session.identity)
+    refuse_changed_identity(index, identity, todo)
     job = start_job(index, fp, determinism, session.sentinel())
     stamp = {"env": unit_record(fp, job["sentinel_start"]), "kernel_path": fp["kernel_path"]}
     index.set_status("running", units)  # an element never clears a failure recorded at another's unit
@@ -128,7 +132,7 @@ def measure_units(
                 # Step: measure this arm, store it with what it is (written atomically), mark it done.
                 tensors, meta = session.measure(u, arm.name, {"config_hash": hashes[arm.name], **stamp})
                 digest = write_store(index.store_path(u, arm.name), tensors, meta)
-                index.mark_done(u, arm.name, digest, sha, refuse)
+                index.mark_done(u, arm.name, digest, sha, refuse, identity)
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
             progress.step(f"{u['label']} {arm.name}")
         progress.log(f"{u['label']}: {', '.join(timings)} ({time.perf_counter() - t_unit:.2f}s)")
@@ -181,6 +185,20 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def identity_sha256(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def refuse_changed_identity(index: RunIndex, identity: str, todo: list[UnitEntry]) -> None:
+    """A resume may not measure another model or other data than its finished units did (a weights
+    file changed in place under the same path and config is caught here, not only at reduce)."""
+    earlier = {e.get("identity_sha256") for u in index.whole_units() for e in u["stores"].values()} - {None}
+    if todo and earlier - {identity}:
+        raise TwinrunError(f"{index.run_dir.path}: the model or the probed data differ from what its "
+                           "finished units measured (their digests, recorded in run.json, differ from this "
+                           "job's): restore them, or measure into a new run directory")
 
 
 def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict) -> JobRecord:

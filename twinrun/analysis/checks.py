@@ -11,7 +11,7 @@ from typing import NamedTuple
 from twinrun import arms as arms_mod
 from twinrun.analysis.estimands import check_groups
 from twinrun.analysis.scan import Scan, scan
-from twinrun.config import STORE_PROTOCOL_KEYS, ReduceConfig
+from twinrun.config import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS, ReduceConfig
 from twinrun.errors import StoreError, TwinrunError
 from twinrun.storage.records import GATE_REPLICATE
 from twinrun.storage.rundir import RunDir, RunIndex
@@ -141,6 +141,12 @@ def validity_checks(index: RunIndex, stores: dict) -> list[dict]:
     out.append(check("same_protocol", not mismatched,
                      "images, draws, folds and parameter layout equal in every store" if not mismatched
                      else f"protocol differs in {mismatched}"))
+    changed = sorted({k for s in stores.values() for k in STORE_IDENTITY_KEYS if s.meta.get(k) != ref.get(k)})
+    out.append(check("same_model_and_data", not changed,
+                     "every store measured one model (as built, weights loaded) on the same images"
+                     if not changed
+                     else f"stores measured different {' and '.join(changed)}: the model or the data changed "
+                     "between the jobs of this run"))
     wrong_sigma = [s.path.name for (n, i), s in stores.items() if s.meta["sigma"] != bins[i].sigma]
     out.append(check("stores_match_bins", not wrong_sigma,
                      "every store's σ matches its bin" if not wrong_sigma

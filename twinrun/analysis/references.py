@@ -16,7 +16,7 @@ from twinrun.analysis.estimands import ESTIMANDS, SHIFT_VIEW, available
 from twinrun.analysis.estimator import estimate
 from twinrun.analysis.scan import scan
 from twinrun.arms import config_diff, for_compute
-from twinrun.config import STORE_PROTOCOL_KEYS
+from twinrun.config import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS
 from twinrun.errors import TwinrunError
 from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.storage.rundir import RunDir
@@ -93,34 +93,41 @@ def reproduced(rows: list[dict], rep: dict) -> tuple[bool, str]:
             else (False, "not reproduced"))
 
 
-def cause_fields(run_dir: Path, ref_dir: Path, mine: dict, ref: dict) -> tuple[list[str], list[str]]:
-    """(kernel-path fields, model/data/config fields) that differ between today's twin and the reference."""
-    kp = kernel_path_diff(next(iter(mine.values())).meta.get("kernel_path") or {},
-                          next(iter(ref.values())).meta.get("kernel_path") or {})
+def cause_fields(run_dir: Path, ref_dir: Path, mine: dict, ref: dict) -> tuple[list, list, list]:
+    """(what was measured: model/data digests, kernel-path fields, config fields) that differ between
+    today's twin and the reference."""
+    ma, mb = next(iter(mine.values())).meta, next(iter(ref.values())).meta
+    measured = [k for k in STORE_IDENTITY_KEYS if ma.get(k) != mb.get(k)]
+    kp = kernel_path_diff(ma.get("kernel_path") or {}, mb.get("kernel_path") or {})
     try:
         mine_cfg, ref_cfg = (for_compute(RunDir(d).read_arm_config(TWIN)) for d in (run_dir, ref_dir))
         cfg = [d["key"] for d in config_diff(mine_cfg, ref_cfg)]
     except TwinrunError as err:
         cfg = [f"(reference config unreadable: {err})"]
-    return kp, cfg
+    return measured, kp, cfg
 
 
-def _dead_detail(kp: list[str], cfg: list[str], rows: list[dict]) -> str:
+def _dead_detail(measured: list[str], kp: list[str], cfg: list[str], rows: list[dict]) -> str:
+    """Why a reference is dead, the measured thing first: a changed model or data set is named as such
+    (whatever path it was read from), before any config or environment field."""
     worst = max(r["max_shift"] for r in rows)
     text = (f"reference DEAD in this environment: today's native twin does not reproduce it (max relative "
             f"difference of the sums {worst:.3e}; per bin and estimand below). ")
     model = [k for k in cfg if k.split(".")[0] == "model"]
-    if model:
+    what = [{"model_sha256": "the model as built (its parameters and buffers)",
+             "data_sha256": "the probed images"}[k] for k in measured]
+    if what:
+        text += f"What was measured changed: {' and '.join(what)} differ: this gap is not the environment's. "
+    elif model:
         text += f"The model changed ({', '.join(model)}): this gap is the model's, not the environment's. "
     if [k for k in cfg if k not in model]:
         text += f"Config fields that differ: {', '.join(k for k in cfg if k not in model)}. "
     if kp:
-        text += (f"Kernel-path fields that differ: {', '.join(kp)}"
-                 + ("." if model else ": this gap is the environment's. "))
-    if not kp and not cfg:
-        text += ("No recorded kernel-path or config field differs: the cause is unrecorded "
-                 "(weights file, data). ")
-    return text + " Nothing is read against it; read effects against the twin only."
+        blame = ". " if what or model else ": this gap is the environment's. "
+        text += f"Kernel-path fields that differ: {', '.join(kp)}{blame}"
+    if not kp and not cfg and not what:
+        text += "No recorded kernel-path, config, model or data field differs: the cause is unrecorded. "
+    return text + "Nothing is read against it; read effects against the twin only."
 
 
 def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alpha: float,
@@ -148,9 +155,10 @@ def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alp
         return {"path": str(ref_dir), "alive": False, "status": "unusable",
                 "detail": f"reference UNUSABLE: {'; '.join(bad)}. Read effects against the twin only."}
     alive, rule = reproduced(rows, replicate_shifts(index, found))
-    kp, cfg = cause_fields(run_dir, ref_dir, mine, ref)
+    measured, kp, cfg = cause_fields(run_dir, ref_dir, mine, ref)
     out = {"path": str(ref_dir), "alive": alive, "status": "alive" if alive else "dead", "rule": rule,
-           "kernel_path_differs_in": kp, "config_differs_in": cfg, "native_vs_reference": rows}
+           "measured_differs_in": measured, "kernel_path_differs_in": kp, "config_differs_in": cfg,
+           "native_vs_reference": rows}
     if alive:
         n_identical = len({r["sigma"] for r in rows if r["bit_identical"]})
         out["detail"] = (f"reference ALIVE in this environment ({rule}: {n_identical} / {len(mine)} bins "
@@ -158,7 +166,7 @@ def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alp
         if run_ok:
             out["intervention_vs_reference"] = inter_rows
     else:
-        out["detail"] = _dead_detail(kp, cfg, rows)
+        out["detail"] = _dead_detail(measured, kp, cfg, rows)
     return out
 
 

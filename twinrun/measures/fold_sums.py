@@ -22,6 +22,7 @@ import torch
 from torch.func import functional_call, vmap
 
 from twinrun.errors import EXIT_GATE, ConfigError, TwinrunError
+from twinrun.measures.modes import shared_stream, stream_seed
 
 # Default chunk (measured by benchmarks/bench_probe.py; ProbeConfig carries the same defaults):
 # one vmapped call takes CHUNK_IMAGES images x CHUNK_DRAWS draws. -1 = no limit.
@@ -102,6 +103,7 @@ def fold_sums(
     chunk_draws: int = CHUNK_DRAWS,
     method: str = "vmap",
     forward: torch.nn.Module | None = None,
+    train_stream: int | None = None,  # train mode: the run's seed keys the model's randomness (folds only)
 ) -> torch.Tensor:
     """[n_folds, P] float32: Σ over the fold's images and draws of ∇ loss(image, draw).
 
@@ -117,9 +119,10 @@ def fold_sums(
     `forward` (the model itself, or its torch.compile'd module) when given.
     """
     assert method in ("vmap", "folds"), f"method must be resolved before the probe runs, got {method!r}"
+    assert train_stream is None or method == "folds", "only the folds method shares the model's randomness"
     if method == "folds":
         return plain_fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds,
-                               chunk_images, chunk_draws, forward)
+                               chunk_images, chunk_draws, forward, train_stream)
     params = dict(model.named_parameters())
     probed = {n: params[n].detach() for n in names}
     frozen = {n: p.detach() for n, p in params.items() if n not in probed}
@@ -176,6 +179,7 @@ def plain_fold_sums(
     chunk_images: int = CHUNK_IMAGES,
     chunk_draws: int = CHUNK_DRAWS,
     forward: torch.nn.Module | None = None,
+    train_stream: int | None = None,
 ) -> torch.Tensor:
     """`fold_sums` by one plain forward and backward per (fold group, draw chunk): no vmap.
 
@@ -193,14 +197,16 @@ def plain_fold_sums(
     ends = torch.tensor([p.numel() for p in leaves]).cumsum(0).tolist()
     sums = torch.zeros(n_folds, ends[-1], dtype=torch.float64, device=images.device)
     with torch.enable_grad():
-        for fold, members in groups:
+        for group, (fold, members) in enumerate(groups):
             index = torch.tensor(members, device=images.device)
             for d0 in range(0, n_draws, d_chunk):
                 e = eps[index, d0 : d0 + d_chunk]
                 clean = images[index].unsqueeze(1).expand_as(e).reshape(-1, *images.shape[1:])
                 sig = torch.full((clean.shape[0],), float(sigma), dtype=images.dtype, device=images.device)
                 noisy = clean + sig.view(-1, 1, 1, 1) * e.flatten(0, 1)
-                denoised = forward(noisy, sig, sigma_cond.to(images.dtype).expand_as(sig))
+                seed = None if train_stream is None else stream_seed(train_stream, sigma, group, d0)
+                with shared_stream(seed, images.device):  # train mode: the same masks in every arm
+                    denoised = forward(noisy, sig, sigma_cond.to(images.dtype).expand_as(sig))
                 loss = weight * (denoised - clean).square().flatten(1).mean(1).sum()
                 grads = torch.autograd.grad(loss, leaves)
                 for lo, hi, g in zip([0, *ends[:-1]], ends, grads):

@@ -29,6 +29,8 @@ class Session(Protocol):
     """One job's measurement of a run, built where the job runs (after determinism is applied)."""
 
     compile_mode: str | None  # the torch.compile mode the job runs (None: eager); joins the fingerprint
+    # What is measured (digests of the model as built and of the data): a resume may not change it.
+    identity: dict
 
     def arithmetic(self) -> dict:
         """Settings that change the arithmetic of a store, not what it measures: they join the kernel path."""

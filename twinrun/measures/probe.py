@@ -25,7 +25,8 @@ from twinrun.interventions import Intervention, Native, attached
 from twinrun.measures import fold_sums as fs
 from twinrun.measures import trial
 from twinrun.measures.kind import Measure, Plan, resolve_device
-from twinrun.provenance.record import read_sentinel
+from twinrun.measures.modes import draws_randomness, set_mode
+from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.storage.records import UnitEntry
 from twinrun.storage.store import store_size
 
@@ -188,6 +189,7 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     p = typed(ProbeConfig, arms[0].config["probe"], "probe")
     c = build_components(arms[0].config, p, arms, torch.device("cpu"), data)
+    set_mode(c.model, c.images, grid[0], p.train_mode, announce=True)
     check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), c.layout)
     check_measures_something(intervention, grid)
     intervention.check_model(c.model)
@@ -222,6 +224,14 @@ class ProbeSession:
         self.c = build_components(config, self.p, arms, device)
         self.image_shape = tuple(self.c.images.shape[1:])
         self.eps = None
+        sigma0 = _first_sigma(config)
+        set_mode(self.c.model, self.c.images, sigma0, self.p.train_mode, announce=False)
+        # What is measured, on every store: the model as built (weights loaded) and the probed images.
+        self.identity = {"model_sha256": model_sha256(self.c.model),
+                         "data_sha256": tensors_sha256([("images", self.c.images),
+                                                        ("image_ids", torch.tensor(self.c.image_ids))])}
+        random_ops = self.p.train_mode and draws_randomness(self.c.model, self.c.images, sigma0)
+        self.train_stream = self.seed if random_ops else None
         # Resolve probe.method and compile before any bin, so that the compile cache the fingerprint
         # reads next holds every kernel the bins will use.
         self.method, self.forward, self.compile_mode = trial.job_trial(
@@ -250,13 +260,13 @@ class ProbeSession:
             sums = trial.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
                                         sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
                                         p.chunk_images, p.chunk_draws, method=self.method,
-                                        forward=self.forward)
+                                        forward=self.forward, train_stream=self.train_stream)
         fs.check_finite(sums, arm, u["index"], sigma)
         meta = {"arm": arm, "bin_index": u["index"], "sigma": sigma, "sigma_cond": float(sigma_cond),
                 "n_images": p.n_images, "n_draws": p.n_draws, "fold_sizes": c.fold_sizes,
                 "image_ids": c.image_ids, "seed": self.seed, "draws_digest": draws.digest(eps, sigma),
-                "config_hash": stamp["config_hash"], "layout": c.layout, "env": stamp["env"],
-                "kernel_path": stamp["kernel_path"]}
+                "config_hash": stamp["config_hash"], **self.identity, "layout": c.layout,
+                "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
         return fold_tensors(sums, c.layout), meta
 
 

@@ -17,6 +17,7 @@ from twinrun.config import ProbeConfig
 from twinrun.errors import ConfigError, ModelError, TwinrunError
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import fold_sums as fs
+from twinrun.measures.modes import draws_randomness
 from twinrun.provenance.record import model_sentinel_fn
 
 log = logging.getLogger(__name__)
@@ -36,19 +37,24 @@ def compile_mode(value) -> str | None:
     return value
 
 
-def check_method(method: str, mode: str | None) -> None:
+def check_method(method: str, mode: str | None, random_ops: bool = False) -> None:
     if method not in fs.METHODS:
         raise ConfigError("probe.method", method, f"choose one of {', '.join(fs.METHODS)}")
     if method == "vmap" and mode is not None:
         raise ConfigError("probe.method", method, "torch.compile runs under the folds method only; set "
                           "probe.method=folds (or auto), or probe.compile=false")
+    if method == "vmap" and random_ops:
+        raise ConfigError("probe.method", method, "with probe.train_mode=true the model draws randomness "
+                          "(dropout), which only the folds method draws from one stream for every arm; set "
+                          "probe.method=folds (or auto), or probe.train_mode=false")
 
 
-def candidates(method: str, mode: str | None) -> list[str]:
-    """The methods to try, in order: auto prefers vmap (it batches small folds) unless compiling."""
+def candidates(method: str, mode: str | None, random_ops: bool = False) -> list[str]:
+    """The methods to try, in order: auto prefers vmap (it batches small folds) unless compiling or the
+    model draws randomness in train mode (only the folds method shares it between arms)."""
     if method != "auto":
         return [method]
-    return ["folds"] if mode is not None else ["vmap", "folds"]
+    return ["folds"] if mode is not None or random_ops else ["vmap", "folds"]
 
 
 def prepare(model: torch.nn.Module, names: list[str], method: str, mode: str | None) -> torch.nn.Module:
@@ -83,12 +89,20 @@ def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images:
     sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(device)
                    for arm, i in interventions.items()}
     mode = compile_mode(p.compile)
-    check_method(p.method, mode)
+    random_ops = p.train_mode and draws_randomness(model, images.to(device), sigma)
+    check_method(p.method, mode, random_ops)
     refuse_compiled_hooks(mode, interventions)
+    tried = []
     method, _ = run_trial(model, names, images[:4].to(device), sigma, sigma_conds, p.method,
-                          interventions=interventions)
+                          interventions=interventions, random_ops=random_ops, tried=tried)
     if p.method == "auto":
-        print(f"twinrun: probe.method=auto chose {method} (trial run on {device} before any bin)", flush=True)
+        why = ("; ".join(f"{m} failed: {type(e).__name__}: {first_line(e)}" for m, e in tried) if tried
+               else "the model draws randomness in train mode" if random_ops else "it runs this model")
+        print(f"twinrun: probe.method=auto chose {method} ({why}; trial run on {device} before any bin)",
+              flush=True)
+    if random_ops:
+        print("twinrun: probe.train_mode=true: the model's randomness (dropout) is drawn from a stream keyed "
+              "by (seed, σ, fold group, draw), the same in every arm", flush=True)
     return method
 
 
@@ -96,9 +110,11 @@ def job_trial(model, names, images, sigma: float, interventions: dict, p: ProbeC
               n_folds: int):
     """The job, before its first bin: (method, forward to probe with, compile mode or None)."""
     mode = compile_mode(p.compile)
+    random_ops = p.train_mode and draws_randomness(model, images, sigma)
     sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(images.device)
                    for arm, i in interventions.items()}
-    method, forward = run_trial(model, names, images, sigma, sigma_conds, p.method, mode, interventions)
+    method, forward = run_trial(model, names, images, sigma, sigma_conds, p.method, mode, interventions,
+                                random_ops=random_ops)
     if mode is not None:
         warm_up(model, forward, names, images, sigma, next(iter(sigma_conds.values())), p, fold_of_image,
                 n_folds)
@@ -127,11 +143,13 @@ def run_trial(
     method: str,
     mode: str | None = None,
     interventions: dict | None = None,  # arm -> Intervention: its hooks are on during its trial
+    random_ops: bool = False,  # the model draws randomness (train mode): only the folds method
+    tried: list | None = None,  # filled with (method, error) of each method that failed
 ) -> tuple[str, torch.nn.Module]:
     """(the method chosen, the forward to probe with); ConfigError (exit 2) if none can run."""
-    check_method(method, mode)
-    tried = []
-    for candidate in candidates(method, mode):
+    check_method(method, mode, random_ops)
+    tried = [] if tried is None else tried
+    for candidate in candidates(method, mode, random_ops):
         forward = prepare(model, names, candidate, mode if candidate == "folds" else None)
         try:
             for arm, sigma_cond in sigma_conds.items():

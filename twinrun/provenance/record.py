@@ -21,6 +21,26 @@ from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.provenance.sentinel import sentinel
 
 
+def tensors_sha256(named) -> str:
+    """sha256 over (name, dtype, shape, bytes) of named tensors, in the order given."""
+    h = hashlib.sha256()
+    for name, t in named:
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_sha256(model: torch.nn.Module) -> str:
+    """What the model is, as built (weights loaded): every parameter and buffer, persistent or not.
+    A weights file changed in place under the same path and config changes it."""
+    buffers = (("buffer:" + n, b) for n, b in model.named_buffers())
+    return tensors_sha256([*model.named_parameters(), *buffers])
+
+
+SENTINEL_MODEL_SEED = 1234  # the generators' state for the sentinel's model op (fixed forever)
+
+
 def kernel_path_sha256(fp: dict) -> str:
     return hashlib.sha256(json.dumps(fp["kernel_path"], sort_keys=True).encode()).hexdigest()
 
@@ -45,8 +65,11 @@ def model_sentinel_fn(model: torch.nn.Module, device: torch.device, image_shape:
         x = torch.randn((8, *image_shape), generator=torch.Generator().manual_seed(1234)).to(device)
         sigma = torch.full((8,), 0.5, device=device)
         params = [p for p in model.parameters() if p.requires_grad]
-        out = model(x, sigma, sigma)
-        grads = torch.autograd.grad(out.square().mean(), params, allow_unused=True)
+        # A model probed in train mode may draw randomness (dropout): from a fixed state, so the op repeats.
+        with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+            torch.manual_seed(SENTINEL_MODEL_SEED)
+            out = model(x, sigma, sigma)
+            grads = torch.autograd.grad(out.square().mean(), params, allow_unused=True)
         return (out.detach(), *(g for g in grads if g is not None))
 
     return run

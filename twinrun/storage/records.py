@@ -60,6 +60,7 @@ class StoreEntry(TypedDict):
     status: StoreStatus
     sha256: NotRequired[HexDigest | None]  # of the whole file; present once done
     kernel_path_sha256: NotRequired[HexDigest | None]  # the kernel path it was measured on
+    identity_sha256: NotRequired[HexDigest | None]  # what it measured: the model as built and the data
     # why it failed (each array element of a split run records its own; run.json's `failure` is the latest)
     failure: NotRequired[Failure | None]
 
@@ -208,6 +209,10 @@ class ProbeStoreMeta(TypedDict):
     fold_sizes: list[int]
     draws_digest: str
     config_hash: str
+    # The model as built, every parameter and buffer (provenance.record.model_sha256), and the probed
+    # images with their ids; absent in stores written before they were recorded.
+    model_sha256: NotRequired[HexDigest]
+    data_sha256: NotRequired[HexDigest]
     layout: list[LayoutEntry]
     env: NotRequired[dict | None]
     kernel_path: NotRequired[dict | None]

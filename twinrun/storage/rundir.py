@@ -391,13 +391,15 @@ class RunIndex:
         self._update(change)
 
     def mark_done(self, u: UnitEntry, arm: str, sha256: str, kernel_path_sha256: str,
-                  refuse: StraddleRule) -> None:
-        """Record the store done, unless `refuse` objects to joining the whole units of run.json as it
-        is now (another array element's, finished since this job started) on this kernel path."""
+                  refuse: StraddleRule, identity_sha256: str | None = None) -> None:
+        """Record the store done (with the kernel path it ran on and what it measured), unless `refuse`
+        objects to joining the whole units of run.json as it is now (another array element's, finished
+        since this job started) on this kernel path."""
         def change(doc: RunRecord) -> None:
             refuse(self.whole_kernel_paths(doc, except_unit=u["index"]), kernel_path_sha256)
             doc["units"][u["index"]]["stores"][arm].update(sha256=sha256, status="done",
-                                                          kernel_path_sha256=kernel_path_sha256)
+                                                          kernel_path_sha256=kernel_path_sha256,
+                                                          identity_sha256=identity_sha256)
 
         self._update(change)
 

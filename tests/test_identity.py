@@ -23,7 +23,7 @@ def nudged_weights(path, relative=1e-7):
     tensors = load_file(str(DEFAULT_WEIGHTS_PATH))
     with safe_open(str(DEFAULT_WEIGHTS_PATH), "pt") as h:  # keep the metadata (arch) as it is
         meta = h.metadata()
-    name = sorted(tensors)[0]
+    name = min(tensors)
     tensors[name] = tensors[name] * (1 + relative)
     save_file(tensors, str(path), metadata=meta)
 
@@ -81,7 +81,8 @@ def test_a_reference_whose_weights_changed_is_dead_for_the_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     nudged_weights(weights)
     # MKL_CBWR is read by the kernel-path fingerprint: the environment's record differs too.
-    proc, now = run(tmp_path, "now", f"model.path={weights}", f"reference={ref}", env={"MKL_CBWR": "COMPATIBLE"})
+    proc, now = run(tmp_path, "now", f"model.path={weights}", f"reference={ref}",
+                    env={"MKL_CBWR": "COMPATIBLE"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     reference = json.loads((now / "summary.json").read_text())["reference"]
     assert reference["status"] == "dead"

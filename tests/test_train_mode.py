@@ -60,9 +60,10 @@ def probe(nets, name, *extra):
 
 @pytest.mark.slow
 def test_eval_mode_is_the_default_and_is_announced(nets):
-    proc, run_dir = probe(nets, "eval", "model.kind=dropout")
+    proc, _ = probe(nets, "eval", "model.kind=dropout")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "the model was built in train mode (Dropout at mid); the probe measures it in eval mode" in proc.stdout
+    said = "the model was built in train mode (Dropout at mid); the probe measures it in eval mode"
+    assert said in proc.stdout
 
 
 @pytest.mark.slow

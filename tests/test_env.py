@@ -190,8 +190,8 @@ def test_apply_determinism_in_subprocess(tmp_path):
 
 
 def test_apply_determinism_rejects_unknown_precision():
-    from twinrun.provenance.determinism import apply_determinism
     from twinrun.errors import ConfigError
+    from twinrun.provenance.determinism import apply_determinism
 
     with pytest.raises(
         ConfigError, match="float32_matmul_precision='exact': choose one of highest, high, medium"

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 from conftest import REPO, TINY, run_twinrun
+from rundirs import create, run_doc
 from stores import write_sums
 
 from twinrun.storage.rundir import RunIndex
@@ -172,8 +173,6 @@ def test_a_bin_pieced_from_two_processes_fails_the_same_allocation_check(tmp_pat
 
 
 def test_sentinel_check_fails_when_a_job_saw_the_path_move(tmp_path):
-    from rundirs import create, run_doc
-
     from twinrun.analysis.checks import provenance_checks
 
     class FakeStore:

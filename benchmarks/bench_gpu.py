@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from twinrun import probe
-from twinrun.determinism import apply_determinism
+from twinrun.measures import fold_sums as probe
 from twinrun.model import DiTDenoiser
+from twinrun.provenance.determinism import apply_determinism
 
 N_IMAGES, N_DRAWS, N_FOLDS, SIGMA = 40, 12, 10, 0.5
 # name -> (architecture, chunk_images, chunk_draws). The chunk bounds one call's batch (memory).

@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from twinrun import draws, probe
+from twinrun import draws
 from twinrun.data import load_heldout_images
 from twinrun.interventions import Native, PinSigma
+from twinrun.measures import fold_sums as probe
+from twinrun.measures.probe import fold_sizes
 from twinrun.model import DEFAULT_ARCH, DEFAULT_WEIGHTS_PATH, DiTDenoiser, load_pretrained
-from twinrun.run import fold_sizes
 
 N_IMAGES, N_DRAWS, N_FOLDS = 40, 12, 10  # the first default probe (today: conf/probe/default.yaml)
 SIGMA, SIGMA_PIN, SEED = 0.5, 1.2, 0  # a bin of the default grid; σ_pin off the gate, so the arms differ
@@ -149,7 +150,7 @@ def speed(args, model, names, images, ids, eps, fold_of_image) -> dict:
 
 
 def pair_vs_arm(args, model, names, images, ids, eps, fold_of_image) -> dict:
-    """One bin as run.py measures it: draws once, then each arm's probe (and its draws digest)."""
+    """One bin as the job measures it: draws once, then each arm's probe (and its draws digest)."""
     shape = tuple(images.shape[1:])
     sigma = torch.tensor(SIGMA, dtype=torch.float32)
     native, pinned = Native().sigma_cond(sigma), PinSigma(SIGMA_PIN).sigma_cond(sigma)
@@ -198,13 +199,15 @@ def peak_memory(args, chunks: tuple = ()) -> list[dict]:
 
 
 def job_child(reps: int) -> None:
-    """In a fresh process: twinrun's own job (run.run_job: determinism, fingerprint, sentinel, model,
+    """In a fresh process: twinrun's own job (job.run_job: determinism, fingerprint, sentinel, model,
     data, then every bin of the default run) with the native arm alone vs with both arms."""
     from hydra import compose, initialize_config_dir
 
     from twinrun.app import CONF_DIR
     from twinrun.config import register_configs
-    from twinrun.run import plan_run, run_job
+    from twinrun.job import _measure, run_job
+    from twinrun.plan import load_arms, plan_run
+    from twinrun.storage.rundir import RunIndex
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     register_configs()
@@ -218,14 +221,14 @@ def job_child(reps: int) -> None:
         def job(arms: str):
             run_dir = Path(tmp) / f"{arms}{next(counter)}"
             shutil.copytree(template, run_dir)
-            if arms == "arm":  # the native arm alone: drop the intervention from the plan
-                run = json.loads((run_dir / "run.json").read_text())
-                run["arms"] = [a for a in run["arms"] if a["name"] == "native"]
-                for b in run["bins"]:
-                    b["stores"] = {"native": b["stores"]["native"]}
-                (run_dir / "run.json").write_text(json.dumps(run))
             with contextlib.redirect_stdout(io.StringIO()):
-                run_job(run_dir)
+                if arms == "arm":
+                    # The native arm alone: the job's own steps, measuring the twin only. (A run.json
+                    # without its intervention arm is no run: the index refuses one without both roles.)
+                    index = RunIndex.load(run_dir)
+                    _measure(index, [a for a in load_arms(index) if a.role == "twin"], None)
+                else:
+                    run_job(run_dir)
             shutil.rmtree(run_dir)
 
         t = interleaved({"arm": lambda: job("arm"), "pair": lambda: job("pair")}, reps)
@@ -355,8 +358,8 @@ def main() -> None:
     print("twin cost (target: pair ≤ 1.9 x one arm alone):")
     print(f"  one bin: draws once ({p['draws_s'] * 1e3:.1f} ms) + each arm's digest and probe: one arm "
           f"{p['arm_s'] * 1e3:.1f} ms, pair {p['pair_s'] * 1e3:.1f} ms   pair / arm = {p['pair_over_arm']:.2f}")
-    print(f"  one job (run.run_job, {j['bins']} bins, stores written; model, data, determinism, fingerprint and "
-          f"sentinel once): one arm {j['arm_s']:.2f} s, pair {j['pair_s']:.2f} s   pair / arm = "
+    print(f"  one job (job.run_job, {j['bins']} bins, stores written; model, data, determinism, fingerprint "
+          f"and sentinel once): one arm {j['arm_s']:.2f} s, pair {j['pair_s']:.2f} s   pair / arm = "
           f"{j['pair_over_arm']:.2f}\n")
 
     rows = peak_memory(args)

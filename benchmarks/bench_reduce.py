@@ -3,13 +3,14 @@
     python benchmarks/bench_reduce.py [--params 10000000] [--folds 10] [--threads 2] [--keep DIR]
 
 Plans and measures a real (tiny) 16-bin run with twinrun's own plan_run/run_job, so run.json, the
-arm configs and the provenance are genuine; then rewrites every store with twinrun.store.write_store
-as a synthetic F x P store (a shared direction per bin, an arm effect off the gate, fold noise; the
-gate bin's arms and the gate replicate identical), evicts the stores from the page cache, and reduces
-the run with twinrun.reduce.reduce_run in a fresh process. Reports that process's peak RSS and its
-bytes read (/proc/self/io: rchar, and read_bytes from storage) against the bytes of the stores on
-disk, the time of the reduce and of its one pass, and the streaming pass against a whole-matrix
-numpy reduction of a small run (the same scan code) as a self-check.
+arm configs and the provenance are genuine; then rewrites every store with write_store (of the fold
+sums as fold_tensors lays them out) as a synthetic F x P store (a shared direction per bin, an arm
+effect off the gate, fold noise; the gate bin's arms and the gate replicate identical), recorded in
+run.json through RunIndex.mark_done, evicts the stores from the page cache, and reduces and publishes
+the run (twinrun.analysis.reduce.reduce_run, twinrun.publish.publish) in a fresh process. Reports that
+process's peak RSS and its bytes read (/proc/self/io: rchar, and read_bytes from storage) against the
+bytes of the stores on disk, the time of the reduce and of its one pass, and the streaming pass against
+a whole-matrix numpy reduction of a small run (the same scan code) as a self-check.
 """
 
 import argparse
@@ -27,8 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from twinrun.rundir import RunDir, RunIndex
-from twinrun.store import read_store, write_store
+from twinrun.files import read_json
+from twinrun.measures.probe import fold_tensors
+from twinrun.provenance.record import straddling_rule
+from twinrun.storage.rundir import RunDir, RunIndex
+from twinrun.storage.store import read_store, write_store
 
 SIGMAS = [0.02, 0.03, 0.05, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0, 5.0, 8.0]  # 16 bins
 GATE = 0.5
@@ -52,7 +56,8 @@ def make_run(root: Path, n_folds: int) -> Path:
 
     from twinrun.app import CONF_DIR
     from twinrun.config import register_configs
-    from twinrun.run import plan_run, run_job
+    from twinrun.job import run_job
+    from twinrun.plan import plan_run
 
     register_configs()
     overrides = ["+experiment=pin_sigma", f"sigma_grid.sigmas=[{','.join(map(str, SIGMAS))}]",
@@ -68,24 +73,29 @@ def make_run(root: Path, n_folds: int) -> Path:
 
 
 def rewrite_stores(run_dir: Path, n_params: int) -> list[Path]:
-    """Every store becomes a synthetic [F, n_params] one (metadata kept, layout replaced)."""
+    """Every store becomes a synthetic [F, n_params] one (metadata kept, layout replaced), recorded done
+    again in run.json with its new sha256 on the kernel path it was measured on."""
     index = RunIndex.load(run_dir)
+    rd = index.run_dir
     layout = synthetic_layout(n_params)
     gen = torch.Generator().manual_seed(0)
     paths = []
-    for b in index.bins:
+    for u in index.units:
         direction = torch.randn(n_params, generator=gen)
-        effect = torch.zeros(n_params) if b["gate"] else 0.5 * torch.randn(n_params, generator=gen)
+        effect = torch.zeros(n_params) if u["gate"] else 0.5 * torch.randn(n_params, generator=gen)
         noise = None
-        for arm in b["stores"]:
-            path = index.store_path(b, arm)
+        for arm in u["stores"]:
+            path = index.store_path(u, arm)
             meta = read_store(path).meta
-            if noise is None or not b["gate"]:  # at the gate every arm gets the same sums: the no-op
+            if noise is None or not u["gate"]:  # at the gate every arm gets the same sums: the no-op
                 noise = 3.0 * torch.randn(len(meta["fold_sizes"]), n_params, generator=gen)
             shift = effect if arm == "pin_sigma" else 0.0
-            b["stores"][arm]["sha256"] = write_store(path, (direction + shift) + noise, {**meta, "layout": layout})
+            tensors = fold_tensors((direction + shift) + noise, layout)
+            sha = write_store(path, tensors, {**meta, "layout": layout})
+            kernel_path = u["stores"][arm]["kernel_path_sha256"]
+            refuse = straddling_rule(rd.path, rd.kernel_path_env, read_json(rd.kernel_path_env(kernel_path)))
+            index.mark_done(u, arm, sha, kernel_path, refuse)
             paths.append(path)
-    index.save()
     return paths
 
 
@@ -102,8 +112,9 @@ def evict(paths) -> None:
 
 def reduce_in_child(run_dir: Path) -> dict:
     """Runs in a fresh process (`--reduce-only`): its peak RSS and reads are the reducer's alone."""
-    from twinrun import checks
-    from twinrun import reduce as reduce_mod
+    from twinrun.analysis import checks
+    from twinrun.analysis.reduce import reduce_run
+    from twinrun.publish import publish
 
     spent = {}
     original = checks.scan
@@ -117,8 +128,10 @@ def reduce_in_child(run_dir: Path) -> dict:
     checks.scan = timed_scan
     io_before, t = proc_io(), time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        summary, code = reduce_mod.reduce_run(run_dir)
+        reduction = reduce_run(run_dir)
+        publish(reduction)  # summary.json and report.md, as `python -m twinrun.reduce` writes them
     seconds, io_after = time.perf_counter() - t, proc_io()
+    summary, code = reduction.summary, reduction.exit_code
     return {"seconds": seconds, "scan_s": spent["scan"], "exit_code": code, "valid": summary["valid"],
             "n_effects": len(summary["effects"]), "peak_rss": peak_rss(),
             "rchar": io_after["rchar"] - io_before["rchar"], "read_bytes": io_after["read_bytes"] - io_before["read_bytes"]}

@@ -13,8 +13,8 @@ mkdir -p "$out"
 command -v nvidia-smi >/dev/null && nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 
 sentinel() {  # $1 = file, $2 = fp32 matmul precision
-  $py -c "import json, torch; torch.set_float32_matmul_precision('$2'); from twinrun.sentinel import sentinel; \
-print(json.dumps(sentinel(device='$dev')))" > "$out/$1"
+  $py -c "import json, torch; torch.set_float32_matmul_precision('$2'); \
+from twinrun.provenance.sentinel import sentinel; print(json.dumps(sentinel(device='$dev')))" > "$out/$1"
 }
 sentinel sentinel_a.json highest
 sentinel sentinel_b.json highest
@@ -29,7 +29,7 @@ $py benchmarks/bench_probe.py --device "$dev" ${BENCH_ARGS:---width 256 --depth 
 $py - "$out" <<'PY'
 import json, sys
 from pathlib import Path
-from twinrun.sentinel import sentinel_changed
+from twinrun.provenance.sentinel import sentinel_changed
 out = Path(sys.argv[1])
 a, b, t = (json.loads((out / f).read_text()) for f in ("sentinel_a.json", "sentinel_b.json", "sentinel_tf32.json"))
 print("sentinel across processes: changed ops", sentinel_changed(a, b) or "none")

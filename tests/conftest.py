@@ -85,7 +85,7 @@ def measured(run_dir):
     Provenance (pid, host, boot, job ids) legitimately differs between two processes; the
     measured tensor and everything else in the store must not.
     """
-    from twinrun.store import read_store
+    from twinrun.storage.store import read_store
 
     out = {}
     for path in sorted(Path(run_dir).glob("arms/*/*.safetensors")):

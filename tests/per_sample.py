@@ -1,5 +1,5 @@
 """The reference every probe test measures against: one forward and backward per (image, draw),
-written independently of twinrun.probe."""
+written independently of twinrun.measures.fold_sums."""
 
 import torch
 

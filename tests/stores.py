@@ -1,9 +1,16 @@
-"""Real stores from hand-made sums, for tests of the streaming reader and the reducer's pass."""
+"""Real stores from hand-made sums, for tests of the streaming reader and the reducer's pass.
+
+Written as the job writes them: write_store of the probe's fold sums as one tensor per parameter
+(twinrun.measures.probe.fold_tensors).
+"""
 
 from pathlib import Path
 
-from twinrun.scan import scan
-from twinrun.store import StoreReader, write_store
+import torch
+
+from twinrun.analysis.scan import scan
+from twinrun.measures.probe import fold_tensors
+from twinrun.storage.store import StoreReader, write_store
 
 
 def meta(layout: list[dict], n_folds: int, arm: str = "native", bin_index: int = 0, **extra) -> dict:
@@ -12,13 +19,18 @@ def meta(layout: list[dict], n_folds: int, arm: str = "native", bin_index: int =
             "layout": layout, **extra}
 
 
+def write_sums(path: Path, sums: torch.Tensor, meta: dict) -> str:
+    """A store of fold sums [n_folds, n_params] float32 laid out as meta's layout; its file's sha256."""
+    return write_store(path, fold_tensors(sums, meta["layout"]), meta)
+
+
 def write_all(root: Path, sums: dict, layout: list[dict]) -> dict:
     """{(arm, bin): [F, P] tensor} -> {(arm, bin): StoreReader} of stores written under root."""
     readers = {}
     for (arm, b), s in sums.items():
         Path(root).mkdir(parents=True, exist_ok=True)
         path = Path(root) / f"{arm}-{b}.safetensors"
-        write_store(path, s.float(), meta(layout, s.shape[0], arm, b))
+        write_sums(path, s.float(), meta(layout, s.shape[0], arm, b))
         readers[arm, b] = StoreReader(path)
     return readers
 

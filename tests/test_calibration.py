@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from twinrun.estimator import estimate
+from twinrun.analysis.estimator import estimate
 
 ALPHA = 0.05  # reduce.signal_alpha's default
 P = 1000

@@ -6,7 +6,8 @@ import textwrap
 import pytest
 from conftest import TINY, measured, run_twinrun
 
-from twinrun.store import read_store
+from twinrun.storage.rundir import RunIndex
+from twinrun.storage.store import read_store
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +29,12 @@ def test_tiny_run_end_to_end(tmp_path):
     assert all(g["sigma"] == 0.5 and g["bit_identical"] and g["rule"] == "bit-identical" for g in gates)
     assert len(summary["effects"]) == 3 * 3
     # stores: one per (arm, bin), the fold sums as float32 [n_folds, n_params], identical draws across arms
-    run = json.loads((run_dir / "run.json").read_text())
-    assert [a["name"] for a in run["arms"]] == ["pin_sigma", "native"]
-    for b in run["bins"]:
-        sums = {a: read_store(run_dir / "arms" / a / b["stores"][a]["file"]).sums for a in ("pin_sigma", "native")}
+    index = RunIndex.load(run_dir)
+    assert index.measure == "probe" and index.arm_names == ["pin_sigma", "native"]
+    for u in index.units:
+        sums = {a: read_store(index.store_path(u, a)).sums for a in ("pin_sigma", "native")}
         assert sums["native"].shape[0] == 4 and sums["native"].dtype.is_floating_point
-        if b["sigma"] == 0.5:
+        if index.params(u)["sigma"] == 0.5:
             assert (sums["native"] == sums["pin_sigma"]).all()
         else:
             assert not (sums["native"] == sums["pin_sigma"]).all()

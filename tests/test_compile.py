@@ -13,8 +13,10 @@ import torch
 from conftest import TINY, run_twinrun
 from fault_models import tiny_dit
 
-from twinrun import probe, provenance, trial
 from twinrun.errors import EXIT_OK, EXIT_REFUSED
+from twinrun.measures import fold_sums as probe
+from twinrun.measures import trial
+from twinrun.provenance import record as provenance
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent

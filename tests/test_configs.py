@@ -9,7 +9,7 @@ from omegaconf.errors import ConfigAttributeError
 
 from twinrun.app import CONF_DIR
 from twinrun.arms import derive_arms
-from twinrun.run import build
+from twinrun.config import build
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
 

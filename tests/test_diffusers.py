@@ -11,7 +11,8 @@ import torch
 from conftest import REPO, run_twinrun
 from per_sample import loop_sums
 
-from twinrun import probe, trial
+from twinrun.measures import fold_sums as probe
+from twinrun.measures import trial
 
 pytest.importorskip("diffusers")
 EXAMPLE = REPO / "examples" / "diffusers"

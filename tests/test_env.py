@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from twinrun.env import fingerprint, kernel_path_diff
-from twinrun.sentinel import sentinel, sentinel_changed
+from twinrun.provenance.fingerprint import fingerprint, kernel_path_diff
+from twinrun.provenance.sentinel import sentinel, sentinel_changed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,8 +22,8 @@ PROBE = textwrap.dedent(
     """
     import json, sys, torch
     torch.set_num_threads(int(sys.argv[1]))
-    from twinrun.env import fingerprint
-    from twinrun.sentinel import sentinel
+    from twinrun.provenance.fingerprint import fingerprint
+    from twinrun.provenance.sentinel import sentinel
     print(json.dumps({"fingerprint": fingerprint(), "sentinel": sentinel()}))
     """
 )
@@ -147,7 +147,7 @@ def test_apply_determinism_in_subprocess(tmp_path):
         """
         import json, os, sys, torch
         import torch._inductor.config  # exports its /tmp default cache dir: still not the user's choice
-        from twinrun.determinism import apply_determinism
+        from twinrun.provenance.determinism import apply_determinism
         off = apply_determinism(False, sys.argv[1])
         still_off = torch.are_deterministic_algorithms_enabled()
         os.environ["TRITON_CACHE_DIR"] = sys.argv[2]  # the user's own choice is kept
@@ -190,8 +190,8 @@ def test_apply_determinism_in_subprocess(tmp_path):
 
 
 def test_apply_determinism_rejects_unknown_precision():
-    from twinrun.determinism import apply_determinism
     from twinrun.errors import ConfigError
+    from twinrun.provenance.determinism import apply_determinism
 
     with pytest.raises(
         ConfigError, match="float32_matmul_precision='exact': choose one of highest, high, medium"

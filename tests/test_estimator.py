@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import run_twinrun
 
-from twinrun.estimator import (
+from twinrun.analysis.estimator import (
     debiased_inner,
     estimate,
     fold_pair_variance,

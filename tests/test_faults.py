@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -14,8 +15,10 @@ import pytest
 from conftest import measured, run_twinrun
 
 from twinrun.errors import StoreError
-from twinrun.run import plan_run, run_job
-from twinrun.store import read_store
+from twinrun.job import run_job
+from twinrun.plan import plan_run
+from twinrun.storage.rundir import RunIndex
+from twinrun.storage.store import read_store
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +100,9 @@ def test_resume_skips_finished_bins(tmp_path):
     assert run_twinrun([*FAULT_RUN, f"hydra.run.dir={run_dir}"], cwd=tmp_path).returncode == 0
     before = {p: p.stat().st_mtime_ns for p in run_dir.glob("arms/*/*.safetensors")}
     again = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume")
-    assert again.returncode == 0 and "bin 1/" not in again.stdout
+    # no unit measured again: no bin's line (`bin 0 (σ=0.2): pin_sigma 0.31s, ...`) in the log
+    assert again.returncode == 0 and "resuming: 5 of 5 bins already measured" in again.stdout
+    assert not re.search(r"^bin \d+ \(σ=", again.stdout, re.MULTILINE), again.stdout
     assert {p: p.stat().st_mtime_ns for p in run_dir.glob("arms/*/*.safetensors")} == before
 
 
@@ -121,11 +126,13 @@ def test_nan_gradient_stops_with_arm_bin_and_sigma_named(tmp_path):
     assert proc.returncode == 1
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "arm pin_sigma, bin 4 (σ=1.2)" in err[0] and "NaN" in err[0]
-    run = json.loads((run_dir / "run.json").read_text())
-    assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "bin_index": 4, "sigma": 1.2}
-    for b in run["bins"][:4]:  # every earlier bin is whole and verifies
-        for arm, entry in b["stores"].items():
-            read_store(run_dir / "arms" / arm / entry["file"], entry["sha256"])
+    index = RunIndex.load(run_dir)
+    assert index.status == "failed"
+    assert index.failure == {"arm": "pin_sigma", "unit_index": 4, "unit": "bin 4 (σ=1.2)"}
+    for u in index.units[:4]:  # every earlier bin is whole and verifies
+        assert index.is_whole(u, verify=True)
+        for arm, entry in u["stores"].items():
+            read_store(index.store_path(u, arm), entry["sha256"])
 
 
 def test_disk_full_is_a_clear_error_and_finished_bins_stay_valid(tmp_path, compose_cfg, monkeypatch):
@@ -146,11 +153,11 @@ def test_disk_full_is_a_clear_error_and_finished_bins_stay_valid(tmp_path, compo
     assert "finished stores are kept" in str(err.value)
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert not list(tmp_path.glob("arms/*/.*.tmp-*")), "no half-written file is left to be read"
-    run = json.loads((tmp_path / "run.json").read_text())
-    done = [(arm, e) for b in run["bins"] for arm, e in b["stores"].items() if e["status"] == "done"]
+    index = RunIndex.load(tmp_path)
+    done = [(u, arm, e) for u in index.units for arm, e in u["stores"].items() if e["status"] == "done"]
     assert done
-    for arm, entry in done:
-        read_store(tmp_path / "arms" / arm / entry["file"], entry["sha256"])
+    for u, arm, entry in done:
+        read_store(index.store_path(u, arm), entry["sha256"])
     # and the run completes once there is space again
     run_job(tmp_path)
     assert json.loads((tmp_path / "run.json").read_text())["status"] == "measured"
@@ -159,7 +166,7 @@ def test_disk_full_is_a_clear_error_and_finished_bins_stay_valid(tmp_path, compo
 def test_a_permission_error_names_the_path(tmp_path, compose_cfg, monkeypatch):
     import builtins
 
-    import twinrun.store
+    import twinrun.files
 
     cfg = compose_cfg(FAULT_RUN)
     plan_run(cfg, tmp_path)
@@ -169,8 +176,8 @@ def test_a_permission_error_names_the_path(tmp_path, compose_cfg, monkeypatch):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
         return builtins.open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(twinrun.store, "open", no_write_in_native, raising=False)
+    monkeypatch.setattr(twinrun.files, "open", no_write_in_native, raising=False)  # atomic_write's open
     with pytest.raises(StoreError, match=r"arms/native/bin00.*Permission denied"):
         run_job(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["failure"]["arm"] == "native" and run["bins"][0]["stores"]["pin_sigma"]["status"] == "done"
+    assert run["failure"]["arm"] == "native" and run["units"][0]["stores"]["pin_sigma"]["status"] == "done"

@@ -3,15 +3,24 @@
 import numpy as np
 import pytest
 import torch
+from rundirs import create, run_doc
 from stores import scan_sums
 
-from twinrun.estimator import estimate
-from twinrun.gates import decide, gates, replicate_report
-from twinrun.references import reproduced
+from twinrun.analysis.estimator import estimate
+from twinrun.analysis.gates import decide, gates, replicate_report
+from twinrun.analysis.references import reproduced
+from twinrun.storage.rundir import RunDir, RunIndex
 
 F, P = 5, 40
 LAYOUT = [{"name": "w", "offset": 0, "numel": 30, "cond": False}, {"name": "c", "offset": 30, "numel": 10, "cond": True}]
-RUN = {"bins": [{"index": 0, "sigma": 0.2, "gate": False}, {"index": 1, "sigma": 0.5, "gate": True}]}
+SIGMAS, GATE = [0.2, 0.5], 0.5  # bin 1 is the gate bin
+
+
+def run_index(run_dir, sigmas=SIGMAS) -> RunIndex:
+    """run.json of the run these stores belong to (bins at `sigmas`, the gate at σ = GATE), planned once."""
+    if RunDir(run_dir).is_run():
+        return RunIndex.load(run_dir)
+    return create(run_dir, run_doc(sigmas, gates=[GATE]))
 
 
 PAIRS = [("pin_sigma", "native"), ("native_replicate", "native")]
@@ -38,7 +47,8 @@ def run_gates(tmp_path, inter: torch.Tensor, replicate: torch.Tensor | None, rul
             x, y = s.float().double().numpy(), sums["native", b].float().double().numpy()
             est = estimate(x @ y.T, x @ x.T, y @ y.T, [4] * F, [4] * F, 0.05)
             estimates.update({(b, n): est for n in ("all", "cond")})
-    return gates(RUN, found_of(tmp_path, sums), estimates, "pin_sigma", ["all", "cond"], rule)
+    found = found_of(tmp_path, sums)
+    return gates(run_index(tmp_path / "run"), found, estimates, "pin_sigma", ["all", "cond"], rule)
 
 
 def test_bit_identical_gate_passes_even_where_the_signal_is_below_noise(tmp_path):
@@ -97,13 +107,16 @@ def test_decide_is_the_whole_rule():
 def test_replicate_report_counts_differing_tensors(tmp_path):
     twin = twin_sums()
     sums = {("pin_sigma", b): twin for b in (0, 1)} | {("native", b): twin for b in (0, 1)}
-    assert replicate_report(RUN, found_of(tmp_path / "a", {**sums, ("native_replicate", 1): twin.clone()}))["n_differ"] == 0
+    index = run_index(tmp_path / "run")
+    same = found_of(tmp_path / "a", {**sums, ("native_replicate", 1): twin.clone()})
+    assert replicate_report(index, same)["n_differ"] == 0
     moved = twin.clone()
     moved[2, 33] *= 1 + 1e-6  # one number, in the `cond` parameter
-    rep = replicate_report(RUN, found_of(tmp_path / "b", {**sums, ("native_replicate", 1): moved}))
+    rep = replicate_report(index, found_of(tmp_path / "b", {**sums, ("native_replicate", 1): moved}))
     assert rep["n_differ"] == 1 and "nondeterministic" in rep["detail"]
     assert rep["max_abs_diff"] == pytest.approx(float((moved.float() - twin.float()).abs().max()), rel=1e-12)
-    assert replicate_report({"bins": RUN["bins"][:1]}, found_of(tmp_path / "c", sums)) is None
+    one_bin = run_index(tmp_path / "one_bin", SIGMAS[:1])
+    assert replicate_report(one_bin, found_of(tmp_path / "c", sums)) is None
 
 
 def row(sigma, identical, shift):

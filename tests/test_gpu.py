@@ -11,8 +11,8 @@ import torch
 from conftest import TINY, run_twinrun
 from fault_models import tiny_dit
 
-from twinrun import probe
-from twinrun.store import read_store
+from twinrun.measures import fold_sums as probe
+from twinrun.storage.store import read_store
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch sees no GPU)")]

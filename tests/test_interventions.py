@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import TINY, run_twinrun
 
-from twinrun import probe
 from twinrun.interventions import ScaleInput, ScaleModule, attached
+from twinrun.measures import fold_sums as probe
 from twinrun.model import DiTDenoiser
 
 
@@ -157,7 +157,7 @@ def test_compiling_a_hook_intervention_is_refused():
     # the twin. σ-only interventions compile as before.
     from twinrun.errors import ConfigError
     from twinrun.interventions import PinSigma
-    from twinrun.trial import refuse_compiled_hooks
+    from twinrun.measures.trial import refuse_compiled_hooks
 
     with pytest.raises(ConfigError, match="probe.compile='default'.*forward hooks"):
         refuse_compiled_hooks("default", {"scale_module": ScaleModule("blocks.1.attn", 0.5)})

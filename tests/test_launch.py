@@ -19,13 +19,20 @@ from pathlib import Path
 import pytest
 from conftest import TINY, run_twinrun
 from omegaconf import OmegaConf
+from rundirs import planned_run
 from submitit.core.utils import FailedJobError
 
-from twinrun import launch
 from twinrun.config import LauncherConfig
 from twinrun.errors import ConfigError
-from twinrun.run import plan_run
-from twinrun.store import read_store
+from twinrun.launchers import check
+from twinrun.launchers import wait as waiting
+from twinrun.launchers.placement import Element
+from twinrun.launchers.slurm import sbatch_refused, unsafe_sbatch_knob
+from twinrun.launchers.submit import make_executor, submit
+from twinrun.launchers.wait import wait
+from twinrun.plan import plan_run
+from twinrun.storage.rundir import RunIndex
+from twinrun.storage.store import read_store
 
 # Conditioning turns NaN above σ=1: the arm's gradients are non-finite at the last TINY bin (σ=1.2).
 FAILING_INTERVENTION = textwrap.dedent("""
@@ -41,7 +48,7 @@ FAILING_INTERVENTION = textwrap.dedent("""
 
 
 def launcher(**knobs) -> dict:
-    """A resolved launcher config, as app.py hands it to twinrun.launch."""
+    """A resolved launcher config, as the pipeline hands it to twinrun.launchers."""
     return {**dataclasses.asdict(LauncherConfig()), **knobs}
 
 
@@ -54,11 +61,12 @@ def write_failing_module(directory: Path) -> Path:
 
 def store_sums(run_dir: Path) -> dict:
     """{(arm, bin file): float32 bytes of the sums} of every store listed done in run.json."""
-    run = json.loads((run_dir / "run.json").read_text())
-    def sums(arm: str, entry: dict) -> bytes:
-        return read_store(run_dir / "arms" / arm / entry["file"], entry["sha256"]).sums.numpy().tobytes()
+    index = RunIndex.load(run_dir)
 
-    return {(arm, e["file"]): sums(arm, e) for b in run["bins"] for arm, e in b["stores"].items()
+    def sums(u: dict, arm: str) -> bytes:
+        return read_store(index.store_path(u, arm), u["stores"][arm]["sha256"]).sums.numpy().tobytes()
+
+    return {(arm, e["file"]): sums(u, arm) for u in index.units for arm, e in u["stores"].items()
             if e["status"] == "done"}
 
 
@@ -70,7 +78,7 @@ def test_every_knob_reaches_sbatch_and_none_is_not_passed(tmp_path):
     knobs = launcher(name="slurm", partition="gpu", qos="high", timeout_min=90, cpus_per_task=3, mem_gb=2,
                      signal_delay_s=100, max_num_timeout=7, additional_parameters={"comment": "twin"},
                      setup=["module load cuda"])
-    executor = launch.make_executor(knobs, tmp_path, "twinrun-test")
+    executor = make_executor(knobs, tmp_path, "twinrun-test")
     script = executor._executor._make_submission_file_text("CMD", "uid")  # the sbatch file submitit sends
     for line in ("--partition=gpu", "--qos=high", "--time=90", "--cpus-per-task=3", "--mem=2GB",
                  "--gpus-per-node=1", "--nodes=1", "--signal=USR2@100", "--comment=twin",
@@ -84,7 +92,7 @@ def test_every_knob_reaches_sbatch_and_none_is_not_passed(tmp_path):
 
 @pytest.mark.slurm  # as above: needs `srun` on PATH
 def test_zero_gpus_and_no_memory_are_not_requested(tmp_path):
-    script = launch.make_executor(launcher(name="slurm", gpus_per_node=0), tmp_path, "t")._executor \
+    script = make_executor(launcher(name="slurm", gpus_per_node=0), tmp_path, "t")._executor \
         ._make_submission_file_text("CMD", "uid")
     assert "--gpus-per-node" not in script and "--gres" not in script and "--mem" not in script
 
@@ -107,7 +115,7 @@ def test_zero_gpus_and_no_memory_are_not_requested(tmp_path):
 ])
 def test_impossible_settings_name_the_knob(knobs, key):
     with pytest.raises(ConfigError) as err:
-        launch.check(launcher(**knobs))
+        check(launcher(**knobs))
     assert err.value.key == key and "\n" not in str(err.value)
 
 
@@ -137,32 +145,32 @@ SINFO = "debug*|(null)|2|21694|infinite\\ngpu|gpu:a100:4(S:0-1)|64|515000|2-00:0
 def test_slurm_settings_are_checked_against_sinfo(tmp_path, monkeypatch, knobs, key, says):
     monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
     with pytest.raises(ConfigError) as err:
-        launch.check(launcher(name="slurm", **knobs))
+        check(launcher(name="slurm", **knobs))
     assert err.value.key == key and says in str(err.value)
 
 
 def test_a_gpu_partition_passes(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
-    launch.check(launcher(name="slurm", partition="gpu", gpus_per_node=4))
+    check(launcher(name="slurm", partition="gpu", gpus_per_node=4))
 
 
 def test_no_sbatch_and_a_mute_scheduler_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
     with pytest.raises(ConfigError, match="sbatch is not on PATH.*launcher=local"):
-        launch.check(launcher(name="slurm"))
+        check(launcher(name="slurm"))
     monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", "", sinfo_rc=1))
     with pytest.raises(ConfigError, match="SLURM does not answer"):
-        launch.check(launcher(name="slurm"))
-    launch.check(launcher(name="submitit_local"))  # needs no scheduler
+        check(launcher(name="slurm"))
+    check(launcher(name="submitit_local"))  # needs no scheduler
 
 
 def test_sbatch_refusal_names_the_knob():
     refusal = FailedJobError("sbatch: error: invalid partition specified: nope\n"
                              "sbatch: error: Batch job submission failed: Invalid partition name specified")
-    err = launch._sbatch_refused(refusal, launcher(partition="nope"))
+    err = sbatch_refused(refusal, launcher(partition="nope"))
     assert err.key == "launcher.partition" and "Invalid partition name" in str(err)
-    err = launch._sbatch_refused(FailedJobError("sbatch: error: Batch job submission failed: Invalid qos"),
-                                 launcher(qos="gold"))
+    err = sbatch_refused(FailedJobError("sbatch: error: Batch job submission failed: Invalid qos"),
+                         launcher(qos="gold"))
     assert err.key == "launcher.qos"
 
 
@@ -193,7 +201,7 @@ def test_submitit_local_job_equals_the_in_process_run(tmp_path, model_args):
                        f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path)
     assert job.returncode == local.returncode == 0, job.stderr[-2000:]
     assert "submitted submitit local job" in job.stdout
-    assert "bins done: pin_sigma 3/3, native 3/3" in job.stdout
+    assert "units done: pin_sigma 3/3, native 3/3" in job.stdout
     # the job measured in another process: every store's sums are bit-identical to the in-process run
     assert store_sums(tmp_path / "job") == store_sums(tmp_path / "local")
     launched = json.loads((tmp_path / "job" / "launch.json").read_text())
@@ -201,7 +209,7 @@ def test_submitit_local_job_equals_the_in_process_run(tmp_path, model_args):
     assert not (tmp_path / "local" / "launch.json").exists()  # in-process: no job
     status = run_twinrun([str(tmp_path / "job")], cwd=tmp_path, module="twinrun.status")
     assert status.returncode == 0
-    assert f"job {launched['job_id']} ENDED; bins done: pin_sigma 3/3, native 3/3" in status.stdout
+    assert f"job {launched['job_id']} ENDED; units done: pin_sigma 3/3, native 3/3" in status.stdout
 
 
 @pytest.mark.slow
@@ -217,7 +225,7 @@ def test_local_sweep_runs_point_by_point_and_summarises(tmp_path, model_args):
     status = run_twinrun([str(sweep)], cwd=tmp_path, module="twinrun.status")
     lines = status.stdout.splitlines()
     assert status.returncode == 0 and len(lines) == 2
-    assert all("measured; no job; bins done: pin_sigma 3/3, native 3/3" in line for line in lines)
+    assert all("measured; no job; units done: pin_sigma 3/3, native 3/3" in line for line in lines)
     # after Ctrl-C or launcher.wait=false: the sweep directory is reduced as a whole
     (sweep / "1" / "summary.json").unlink()
     again = run_twinrun([str(sweep)], cwd=tmp_path, module="twinrun.sweep")
@@ -249,12 +257,13 @@ def test_failing_arm_is_reported_with_its_bin_and_exit_1(tmp_path, model_args, c
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))  # the job's interpreter
     run_dir = tmp_path / "run"
     knobs = planned(compose_cfg, run_dir, *model_args, "intervention._target_=tw_failing.NaNAbove")
-    elements = launch.submit([run_dir], knobs, run_dir, trusted=["tw_failing"])  # the user vouches for it
-    assert launch.wait(elements, knobs) == {run_dir: 1}
+    submitted = submit([run_dir], knobs, run_dir, trusted=["tw_failing"])  # the user vouches for it
+    assert wait(submitted, knobs) == {run_dir: 1}
     err = capsys.readouterr().err
     assert "arm pin_sigma failed at bin 2 (σ=1.2)" in err and "NonFiniteGradient" in err
     run = json.loads((run_dir / "run.json").read_text())
-    assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "bin_index": 2, "sigma": 1.2}
+    assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "unit_index": 2,
+                                                            "unit": "bin 2 (σ=1.2)"}
     assert len(store_sums(run_dir)) == 2 * 2 + 1  # bins 0 and 1 of both arms (+ the gate replicate) stay valid
 
 
@@ -268,8 +277,7 @@ def test_a_job_killed_without_result_ends_the_wait(tmp_path, model_args, compose
     run_dir = tmp_path / "run"
     knobs = planned(compose_cfg, run_dir, *model_args, "sigma_grid.sigmas=[0.1,0.2,0.35,0.5,0.8,1.2,2.0]",
                     "intervention.sigma_pin=0.5", "probe.n_images=40", "probe.n_draws=12", "probe.n_folds=4")
-    (element,) = launch.submit([run_dir], knobs, run_dir)
-    job = element.job
+    ((element, job),) = submit([run_dir], knobs, run_dir)
 
     def kill_when_running():  # SIGKILL the job's python (the controller's child) once it measures
         deadline = time.time() + 60
@@ -283,7 +291,7 @@ def test_a_job_killed_without_result_ends_the_wait(tmp_path, model_args, compose
     killer = threading.Thread(target=kill_when_running)
     killer.start()
     t0 = time.time()
-    assert launch.wait([element], knobs) == {run_dir: 2}
+    assert wait([(element, job)], knobs) == {run_dir: 2}
     killer.join()
     assert time.time() - t0 < 60
     assert "without a result" in capsys.readouterr().err
@@ -310,6 +318,7 @@ class _PendingJob:
 def test_a_job_pending_for_a_reason_waiting_cannot_resolve_is_cancelled(tmp_path, monkeypatch, capsys, reason,
                                                                          resolves):
     job, run_dir, polls = _PendingJob(), tmp_path / "run", {"n": 0}
+    planned_run(run_dir)  # waiting reads each run's progress from its run.json
 
     def poll(pending):
         polls["n"] += 1
@@ -317,12 +326,12 @@ def test_a_job_pending_for_a_reason_waiting_cannot_resolve_is_cancelled(tmp_path
             return {r: (True, "COMPLETED") for r in pending}
         return {r: (False, f"PENDING ({reason})") for r in pending}
 
-    monkeypatch.setattr(launch, "_poll", poll)
-    monkeypatch.setattr(launch, "UNRESOLVABLE_GRACE_S", 0.05)
-    monkeypatch.setattr(launch, "_outcome", lambda *a: None)
-    monkeypatch.setattr(launch.status, "describe", lambda *a: "line")
-    monkeypatch.setattr(launch.status, "progress", lambda *a, **k: {})
-    failed = launch.wait([launch.Element(run_dir, None, job)], launcher(name="slurm", poll_s=0.03))
+    monkeypatch.setattr(waiting, "_poll", poll)
+    monkeypatch.setattr(waiting, "UNRESOLVABLE_GRACE_S", 0.05)
+    monkeypatch.setattr(waiting, "_outcome", lambda *a: None)
+    monkeypatch.setattr(waiting, "describe", lambda *a: "line")
+    monkeypatch.setattr(waiting, "progress", lambda *a, **k: {})
+    failed = wait([(Element(run_dir, None), job)], launcher(name="slurm", poll_s=0.03))
     if resolves:
         assert failed == {} and not job.cancelled
         return
@@ -340,10 +349,10 @@ def test_a_job_pending_for_a_reason_waiting_cannot_resolve_is_cancelled(tmp_path
 ])
 def test_a_knob_that_would_write_a_shell_line_into_sbatch_is_exit_2(knobs, key):
     with pytest.raises(ConfigError) as err:
-        launch.check(launcher(name="slurm", **knobs))
+        check(launcher(name="slurm", **knobs))
     assert err.value.key == key
     # the user's own options may name paths (not so from launch.json, see test_untrusted)
-    assert launch.unsafe_sbatch_knob(launcher(additional_parameters={"export": "ALL,PATH=/opt/bin"}), True) is None
+    assert unsafe_sbatch_knob(launcher(additional_parameters={"export": "ALL,PATH=/opt/bin"}), True) is None
 
 
 def test_split_bins_with_a_compiled_probe_is_refused_before_planning(tmp_path):
@@ -355,4 +364,4 @@ def test_split_bins_with_a_compiled_probe_is_refused_before_planning(tmp_path):
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "launcher.split='bins'" in err[0] and "probe.compile='default'" in err[0], err
     assert "launcher.split=pair, or probe.compile=false" in err[0] and not (run_dir / "run.json").exists()
-    launch.check(launcher(name="submitit_local", split="bins"), False)  # uncompiled: fine
+    check(launcher(name="submitit_local", split="bins"), False)  # uncompiled: fine

@@ -6,9 +6,10 @@ import socket
 import time
 
 import pytest
+from rundirs import job_lock
 
 from twinrun.errors import StoreError
-from twinrun.lock import holder_alive, read_holder, run_lock
+from twinrun.storage.lock import holder_alive, read_holder
 
 N_RACERS = 200
 
@@ -26,7 +27,7 @@ def _race(run_dir, log) -> int:
                 os.read(r, 1)
                 for _ in range(2):
                     try:
-                        with run_lock(run_dir):
+                        with job_lock(run_dir):
                             fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
                             os.write(fd, f"enter {os.getpid()}\n".encode())
                             time.sleep(0.002)
@@ -89,16 +90,16 @@ def test_a_pid_from_before_a_reboot_does_not_block(tmp_path, capsys):
     # our own (live) pid, recorded in an earlier boot: the kernel holds no flock for it, so it is taken
     (tmp_path / ".lock").write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
                                                 "boot_id": "an-earlier-boot"}))
-    with run_lock(tmp_path):
-        assert read_holder(tmp_path)["pid"] == os.getpid()
+    with job_lock(tmp_path):
+        assert read_holder(tmp_path / ".lock")["pid"] == os.getpid()
     assert "recovering the stale lock" in capsys.readouterr().out
 
 
 def test_the_lock_file_is_never_deleted_and_a_fifo_is_refused(tmp_path):
-    with run_lock(tmp_path):
+    with job_lock(tmp_path):
         pass
     assert (tmp_path / ".lock").is_file()
     (tmp_path / ".lock").unlink()
     os.mkfifo(tmp_path / ".lock")
-    with pytest.raises(StoreError, match="not a regular file"), run_lock(tmp_path):
+    with pytest.raises(StoreError, match="not a regular file"), job_lock(tmp_path):
         pass

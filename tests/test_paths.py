@@ -7,8 +7,9 @@ import pytest
 from matplotlib.figure import Figure
 
 from twinrun.errors import ConfigError, StoreError
-from twinrun.report import save_figure
-from twinrun.run import check_paths
+from twinrun.plan import check_paths
+from twinrun.publish.plots import save_figure
+from twinrun.storage.rundir import RunDir
 
 matplotlib.use("Agg")  # tests only: twinrun itself never switches a backend at import
 
@@ -38,9 +39,7 @@ def test_an_unwritable_compile_cache_and_a_non_utf8_run_dir_are_refused_at_plan_
 def test_a_fifo_in_place_of_an_arm_config_is_refused_not_waited_on(tmp_path):
     import os
 
-    from twinrun.checks import arm_config
-
     (tmp_path / "arms" / "native").mkdir(parents=True)
     os.mkfifo(tmp_path / "arms" / "native" / "config.yaml")
     with pytest.raises(StoreError, match="config.yaml"):
-        arm_config(tmp_path, "native")  # before: path.read_text() blocked forever on the FIFO
+        RunDir(tmp_path).read_arm_config("native")  # before: path.read_text() blocked forever on the FIFO

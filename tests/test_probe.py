@@ -1,11 +1,12 @@
-"""The probe's fold sums against a per-sample loop (tests/per_sample.py), independent of twinrun.probe."""
+"""The probe's fold sums against a per-sample loop (tests/per_sample.py), independent of the probe's own code
+(twinrun.measures.fold_sums)."""
 
 import pytest
 import torch
 from per_sample import loop_sums
 
-from twinrun import probe
 from twinrun.interventions import Native, PinSigma
+from twinrun.measures import fold_sums as probe
 from twinrun.model import DiTDenoiser
 
 SIGMA = 0.5

@@ -9,11 +9,14 @@ import pytest
 import torch
 from conftest import TINY, run_twinrun
 from fault_models import always_fails, channels_last_query, tiny_dit
+from rundirs import create, run_doc
 
-from twinrun import probe, provenance, trial
 from twinrun.config import ProbeConfig
 from twinrun.errors import EXIT_MODEL, EXIT_USAGE, ConfigError, ModelError
-from twinrun.rundir import RunDir, RunIndex
+from twinrun.measures import fold_sums as probe
+from twinrun.measures import trial
+from twinrun.measures.probe import arithmetic
+from twinrun.provenance.record import kernel_path_sha256
 
 TESTS = Path(__file__).resolve().parent
 IMAGES = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -74,8 +77,9 @@ def test_a_model_error_mid_run_becomes_exit_4_with_its_record():
     def boom():
         raise FloatingPointError("overflow in my custom layer")
 
+    unit = run_doc([0.2, 0.5, 1.2])["units"][2]  # as run.json names it: "bin 2 (σ=1.2)"
     with pytest.raises(ModelError) as err:
-        trial.as_model_error("pin_sigma", {"index": 2, "sigma": 1.2}, boom)
+        trial.as_model_error("pin_sigma", unit, boom)
     assert err.value.exit_code == EXIT_MODEL == 4
     assert "arm pin_sigma, bin 2 (σ=1.2)" in str(err.value)
     assert err.value.record["type"] == "FloatingPointError"
@@ -84,20 +88,21 @@ def test_a_model_error_mid_run_becomes_exit_4_with_its_record():
 
 def test_probe_arithmetic_moves_the_kernel_path():
     p = ProbeConfig(chunk_images=40, chunk_draws=6)
-    fps = [{"kernel_path": {"probe": provenance.probe_arithmetic(q, method, "cpu")}}
+    fps = [{"kernel_path": {"probe": arithmetic(q, method, "cpu")}}
            for q, method in ((p, "vmap"), (p, "folds"), (ProbeConfig(chunk_images=40, chunk_draws=6,
                                                                       compile="default"), "vmap"))]
-    assert len({provenance.kernel_path_sha256(fp) for fp in fps}) == 3
+    assert len({kernel_path_sha256(fp) for fp in fps}) == 3
 
 
 def test_failure_record_lands_in_run_json(tmp_path):
-    run = {"bins": [{"index": 0, "sigma": 0.2, "stores": {"a": {"status": "pending"}}}]}
+    index = create(tmp_path, run_doc([0.2]))
     err = ModelError("x")
     err.record = {"type": "FloatingPointError", "message": "overflow", "at": "m.py:3 in forward"}
-    RunIndex(RunDir(tmp_path), run).mark_failed(run["bins"][0], "a", trial.failure_record(err))
-    failure = json.loads((tmp_path / "run.json").read_text())["failure"]
-    assert failure == {"arm": "a", "bin_index": 0, "sigma": 0.2, "type": "FloatingPointError",
-                       "message": "overflow", "at": "m.py:3 in forward"}
+    index.mark_failed(index.units[0], "pin_sigma", trial.failure_record(err))
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["failure"] == {"arm": "pin_sigma", "unit_index": 0, "unit": "bin 0 (σ=0.2)",
+                              "type": "FloatingPointError", "message": "overflow", "at": "m.py:3 in forward"}
+    assert run["units"][0]["stores"]["pin_sigma"]["failure"] == run["failure"]
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -128,9 +133,10 @@ def test_model_error_mid_run_is_recorded_and_exits_4(tmp_path):
     assert len(err) == 1 and "arm pin_sigma, bin 2 (σ=1.2)" in err[0] and "FloatingPointError" in err[0]
     run = json.loads((run_dir / "run.json").read_text())
     assert run["status"] == "failed"
-    assert {k: run["failure"][k] for k in ("arm", "bin_index", "type", "message")} == {
-        "arm": "pin_sigma", "bin_index": 2, "type": "FloatingPointError", "message": "overflow in my custom layer"}
-    assert [b["stores"]["native"]["status"] for b in run["bins"]] == ["done", "done", "pending"]
+    assert {k: run["failure"][k] for k in ("arm", "unit_index", "unit", "type", "message")} == {
+        "arm": "pin_sigma", "unit_index": 2, "unit": "bin 2 (σ=1.2)", "type": "FloatingPointError",
+        "message": "overflow in my custom layer"}
+    assert [u["stores"]["native"]["status"] for u in run["units"]] == ["done", "done", "pending"]
     assert "overflow in my custom layer" in (run_dir / "app.log").read_text()
     (kernel_path,) = run_dir.glob("env/kernel_path-*.json")
     assert json.loads(kernel_path.read_text())["kernel_path"]["probe"]["method"] == "vmap"

@@ -5,7 +5,6 @@ from dataclasses import fields
 import pytest
 from omegaconf import OmegaConf
 
-from twinrun import provenance
 from twinrun.config import (
     PROTOCOL_KEYS,
     DeterminismConfig,
@@ -15,6 +14,8 @@ from twinrun.config import (
     typed,
 )
 from twinrun.errors import StoreError
+from twinrun.measures.probe import arithmetic
+from twinrun.provenance import record as provenance
 
 
 def test_every_protocol_key_is_a_key_of_the_schema():
@@ -50,7 +51,7 @@ def test_determinism_defaults_come_from_the_schema(monkeypatch):
 
 def test_the_probe_arithmetic_record_reads_every_arithmetic_setting():
     p = ProbeConfig()
-    record = provenance.probe_arithmetic(p, "folds", "cpu")
+    record = arithmetic(p, "folds", "cpu")
     assert record == {"method": "folds", "compile": False, "device": "cpu", "chunk_images": p.chunk_images,
                       "chunk_draws": p.chunk_draws}
     assert {f.name for f in fields(ProbeConfig)} >= set(record) - {"method", "device"}

@@ -6,8 +6,11 @@ import textwrap
 
 import pytest
 from conftest import REPO, TINY, run_twinrun
+from rundirs import create, run_doc
+from stores import write_sums
 
-from twinrun.store import read_store, write_store
+from twinrun.storage.rundir import RunIndex
+from twinrun.storage.store import read_store
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +71,7 @@ def test_compare_refuses_a_store_whose_fingerprint_was_altered(tmp_path):
     meta["kernel_path"] = json.loads(json.dumps(meta["kernel_path"]))
     meta["kernel_path"]["threads"]["intra_op"] = 64
     altered = tmp_path / "altered.safetensors"
-    write_store(altered, store.sums, meta)
+    write_sums(altered, store.sums, meta)
     refused = run_twinrun([str(original), str(altered)], cwd=tmp_path, module="twinrun.compare")
     assert refused.returncode == 3 and "threads.intra_op" in refused.stderr
     assert "debiased cos" not in refused.stdout
@@ -100,10 +103,9 @@ def test_reference_alive_across_a_path_change_that_moves_no_bit_then_vouched_for
     assert vouched.returncode == 0 and "vouched" in vouched.stdout
     # a summary.json claiming "alive" is not trusted: alter the reference's bits, keep the summary
     run_ref = json.loads((ref / "run.json").read_text())
-    entry = run_ref["bins"][0]["stores"]["native"]
+    entry = run_ref["units"][0]["stores"]["native"]
     store = read_store(ref / "arms" / "native" / entry["file"])
-    entry["sha256"] = write_store(ref / "arms" / "native" / entry["file"], store.sums * (1 + 1e-6),
-                                  {k: v for k, v in store.meta.items() if k not in ("format", "sums_sha256")})
+    entry["sha256"] = write_sums(ref / "arms" / "native" / entry["file"], store.sums * (1 + 1e-6), store.meta)
     (ref / "run.json").write_text(json.dumps(run_ref))
     assert json.loads((today / "summary.json").read_text())["reference"]["alive"] is True
     refused = run_twinrun([str(today), str(ref)], cwd=tmp_path, module="twinrun.compare")
@@ -143,7 +145,7 @@ def test_resume_on_another_kernel_path_is_refused(tmp_path):
     proc, run_dir = run(tmp_path, "r")
     assert proc.returncode == 0
     run_json = json.loads((run_dir / "run.json").read_text())
-    last = run_json["bins"][-1]
+    last = run_json["units"][-1]
     for arm, entry in last["stores"].items():  # as if the job died before its last bin
         (run_dir / "arms" / arm / entry["file"]).unlink()
     refused = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume", env=ONE_THREAD)
@@ -157,10 +159,10 @@ def test_a_bin_pieced_from_two_processes_fails_the_same_allocation_check(tmp_pat
     # Splice b's native store of bin 1 (same config, measured by another process) into a, and
     # make a's index vouch for its bytes: only the per-bin allocation record can tell.
     run_a = json.loads((a / "run.json").read_text())
-    entry = run_a["bins"][1]["stores"]["native"]
+    entry = run_a["units"][1]["stores"]["native"]
     donor = b / "arms" / "native" / entry["file"]
     (a / "arms" / "native" / entry["file"]).write_bytes(donor.read_bytes())
-    entry["sha256"] = json.loads((b / "run.json").read_text())["bins"][1]["stores"]["native"]["sha256"]
+    entry["sha256"] = json.loads((b / "run.json").read_text())["units"][1]["stores"]["native"]["sha256"]
     (a / "run.json").write_text(json.dumps(run_a))
     proc = run_twinrun([str(a)], cwd=tmp_path, module="twinrun.reduce")
     assert proc.returncode == 1, proc.stderr
@@ -170,22 +172,29 @@ def test_a_bin_pieced_from_two_processes_fails_the_same_allocation_check(tmp_pat
     assert summary["effects"] == [] and "INSTRUMENT BROKEN" in proc.stdout
 
 
-def test_sentinel_check_fails_when_a_job_saw_the_path_move():
-    from twinrun.checks import provenance_checks
+def test_sentinel_check_fails_when_a_job_saw_the_path_move(tmp_path):
+    from twinrun.analysis.checks import provenance_checks
 
     class FakeStore:
         def __init__(self, sentinel):
             self.meta = {"env": {"kernel_path_sha256": "k", "pid": 1, "sentinel": sentinel}}
 
-    run = {"bins": [{"index": 0}], "jobs": [{"sentinel_start": "s1", "sentinel_end": "s2"}]}
+    index = create(tmp_path, run_doc([0.5], arms=(("x", "intervention"), ("native", "twin"))))
+    index.add_job({"kernel_path_sha256": "e" * 64, "sentinel_start": "s1", "sentinel_end": None,
+                   "hostname": None, "boot_id": None, "slurm_job_id": None})
     stores = {("x", 0): FakeStore("s1"), ("native", 0): FakeStore("s1")}
-    checks = {c["name"]: c for c in provenance_checks(run, stores, ["x", "native"])}
-    assert checks["same_allocation_per_bin"]["passed"] and checks["one_kernel_path"]["passed"]
-    assert not checks["sentinel_unchanged"]["passed"] and "changed" in checks["sentinel_unchanged"]["detail"]
-    run["jobs"][0]["sentinel_end"] = "s1"
-    assert all(c["passed"] for c in provenance_checks(run, stores, ["x", "native"]))
-    run["jobs"][0]["sentinel_end"] = None  # killed before its closing reading
-    assert not {c["name"]: c for c in provenance_checks(run, stores, ["x", "native"])}["sentinel_unchanged"]["passed"]
+
+    def checks():
+        return {c["name"]: c for c in provenance_checks(RunIndex.load(tmp_path), stores)}
+
+    assert not checks()["sentinel_unchanged"]["passed"]  # killed before its closing reading
+    assert "without its closing sentinel reading" in checks()["sentinel_unchanged"]["detail"]
+    index.end_job(0, "s2")
+    assert checks()["same_allocation_per_bin"]["passed"] and checks()["one_kernel_path"]["passed"]
+    sentinel = checks()["sentinel_unchanged"]
+    assert not sentinel["passed"] and "changed" in sentinel["detail"]
+    index.end_job(0, "s1")
+    assert all(c["passed"] for c in checks().values())
 
 
 # One changed value per key of the probe and determinism schemas. A key added later without an

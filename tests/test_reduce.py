@@ -1,4 +1,4 @@
-"""The reducer's one streaming pass (twinrun.scan) against a whole-matrix numpy reduction of the same stores."""
+"""The reducer's one streaming pass (twinrun.analysis.scan) against a whole-matrix numpy reduction of the same stores."""
 
 import hashlib
 import itertools
@@ -8,13 +8,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from stores import meta, scan_sums, write_all
+from stores import meta, scan_sums, write_all, write_sums
 
-from twinrun import store as store_mod
+from twinrun.analysis.estimands import ESTIMANDS, MinusBaseMean, available, check_estimands, registry
+from twinrun.analysis.scan import scan
 from twinrun.errors import ConfigError, StoreError
-from twinrun.estimands import ESTIMANDS, available, check_estimands, registry
-from twinrun.scan import scan
-from twinrun.store import StoreReader, write_store
+from twinrun.storage import store as store_mod
+from twinrun.storage.store import StoreReader
 
 N_BINS, N_FOLDS = 4, 5
 LAYOUT = [{"name": "blocks.0.a", "offset": 0, "numel": 7, "cond": False},
@@ -54,7 +54,8 @@ def test_streaming_pass_equals_a_whole_matrix_numpy_reduction(tmp_path, arms, ch
     found = scan_sums(tmp_path, sums, LAYOUT, arms, N_BINS, names, pairs, groups=GROUPS, chunk_params=chunk_params)
     for name in names:
         full, resid = numpy_grams(sums, arms, COLUMNS[name])
-        want_full = resid if ESTIMANDS.get(name) is not None and ESTIMANDS[name].residual else full
+        derived = ESTIMANDS[name].derive if name in ESTIMANDS else None
+        want_full = resid if isinstance(derived, MinusBaseMean) else full
         got = found.gram(name, "native")
         for b in range(N_BINS):
             for i in range(len(arms)):
@@ -112,7 +113,7 @@ def test_every_byte_is_read_once_in_file_order(tmp_path, monkeypatch):
 
 def test_a_tensor_whose_bytes_do_not_match_its_own_sha256_is_refused(tmp_path):
     path = tmp_path / "s.safetensors"
-    write_store(path, torch.ones(N_FOLDS, P), meta(LAYOUT, N_FOLDS))
+    write_sums(path, torch.ones(N_FOLDS, P), meta(LAYOUT, N_FOLDS))
     reader = StoreReader(path)
     target = next(t for t in reader.tensors if t.name == "blocks.1.c")
     reader.close()
@@ -126,7 +127,7 @@ def test_a_tensor_whose_bytes_do_not_match_its_own_sha256_is_refused(tmp_path):
 
 def test_a_file_sha256_mismatch_is_refused_after_the_pass(tmp_path):
     path = tmp_path / "s.safetensors"
-    write_store(path, torch.ones(N_FOLDS, P), meta(LAYOUT, N_FOLDS))
+    write_sums(path, torch.ones(N_FOLDS, P), meta(LAYOUT, N_FOLDS))
     with pytest.raises(StoreError, match="sha256 does not match run.json"):
         scan({("native", 0): StoreReader(path, "0" * 64)}, ["native"], 1, ["all"], None, ["native"], [])
 
@@ -145,7 +146,7 @@ def test_a_store_is_one_tensor_per_parameter_with_its_digest(tmp_path):
 
     path = tmp_path / "s.safetensors"
     sums = torch.arange(N_FOLDS * P, dtype=torch.float32).reshape(N_FOLDS, P)
-    write_store(path, sums, meta(LAYOUT, N_FOLDS))
+    write_sums(path, sums, meta(LAYOUT, N_FOLDS))
     with safe_open(str(path), framework="pt") as f:
         digests = json.loads(f.metadata()["tensor_sha256"])
         for g in LAYOUT:
@@ -180,7 +181,7 @@ def test_a_reader_refuses_to_skip_or_reread_bytes(tmp_path):
     """The file digest is only a proof when every byte is hashed once, in order: a skipped or
     repeated chunk is a programming error, not a silent number."""
     path = tmp_path / "s.safetensors"
-    write_store(path, torch.ones(N_FOLDS, P), meta(LAYOUT, N_FOLDS))
+    write_sums(path, torch.ones(N_FOLDS, P), meta(LAYOUT, N_FOLDS))
     with StoreReader(path) as reader:
         first = reader.tensors[0]
         reader.columns(first, 0, 2)

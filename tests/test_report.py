@@ -6,8 +6,9 @@ import matplotlib.image
 import numpy as np
 import pytest
 from conftest import REPO, TINY, run_twinrun
+from stores import write_sums
 
-from twinrun.store import read_store, write_store
+from twinrun.storage.store import read_store
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +73,9 @@ def test_bring_your_own_model_data_and_intervention(tmp_path):
     assert [g["sigma"] for g in summary["gates"]] == [0.4] * 3 and all(g["bit_identical"] for g in summary["gates"])
     run = json.loads((run_dir / "run.json").read_text())
     store = next((run_dir / "arms" / "native").glob("*.safetensors"))
-    from twinrun.store import read_store
-
     layout = read_store(store).meta["layout"]
     assert {e["name"] for e in layout if e["cond"]} == {"film.0.weight", "film.0.bias", "film.2.weight", "film.2.bias"}
-    assert run["bins"][0]["stores"]["scale_cond"]["status"] == "done"
+    assert run["units"][0]["stores"]["scale_cond"]["status"] == "done"
 
 
 def fresh_meta(store) -> dict:
@@ -92,12 +91,12 @@ def test_post_hoc_settings_make_a_labelled_view_and_never_rewrite_the_registered
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((run_dir / "run.json").read_text())["registered"]["gate_rule"] == "bit_identical"
     run = json.loads((run_dir / "run.json").read_text())
-    gate = next(b for b in run["bins"] if b["gate"])
+    gate = next(u for u in run["units"] if u["gate"])
     twin = read_store(run_dir / "arms" / "native" / gate["stores"]["native"]["file"])
     for arm, factor in (("pin_sigma", 1 + 1e-7), ("native_replicate", 1 + 1e-6)):
         entry = gate["stores"][arm]
         path = run_dir / "arms" / arm / entry["file"]
-        entry["sha256"] = write_store(path, twin.sums * factor, fresh_meta(read_store(path)))
+        entry["sha256"] = write_sums(path, twin.sums * factor, fresh_meta(read_store(path)))
     (run_dir / "run.json").write_text(json.dumps(run))
     registered = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.reduce")
     assert registered.returncode == 1 and "INSTRUMENT BROKEN" in registered.stdout

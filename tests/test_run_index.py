@@ -1,5 +1,5 @@
 """run.json as a typed record: the types are the validator's description, and the job reads it
-through RunIndex (which bins are whole, which kernel path they hold, which bins a job measures)."""
+through RunIndex (which units are whole, which kernel path they hold, which units a job measures)."""
 
 import copy
 import json
@@ -8,22 +8,18 @@ import typing
 
 import pytest
 from conftest import TINY
+from rundirs import create, done, run_doc
 
-from twinrun import provenance
-from twinrun.errors import StoreError
-from twinrun.run import plan_run, run_job
-from twinrun.rundir import (
-    RUN_FORMAT,
-    ArmEntry,
-    BinEntry,
-    JobRecord,
-    RunDir,
-    RunIndex,
-    RunRecord,
-    validate_run,
-)
+from twinrun import job
+from twinrun.errors import KernelPathRefused, StoreError
+from twinrun.job import run_job
+from twinrun.plan import plan_run
+from twinrun.provenance.record import kernel_path_sha256, straddling_rule
+from twinrun.storage.records import ArmEntry, JobRecord, ProbeUnit, RunRecord, UnitEntry, validate_run
+from twinrun.storage.rundir import RunDir, RunIndex
 
 SHA_A, SHA_B = "a" * 64, "b" * 64
+STRADDLES = r"its finished units were measured on another kernel path \(differs in threads\.intra_op\)"
 
 
 def fingerprint_on(threads: int) -> dict:
@@ -31,53 +27,72 @@ def fingerprint_on(threads: int) -> dict:
 
 
 def record(stores_done: list[list[str | None]]) -> RunRecord:
-    """A run.json with one bin per entry: each arm's store done on that kernel path, or pending (None)."""
-    arms: list[ArmEntry] = [{"name": "pin_sigma", "role": "intervention", "config_hash": "0" * 16},
-                            {"name": "native", "role": "twin", "config_hash": "1" * 16}]
-    bins: list[BinEntry] = []
+    """A run.json with one unit per entry: each arm's store done on that kernel path, or pending (None)."""
+    doc = run_doc([0.5 * (i + 1) for i in range(len(stores_done))], status="running")
     for i, paths in enumerate(stores_done):
-        stores = {}
         for arm, path in zip(("pin_sigma", "native"), paths):
-            stores[arm] = {"file": f"bin{i}.safetensors", "status": "pending"} if path is None else {
-                "file": f"bin{i}.safetensors", "status": "done", "sha256": "c" * 64, "kernel_path_sha256": path}
-        bins.append({"index": i, "sigma": 0.5 * (i + 1), "gate": i == 0, "stores": stores})
-    return {"format": RUN_FORMAT, "status": "running", "command": None, "reference": None, "arms": arms,
-            "registered": {"estimands": ["all"], "gate_rule": "replicate", "signal_alpha": 0.05}, "bins": bins}
+            if path is not None:
+                done(doc, i, arm, path)
+    return doc
 
 
-def index_on_disk(tmp_path, run: RunRecord, recorded: dict) -> RunIndex:
-    rd = RunDir(tmp_path)
-    rd.env_dir.mkdir()
-    (rd.kernel_path_env(SHA_B)).write_text(json.dumps(recorded))
-    return RunIndex(rd, run)
+def index_on_disk(run_dir, run: RunRecord, recorded: dict) -> RunIndex:
+    """run.json, and the fingerprint of kernel path B as a job on it recorded it in env/."""
+    index = create(run_dir, run)
+    index.run_dir.env_dir.mkdir()
+    index.run_dir.kernel_path_env(SHA_B).write_text(json.dumps(recorded))
+    return index
 
 
-def test_straddling_is_judged_on_whole_bins_only(tmp_path, monkeypatch):
+def rule_of(index: RunIndex, fp: dict):
+    return straddling_rule(index.run_dir.path, index.run_dir.kernel_path_env, fp)
+
+
+def test_straddling_is_judged_on_whole_units_only(tmp_path):
     mine = fingerprint_on(2)
-    monkeypatch.setattr(provenance, "kernel_path_sha256", lambda fp: SHA_A if fp is mine else SHA_B)
-    # bin 0 half-measured on path B (cut short): it is measured again whole, so it commits to nothing
-    index = index_on_disk(tmp_path, record([[SHA_B, None], [None, None]]), fingerprint_on(1))
-    provenance.refuse_straddling(index, mine, index.bins)
-    # bin 0 whole on path B: a job on path A may not add bins to it
-    index = RunIndex(index.run_dir, record([[SHA_B, SHA_B], [None, None]]))
-    with pytest.raises(provenance.KernelPathRefused, match=r"differs in threads\.intra_op"):
-        provenance.refuse_straddling(index, mine, index.bins[1:])
+    # unit 0 half-measured on path B (cut short): it is measured again whole, so it commits to nothing
+    index = index_on_disk(tmp_path / "half", record([[SHA_B, None], [None, None]]), fingerprint_on(1))
+    assert index.whole_kernel_paths() == set()
+    rule_of(index, mine)(index.whole_kernel_paths(), SHA_A)
+    # unit 0 whole on path B: a job on path A may not add units to it
+    index = index_on_disk(tmp_path / "whole", record([[SHA_B, SHA_B], [None, None]]), fingerprint_on(1))
+    with pytest.raises(KernelPathRefused, match=STRADDLES):
+        rule_of(index, mine)(index.whole_kernel_paths(), SHA_A)
+    rule_of(index, mine)(index.whole_kernel_paths(), SHA_B)  # the same path joins
 
 
-def test_a_job_with_no_bin_to_measure_refuses_nothing(tmp_path, monkeypatch):
+class _Session:
+    """The measurement kind's side of a job that measures nothing (measure_units never calls measure)."""
+
+    compile_mode = None
+
+    def arithmetic(self) -> dict:
+        return {}
+
+    def sentinel(self) -> dict:
+        return {"digest": "0" * 64}
+
+
+def test_a_job_with_no_unit_to_measure_refuses_nothing(tmp_path, monkeypatch):
     mine = fingerprint_on(2)
-    monkeypatch.setattr(provenance, "kernel_path_sha256", lambda fp: SHA_A if fp is mine else SHA_B)
-    index = index_on_disk(tmp_path, record([[SHA_B, SHA_B]]), fingerprint_on(1))
-    provenance.refuse_straddling(index, mine, [])
+    monkeypatch.setattr(job, "fingerprint", lambda compile_mode=None: copy.deepcopy(mine))
+    on_b = fingerprint_on(1)
+    on_b["kernel_path"]["probe"] = {}  # as a job records it: with the kind's arithmetic settings
+    index = index_on_disk(tmp_path, record([[SHA_B, SHA_B], [None, None]]), on_b)
+    with pytest.raises(KernelPathRefused, match=STRADDLES):  # a unit to measure, on another path: refused
+        job.measure_units(index, [], _Session(), index.units[1:], {})
+    assert index.jobs == []  # refused before the job recorded itself
+    job.measure_units(RunIndex.load(tmp_path), [], _Session(), [], {})  # nothing to measure: nothing refused
+    (recorded,) = RunIndex.load(tmp_path).jobs
+    assert recorded["kernel_path_sha256"] == kernel_path_sha256({"kernel_path": {**mine["kernel_path"], "probe": {}}})
 
 
-def test_a_damaged_kernel_path_record_still_refuses_in_one_line(tmp_path, monkeypatch):
-    mine = fingerprint_on(2)
-    monkeypatch.setattr(provenance, "kernel_path_sha256", lambda fp: SHA_A if fp is mine else SHA_B)
+def test_a_damaged_kernel_path_record_still_refuses_in_one_line(tmp_path):
     index = index_on_disk(tmp_path, record([[SHA_B, SHA_B], [None, None]]), {})
     index.run_dir.kernel_path_env(SHA_B).write_bytes(b"\xff not json")
-    with pytest.raises(provenance.KernelPathRefused, match=r"\(unrecorded\)"):
-        provenance.refuse_straddling(index, mine, index.bins[1:])
+    with pytest.raises(KernelPathRefused, match=r"\(differs in \(unrecorded\)\)") as err:
+        rule_of(index, fingerprint_on(2))(index.whole_kernel_paths(), SHA_A)
+    assert "\n" not in str(err.value)
 
 
 # ----------------------------------------------------------------------------- the types are the validator's
@@ -99,9 +114,10 @@ def test_every_required_field_of_the_types_is_checked(tmp_path):
                       "hostname": None, "boot_id": None, "slurm_job_id": None}]
     path = tmp_path / "run.json"
     validate_run(path, copy.deepcopy(valid))
-    parents = {RunRecord: lambda r: r, ArmEntry: lambda r: r["arms"][0], BinEntry: lambda r: r["bins"][0],
-               JobRecord: lambda r: r["jobs"][0]}
-    prefixes = {RunRecord: "", ArmEntry: "arms[0].", BinEntry: "bins[0].", JobRecord: "jobs[0]."}
+    parents = {RunRecord: lambda r: r, ArmEntry: lambda r: r["arms"][0], UnitEntry: lambda r: r["units"][0],
+               ProbeUnit: lambda r: r["units"][0]["probe"], JobRecord: lambda r: r["jobs"][0]}
+    prefixes = {RunRecord: "", ArmEntry: "arms[0].", UnitEntry: "units[0].", ProbeUnit: "units[0].probe.",
+                JobRecord: "jobs[0]."}
     checked = 0
     for schema, parent in parents.items():
         for field, key in _required_fields(schema, prefixes[schema]):
@@ -112,34 +128,39 @@ def test_every_required_field_of_the_types_is_checked(tmp_path):
             with pytest.raises(StoreError, match=f"field {re.escape(field)}: missing"):
                 validate_run(path, run)
             checked += 1
-    assert checked >= 12
+    assert checked >= 16
+    run = copy.deepcopy(valid)
+    del run["units"][0]["probe"]  # the unit's own fields, under the run's measurement kind
+    with pytest.raises(StoreError, match=r"field units\[0\]\.probe: missing"):
+        validate_run(path, run)
 
 
 def test_a_type_mismatch_names_the_field_and_the_expected_type(tmp_path):
     run = record([[SHA_B, SHA_B]])
-    run["bins"][0]["gate"] = "yes"
-    with pytest.raises(StoreError, match=r"field bins\[0\]\.gate: 'yes' is not true/false"):
+    run["units"][0]["gate"] = "yes"
+    with pytest.raises(StoreError, match=r"field units\[0\]\.gate: 'yes' is not true/false"):
         validate_run(tmp_path / "run.json", run)
     run = record([[SHA_B, SHA_B]])
-    run["bins"][0]["stores"]["native"]["kernel_path_sha256"] = "not hex"
-    with pytest.raises(StoreError, match=r"field bins\[0\]\.stores\.native\.kernel_path_sha256: 'not hex' is not a hex"):
+    run["units"][0]["stores"]["native"]["kernel_path_sha256"] = "not hex"
+    field = r"field units\[0\]\.stores\.native\.kernel_path_sha256"
+    with pytest.raises(StoreError, match=rf"{field}: 'not hex' is not a hex"):
         validate_run(tmp_path / "run.json", run)
 
 
-# ----------------------------------------------------------------------------- run_job(bins=...)
+# ----------------------------------------------------------------------------- run_job(units=...)
 
 
 @pytest.mark.slow
-def test_run_job_measures_only_the_bins_given_and_is_measured_once_all_are_whole(tmp_path, compose_cfg):
+def test_run_job_measures_only_the_units_given_and_is_measured_once_all_are_whole(tmp_path, compose_cfg):
     plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path)
-    run_job(tmp_path, bins=[1])
+    run_job(tmp_path, units=[1])
     index = RunIndex.load(tmp_path)
-    assert [b["index"] for b in index.whole_bins()] == [1]
-    assert index.status == "running"  # not "measured": bins 0 and 2 are pending
+    assert [u["index"] for u in index.whole_units(verify=True)] == [1]
+    assert index.status == "running"  # not "measured": units 0 and 2 are pending
     assert [j["sentinel_end"] is not None for j in index.doc["jobs"]] == [True]
     run_job(tmp_path)
     index = RunIndex.load(tmp_path)
-    assert [b["index"] for b in index.whole_bins()] == [0, 1, 2] and index.status == "measured"
+    assert [u["index"] for u in index.whole_units(verify=True)] == [0, 1, 2] and index.status == "measured"
     assert [j["index"] for j in index.doc["jobs"]] == [0, 1]
 
 
@@ -148,25 +169,22 @@ def test_the_first_update_keeps_the_document_in_memory(tmp_path):
     index = RunIndex(RunDir(tmp_path), record([[None, None], [None, None]]))
     held = index.doc
     index.set_status("running")
-    assert index.doc is held and len(index.bins) == 2 and index.doc["status"] == "running"
+    assert index.doc is held and len(index.units) == 2 and index.doc["status"] == "running"
     assert json.loads((tmp_path / "run.json").read_text()) == index.doc
 
 
-def test_an_element_hashes_only_its_own_bins_stores(tmp_path, monkeypatch):
-    from twinrun import store
-    from twinrun.run import pending_bins
-
+def test_an_element_hashes_only_its_own_units_stores(tmp_path, monkeypatch):
     read = []
 
     def verify_store(path, sha256):
         read.append(path.name)
         raise StoreError(path, "missing")
 
-    monkeypatch.setattr(store, "verify_store", verify_store)
-    index = RunIndex(RunDir(tmp_path), record([[SHA_A, SHA_A], [SHA_A, SHA_A], [None, None]]))
-    # bin 1's stores are read (missing: measured again); bin 0 is judged by its record, bin 2 is pending
-    assert [b["index"] for b in pending_bins(index, [1, 2])] == [1, 2]
-    assert set(read) == {"bin1.safetensors"}
+    monkeypatch.setattr("twinrun.storage.rundir.verify_store", verify_store)
+    index = create(tmp_path, record([[SHA_A, SHA_A], [SHA_A, SHA_A], [None, None]]))
+    files = [u["stores"]["native"]["file"] for u in index.units]
+    # unit 1's stores are read (missing: measured again); unit 0 is judged by its record, unit 2 is pending
+    assert [u["index"] for u in index.pending_units([1, 2])] == [1, 2]
+    assert set(read) == {files[1]}
     read.clear()
-    assert [b["index"] for b in pending_bins(index, None)] == [0, 1, 2] and set(read) == {"bin0.safetensors",
-                                                                                           "bin1.safetensors"}
+    assert [u["index"] for u in index.pending_units(None)] == [0, 1, 2] and set(read) == set(files[:2])

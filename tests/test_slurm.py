@@ -16,9 +16,16 @@ import submitit
 from conftest import TINY, run_twinrun
 from test_launch import launcher, store_sums, write_failing_module
 
-from twinrun import launch
 from twinrun.errors import ConfigError, StoreError
-from twinrun.store import read_json, read_store
+from twinrun.files import read_json
+from twinrun.launchers import check
+from twinrun.launchers.placement import Element
+from twinrun.launchers.record import read_launch
+from twinrun.launchers.slurm import SLURM_ENDED, sacct_state
+from twinrun.launchers.submit import submit
+from twinrun.launchers.wait import wait
+from twinrun.storage.rundir import RunDir, RunIndex
+from twinrun.storage.store import read_store
 
 pytestmark = pytest.mark.slurm
 
@@ -45,17 +52,27 @@ def final_state(job_id: str, timeout_s: float = 30) -> str:
     """sacct's state once the job has ended (sacct lags squeue by a moment)."""
     deadline = time.time() + timeout_s
     while True:
-        state = launch.sacct_state(job_id) or "UNKNOWN"
-        if state.split()[0] in launch.SLURM_ENDED or time.time() > deadline:
+        state = sacct_state(job_id) or "UNKNOWN"
+        if state.split()[0] in SLURM_ENDED or time.time() > deadline:
             return state
         time.sleep(0.5)
 
 
+def launch_json(run_dir: Path) -> dict:
+    """launch.json, validated as every reader reads it."""
+    return read_launch(RunDir(run_dir))
+
+
+def run_json(run_dir: Path) -> dict:
+    """run.json, validated as every reader reads it."""
+    return RunIndex.load(run_dir).doc
+
+
 def bin_records(run_dir: Path) -> list[dict]:
     """Per bin, {arm: the allocation its store records}."""
-    run = read_json(run_dir / "run.json")
-    return [{arm: read_store(run_dir / "arms" / arm / e["file"], e["sha256"]).meta["env"]
-             for arm, e in b["stores"].items()} for b in run["bins"]]
+    index = RunIndex.load(run_dir)
+    return [{arm: read_store(index.store_path(u, arm), e["sha256"]).meta["env"]
+             for arm, e in u["stores"].items()} for u in index.units]
 
 
 def assert_bins_paired_in_one_process(run_dir: Path, job_id: str) -> None:
@@ -70,11 +87,11 @@ def test_pair_job_measures_both_arms_in_one_allocation(tmp_path, slurm_args, mod
     proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, *slurm_args, f"hydra.run.dir={run_dir}"],
                        cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    launched = read_json(run_dir / "launch.json")
+    launched = launch_json(run_dir)
     job_id = launched["job_id"]
     assert launched["cluster"] == "slurm" and launched["array_job_id"] is None
     assert f"submitted SLURM job {job_id} for {run_dir}" in proc.stdout
-    assert "bins done: pin_sigma 3/3, native 3/3" in proc.stdout and "effects (debiased cos" in proc.stdout
+    assert "units done: pin_sigma 3/3, native 3/3" in proc.stdout and "effects (debiased cos" in proc.stdout
     assert final_state(job_id) == "COMPLETED 0:0"
     # one job (SLURM id, node, boot, process) wrote both arms of every bin
     assert_bins_paired_in_one_process(run_dir, job_id)
@@ -84,12 +101,12 @@ def test_pair_job_measures_both_arms_in_one_allocation(tmp_path, slurm_args, mod
     assert job_store.meta["kernel_path"] == ref_store.meta["kernel_path"]
     assert store_sums(run_dir) == store_sums(local_reference)
     # resuming a SLURM run submits it again (never measures in the calling shell)
-    run = read_json(run_dir / "run.json")
-    run["bins"][0]["stores"]["native"]["status"] = "pending"
+    run = run_json(run_dir)
+    run["units"][0]["stores"]["native"]["status"] = "pending"
     (run_dir / "run.json").write_text(json.dumps(run))
     resumed = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume", timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    again = read_json(run_dir / "launch.json")
+    again = launch_json(run_dir)
     assert "submitting it again" in resumed.stdout and again["job_id"] != job_id
     assert again["earlier"][0]["job_id"] == job_id and store_sums(run_dir) == store_sums(local_reference)
 
@@ -100,7 +117,7 @@ def test_sweep_is_one_job_array_with_both_arms_in_each_element(tmp_path, slurm_a
     proc = run_twinrun(["-m", "+experiment=pin_sigma", "intervention.sigma_pin=0.5,1.2", *TINY, *model_args,
                         *slurm_args, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    launched = [read_json(sweep / point / "launch.json") for point in ("0", "1")]
+    launched = [launch_json(sweep / point) for point in ("0", "1")]
     array = launched[0]["array_job_id"]
     assert [(x["job_id"], x["array_job_id"], x["array_task_id"]) for x in launched] == \
         [(f"{array}_0", array, 0), (f"{array}_1", array, 1)]
@@ -117,10 +134,9 @@ def test_sweep_is_one_job_array_with_both_arms_in_each_element(tmp_path, slurm_a
 
 def whole_bins(run_dir: Path) -> list[dict]:
     try:
-        run = read_json(run_dir / "run.json")
+        return RunIndex.load(run_dir).whole_units()
     except StoreError:  # not planned yet
         return []
-    return [b for b in run["bins"] if all(e["status"] == "done" for e in b["stores"].values())]
 
 
 def test_preempted_job_requeues_and_resumes_without_recomputing(tmp_path, slurm_args, model_args):
@@ -134,7 +150,7 @@ def test_preempted_job_requeues_and_resumes_without_recomputing(tmp_path, slurm_
     while len(whole_bins(job_dir)) < 2:
         assert time.time() < deadline and job.poll() is None, "the job did not finish two bins in time"
         time.sleep(0.05)
-    launched = read_json(job_dir / "launch.json")
+    launched = launch_json(job_dir)
     subprocess.run(["scancel", "--signal=USR2", launched["job_id"]], check=True)  # what a preemption sends
     finished_before = {job_dir / "arms" / arm / e["file"]
                        for b in whole_bins(job_dir) for arm, e in b["stores"].items()}
@@ -168,12 +184,13 @@ def test_failing_arm_ends_the_job_failed_and_names_arm_and_bin(tmp_path, slurm_a
                         "intervention._target_=tw_failing.NaNAbove", f"hydra.run.dir={run_dir}"],
                        cwd=tmp_path, timeout=120, env={"PYTHONPATH": str(modules)})
     assert proc.returncode == 1, proc.stderr[-3000:]
-    job_id = read_json(run_dir / "launch.json")["job_id"]
+    job_id = launch_json(run_dir)["job_id"]
     assert f"job {job_id} FAILED 1:0: arm pin_sigma failed at bin 2 (σ=1.2)" in proc.stderr
     assert "NonFiniteGradient: arm pin_sigma, bin 2 (σ=1.2)" in proc.stderr  # the error's tail
     assert final_state(job_id) == "FAILED 1:0"
-    run = read_json(run_dir / "run.json")
-    assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "bin_index": 2, "sigma": 1.2}
+    run = run_json(run_dir)
+    assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "unit_index": 2,
+                                                            "unit": "bin 2 (σ=1.2)"}
     assert len(store_sums(run_dir)) == 2 * 2 + 1  # bins 0 and 1 of both arms (+ the gate replicate) stay valid
 
 
@@ -184,7 +201,7 @@ def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_
                         "+launcher.additional_parameters.begin=now+300", f"hydra.run.dir={run_dir}"],
                        cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    launched = read_json(run_dir / "launch.json")
+    launched = launch_json(run_dir)
     assert f"python -m twinrun.status {run_dir}" in proc.stdout
     shown = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.status")
     assert shown.returncode == 0 and f"job {launched['job_id']} " in shown.stdout
@@ -193,7 +210,7 @@ def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_
     # a job gone without a result pickle: waiting must end, not hang
     job = submitit.SlurmJob(folder=launched["folder"], job_id=launched["job_id"])
     t0 = time.time()
-    assert launch.wait([launch.Element(run_dir, None, job)], launched["launcher"]) == {run_dir: 2}
+    assert wait([(Element(run_dir, None), job)], launched["launcher"]) == {run_dir: 2}
     assert time.time() - t0 < 30
     err = capsys.readouterr().err
     assert f"job {launched['job_id']} CANCELLED" in err and "without a result" in err
@@ -202,18 +219,18 @@ def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_
 def test_bad_settings_are_refused_against_the_real_cluster(slurm_cluster, tmp_path):
     base = launcher(name="slurm", partition=slurm_cluster["partition"], gpus_per_node=0, timeout_min=5,
                     cpus_per_task=1)
-    launch.check(base)
+    check(base)
     for knobs, key, says in (({"partition": "nope"}, "launcher.partition", "choose one of debug"),
                              ({"cpus_per_task": 64}, "launcher.cpus_per_task", "largest node has"),
                              ({"mem_gb": 4096}, "launcher.mem_gb", "largest node has"),
                              ({"gpus_per_node": 1}, "launcher.gpus_per_node", "has no GPUs"),
                              ({"timeout_min": 2}, "launcher.timeout_min", "timeout_min ≥ 3")):
         with pytest.raises(ConfigError) as err:
-            launch.check({**base, **knobs})
+            check({**base, **knobs})
         assert err.value.key == key and says in str(err.value)
     # what only sbatch can tell, at submission
     with pytest.raises(ConfigError) as err:
-        launch.submit([tmp_path], {**base, "additional_parameters": {"nodelist": "nosuchnode"}}, tmp_path)
+        submit([tmp_path], {**base, "additional_parameters": {"nodelist": "nosuchnode"}}, tmp_path)
     assert err.value.key == "launcher.additional_parameters" and "Invalid node name" in str(err.value)
 
 
@@ -250,17 +267,18 @@ def test_split_bins_measures_each_bin_as_an_array_element_with_the_pairs_bits(tm
     proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, *slurm_args, "launcher.split=bins",
                         f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    launched = read_json(run_dir / "launch.json")
+    launched = launch_json(run_dir)
     array = launched["array_job_id"]
-    assert [(e["bins"], e["job_id"]) for e in launched["elements"]] == [([k], f"{array}_{k}") for k in range(3)]
+    assert [(e["units"], e["job_id"]) for e in launched["elements"]] == \
+        [([k], f"{array}_{k}") for k in range(3)]
     assert f"submitted SLURM job array {array} (3 jobs" in proc.stdout
     assert [final_state(e["job_id"]) for e in launched["elements"]] == ["COMPLETED 0:0"] * 3
     assert len(assert_each_bin_in_its_own_element(run_dir)) == 3
-    run = read_json(run_dir / "run.json")
+    run = run_json(run_dir)
     assert run["status"] == "measured" and len(run["jobs"]) == 3
     # one kernel path on this one machine: the same bits as the pair measured in one process
     assert store_sums(run_dir) == store_sums(local_reference)
-    assert read_json(run_dir / "summary.json")["valid"] is True
+    assert RunDir(run_dir).read_summary()["valid"] is True
 
 
 def test_split_bins_sweep_is_one_array_of_points_times_bins(tmp_path, slurm_args, model_args, local_reference):
@@ -268,7 +286,7 @@ def test_split_bins_sweep_is_one_array_of_points_times_bins(tmp_path, slurm_args
     proc = run_twinrun(["-m", "+experiment=pin_sigma", "intervention.sigma_pin=0.5,1.2", *TINY, *model_args,
                         *slurm_args, "launcher.split=bins", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    launched = [read_json(sweep / point / "launch.json") for point in ("0", "1")]
+    launched = [launch_json(sweep / point) for point in ("0", "1")]
     array = launched[0]["array_job_id"]
     assert [e["job_id"] for x in launched for e in x["elements"]] == [f"{array}_{k}" for k in range(6)]
     for point in ("0", "1"):
@@ -284,27 +302,28 @@ def test_split_bins_a_cancelled_element_is_measured_on_resume(tmp_path, slurm_ar
                         "launcher.wait=false", "+launcher.additional_parameters.begin=now+300",
                         f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    elements = read_json(run_dir / "launch.json")["elements"]
+    elements = launch_json(run_dir)["elements"]
     subprocess.run(["scancel", elements[1]["job_id"]], check=True)
     for e in (elements[0], elements[2]):
         subprocess.run(["scontrol", "update", f"jobid={e['job_id']}", "StartTime=now"], check=True)
     assert [final_state(e["job_id"], timeout_s=240) for e in (elements[0], elements[2])] == ["COMPLETED 0:0"] * 2
-    run = read_json(run_dir / "run.json")
-    assert [all(s["status"] == "done" for s in b["stores"].values()) for b in run["bins"]] == [True, False, True]
+    run = run_json(run_dir)
+    assert [all(s["status"] == "done" for s in u["stores"].values()) for u in run["units"]] == \
+        [True, False, True]
     assert run["status"] != "measured"
     shown = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.status")
     assert f"jobs {', '.join(e['job_id'] for e in elements)} " in shown.stdout
     # a pending element cancelled before it ran may be unknown to sacct: squeue's word, or GONE
-    assert re.search(r"bin 1 (CANCELLED|GONE)", shown.stdout), shown.stdout
+    assert re.search(r"unit 1 (CANCELLED|GONE)", shown.stdout), shown.stdout
     # resume submits the missing bin only, as one element, and the run reduces to the pair's bits
     # (with the launcher launch.json recorded: drop this test's hold and no-wait from it first)
-    launch_json = read_json(run_dir / "launch.json")
-    launch_json["launcher"].update(wait=True, additional_parameters={})
-    (run_dir / "launch.json").write_text(json.dumps(launch_json))
+    launched = launch_json(run_dir)
+    launched["launcher"].update(wait=True, additional_parameters={})
+    (run_dir / "launch.json").write_text(json.dumps(launched))
     resumed = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume", timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    again = read_json(run_dir / "launch.json")
-    assert [e["bins"] for e in again["elements"]] == [[1]]
+    again = launch_json(run_dir)
+    assert [e["units"] for e in again["elements"]] == [[1]]
     assert again["earlier"][0]["elements"] == elements
     assert store_sums(run_dir) == store_sums(local_reference)
     assert len(assert_each_bin_in_its_own_element(run_dir)) == 3

@@ -11,10 +11,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rundirs import job_lock
+from stores import write_sums
 
 from twinrun.errors import StoreError
-from twinrun.lock import run_lock
-from twinrun.store import read_json, read_store, write_json, write_store
+from twinrun.files import read_json, write_json
+from twinrun.measures.probe import fold_tensors
+from twinrun.storage.store import STORE_FORMAT, TENSOR_SHA256, read_store
 
 LAYOUT = [{"name": "w", "offset": 0, "numel": 6, "shape": [2, 3], "cond": False},
           {"name": "c", "offset": 6, "numel": 2, "shape": [2], "cond": True}]
@@ -25,7 +28,7 @@ META = {"arm": "native", "bin_index": 0, "sigma": 0.5, "sigma_cond": 0.5, "n_ima
 def real_store(tmp_path):
     path = tmp_path / "bin00_sigma0.5.safetensors"
     sums = torch.arange(24, dtype=torch.float32).reshape(3, 8) / 7
-    return path, sums, write_store(path, sums, META)
+    return path, sums, write_sums(path, sums, META)
 
 
 def test_round_trip_and_metadata(tmp_path):
@@ -47,15 +50,19 @@ def test_damage_is_a_named_store_error(tmp_path, damage):
     elif damage == "missing":
         path.unlink()
     elif damage == "wrong_dtype":
-        sha = write_store(path, sums, META)  # then overwrite with float64 through safetensors itself
+        # float64 tensors through safetensors itself, each with its valid digest: only the dtype is wrong
+        import hashlib
+
         import safetensors.torch
 
-        raw = safetensors.torch.save({"sums": sums.double()}, {"format": "twinrun-store/1",
-                                                              **{k: json.dumps(v) for k, v in META.items()}})
+        tensors = {k: t.double() for k, t in fold_tensors(sums, LAYOUT).items()}
+        digests = {k: hashlib.sha256(t.numpy().tobytes()).hexdigest() for k, t in tensors.items()}
+        raw = safetensors.torch.save(tensors, {"format": STORE_FORMAT, TENSOR_SHA256: json.dumps(digests),
+                                               **{k: json.dumps(v) for k, v in META.items()}})
         path.write_bytes(raw)
         sha = None
     elif damage == "wrong_shape":
-        sha = write_store(path, sums[:, :5].contiguous(), META)
+        sha = write_sums(path, sums[:, :5].contiguous(), META)
     elif damage == "foreign":
         import safetensors.torch
 
@@ -108,8 +115,11 @@ def test_json_is_atomic_and_checked(tmp_path):
 
 
 HOLD_LOCK = """import sys, time
-from twinrun.lock import run_lock
-with run_lock(sys.argv[1]):
+from twinrun.job import _unit_locks
+from twinrun.storage.lock import run_lock
+from twinrun.storage.rundir import RunDir
+rd = RunDir(sys.argv[1])
+with run_lock(rd.lock, _unit_locks(rd, None), shared=False):  # as run_job holds a whole run
     print("held", flush=True)
     time.sleep(60)
 """
@@ -120,7 +130,7 @@ def test_second_writer_is_refused_and_a_stale_lock_recovered(tmp_path, capsys):
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(StoreError, match=f"being written by pid {holder.pid} on this host"), run_lock(tmp_path):
+        with pytest.raises(StoreError, match=f"being written by pid {holder.pid} on this host"), job_lock(tmp_path):
             pass
     finally:
         holder.kill()
@@ -133,7 +143,7 @@ def test_second_writer_is_refused_and_a_stale_lock_recovered(tmp_path, capsys):
     import socket
 
     (tmp_path / ".lock").write_text(json.dumps({"pid": child, "host": socket.gethostname()}))
-    with run_lock(tmp_path):
+    with job_lock(tmp_path):
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
     assert "recovering the stale lock" in capsys.readouterr().out
 
@@ -141,18 +151,18 @@ def test_second_writer_is_refused_and_a_stale_lock_recovered(tmp_path, capsys):
 def test_a_requeued_slurm_job_recovers_its_own_lock_from_another_node(tmp_path, monkeypatch, capsys):
     (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "node-a", "slurm_job_id": "42"}))
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    with run_lock(tmp_path):
+    with job_lock(tmp_path):
         pass
     assert "recovering the stale lock" in capsys.readouterr().out
     monkeypatch.setenv("SLURM_JOB_ID", "43")  # another job's lock is not ours
     (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "node-a", "slurm_job_id": "42"}))
-    with pytest.raises(StoreError, match="node-a"), run_lock(tmp_path):
+    with pytest.raises(StoreError, match="node-a"), job_lock(tmp_path):
         pass
 
 
 def test_lock_from_another_host_is_not_stolen(tmp_path):
     (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "some-other-node"}))
-    with pytest.raises(StoreError, match="some-other-node"), run_lock(tmp_path):
+    with pytest.raises(StoreError, match="some-other-node"), job_lock(tmp_path):
         pass
 
 
@@ -185,14 +195,14 @@ def test_a_read_only_file_system_is_one_named_error(tmp_path, monkeypatch):
 ])
 def test_crafted_metadata_with_a_valid_payload_digest_is_refused(tmp_path, field, value, says):
     path = tmp_path / "s.safetensors"
-    write_store(path, torch.ones(3, 8), {**META, field: value})  # its own sums_sha256 is valid
+    write_sums(path, torch.ones(3, 8), {**META, field: value})  # its tensors' own digests are valid
     with pytest.raises(StoreError, match=re.escape(says)):
         read_store(path)
 
 
 def test_a_store_of_nan_never_yields_a_number(tmp_path):
     path = tmp_path / "s.safetensors"
-    write_store(path, torch.full((3, 8), float("nan")), META)  # a forged store: the probe never writes NaN
+    write_sums(path, torch.full((3, 8), float("nan")), META)  # a forged store: the probe never writes NaN
     with pytest.raises(StoreError, match="NaN or inf"):
         read_store(path)
 

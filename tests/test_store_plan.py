@@ -8,8 +8,9 @@ import pytest
 from conftest import TINY
 
 from twinrun.errors import ConfigError
-from twinrun.run import plan_run
+from twinrun.plan import plan_run
 
+DISK_USAGE = "twinrun.measures.probe.shutil.disk_usage"  # where planning asks for the free space
 DiskUsage = namedtuple("DiskUsage", "total used free")
 
 
@@ -28,19 +29,19 @@ def test_the_store_size_counts_the_gate_replicate_at_gate_bins_only(compose_cfg,
 
 
 def test_the_printed_size_is_the_size_on_disk(compose_cfg, tmp_path, capsys):
-    from twinrun.run import run_job
-    from twinrun.rundir import RunIndex
+    from twinrun.job import run_job
+    from twinrun.storage.rundir import RunIndex
 
     plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path / "run")
     size, _ = size_line(capsys.readouterr().out)
     run_job(tmp_path / "run")
     index = RunIndex.load(tmp_path / "run")
-    on_disk = sum(index.store_path(b, a).stat().st_size for b in index.bins for a in b["stores"])
+    on_disk = sum(index.store_path(u, a).stat().st_size for u in index.units for a in u["stores"])
     assert abs(size - on_disk) / on_disk < 0.25  # the payload exactly, the header estimated
 
 
 def test_a_file_system_too_small_is_refused_at_plan_time(compose_cfg, tmp_path, monkeypatch):
-    monkeypatch.setattr("twinrun.run.shutil.disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(DISK_USAGE, lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(ConfigError) as err:
         plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path / "run")
     text = str(err.value)
@@ -53,7 +54,7 @@ def test_resuming_a_run_is_not_refused_for_the_stores_already_on_disk(compose_cf
     stores, beside those already there: the whole run's size is not held against the free space."""
     cfg = compose_cfg(["+experiment=pin_sigma", *TINY])
     plan_run(cfg, tmp_path / "run")
-    monkeypatch.setattr("twinrun.run.shutil.disk_usage", lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(DISK_USAGE, lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
     assert plan_run(cfg, tmp_path / "run")["status"] == "planned"
 
 
@@ -65,7 +66,7 @@ def test_a_sweep_is_sized_where_it_will_write(compose_cfg, tmp_path, monkeypatch
     from twinrun.app import CONF_DIR, check_sweep
 
     seen = []
-    monkeypatch.setattr("twinrun.run.shutil.disk_usage", lambda path: seen.append(path) or DiskUsage(10**12, 0, 10**12))
+    monkeypatch.setattr(DISK_USAGE, lambda path: seen.append(path) or DiskUsage(10**12, 0, 10**12))
     monkeypatch.chdir(tmp_path)
     sweep_dir = tmp_path / "scratch" / "sweep"
     (tmp_path / "scratch").mkdir()

@@ -5,9 +5,11 @@ import sys
 import matplotlib.pyplot as plt
 import pytest
 
-from twinrun import report
-from twinrun.report import plot_sweep, sweep_caption, sweep_grid
-from twinrun.sweep import sweep_axis, write_sweep_report
+from twinrun.interventions import sweep_axis
+from twinrun.publish import plots
+from twinrun.publish.plots import plot_sweep, sweep_caption, sweep_grid
+from twinrun.publish.sweep import write_sweep_report
+from twinrun.storage.sweepdir import SweepDir
 
 
 def _effect(sigma, cos, se, estimand="all"):
@@ -80,7 +82,7 @@ def test_caption_names_below_noise_and_failed_cells_for_what_they_are(pin_sweep)
 
 def test_heatmap_titles_intervention_and_estimand_and_hatches_uncertain_cells(pin_sweep, tmp_path, monkeypatch):
     figures = []
-    monkeypatch.setattr(report.plt, "close", figures.append)
+    monkeypatch.setattr(plots.plt, "close", figures.append)
     assert plot_sweep(pin_sweep, tmp_path / "h.png", estimand="all") == tmp_path / "h.png"
     assert (tmp_path / "h.png").stat().st_size > 5000
     ax = figures[0].axes[0]
@@ -100,12 +102,12 @@ def test_sweep_report_words_plurals_and_flags(tmp_path):
         (tmp_path / str(job)).mkdir()
     one = _summary(_point(0, ["x=1"], [_effect(0.2, 0.5, 0.01)]))
     one["points"][0]["run_dir"] = str(tmp_path / "0")
-    text = write_sweep_report(tmp_path, one).read_text()
+    text = write_sweep_report(SweepDir(tmp_path), one).read_text()
     assert "1 point;" in text and "1 points" not in text
     two = _summary(_point(0, ["x=1"], [_effect(0.2, 0.5, 0.01)]), _point(1, ["x=2"], valid=None, gates_passed=None))
     for job, p in enumerate(two["points"]):
         p["run_dir"] = str(tmp_path / str(job))
-    text = write_sweep_report(tmp_path, two).read_text()
+    text = write_sweep_report(SweepDir(tmp_path), two).read_text()
     assert "2 points;" in text and "Swept: `x`." in text
     assert not any(word in text for word in ("True", "False", "None"))
     assert "| yes | yes |" in text and "| – | – |" in text

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from twinrun import compare, diff, reduce, resume, status
 from twinrun.errors import StoreError
-from twinrun.run import config_hash
-from twinrun.store import read_json
+from twinrun.launchers.record import submitted_launcher
+from twinrun.plan import config_hash
+from twinrun.storage.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 
@@ -85,8 +86,8 @@ def plant_target(run_dir: Path, marker: Path, rehash: bool) -> None:
     path.write_text(yaml.safe_dump(config))
     if rehash:
         arm["config_hash"] = config_hash(config)
-        for b in run["bins"]:
-            b["stores"][arm["name"]]["status"] = "pending"  # so that resume would build the model
+        for u in run["units"]:
+            u["stores"][arm["name"]]["status"] = "pending"  # so that resume would build the model
         (run_dir / "run.json").write_text(json.dumps(run))
 
 
@@ -103,31 +104,32 @@ def test_resume_never_instantiates_a_planted_target(run_copy, tmp_path, capsys, 
 def test_an_edited_seed_is_refused_before_it_mixes_into_the_run(run_copy, capsys):
     path = run_copy / "arms" / "native" / "config.yaml"
     path.write_text(path.read_text().replace("seed: 0", "seed: 1"))
-    edit_run_json(run_copy, lambda run: run["bins"][0]["stores"]["native"].update(status="pending"))
+    edit_run_json(run_copy, lambda run: run["units"][0]["stores"]["native"].update(status="pending"))
     code, out, err = cli(resume.main, [run_copy, "--local"], capsys)
     one_line_refusal(code, out, err, "arms/native/config.yaml", "config_hash")
 
 
 def test_a_forged_reference_claim_in_summary_json_is_refused(run_copy, made_run):
     summary = json.loads((run_copy / "summary.json").read_text())
-    summary["reference"] = {"alive": True, "path": str(made_run)}
+    # a well-formed claim (every field of a reference report), about a run this run.json does not name
+    summary["reference"] = {"path": str(made_run), "alive": True, "status": "alive", "detail": "reference ALIVE"}
     (run_copy / "summary.json").write_text(json.dumps(summary))
     # compare asks whether A vouches for B only across kernel paths; it recomputes the verdict from the
     # stores (A's run.json names no reference), so the forged claim counts for nothing
     assert compare.vouched(run_copy, made_run) is False
     with pytest.raises(StoreError, match=r"summary.json: field reference.path"):
-        read_json(run_copy / "summary.json")  # and every reader refuses the forged document itself
+        RunDir(run_copy).read_summary()  # and every reader refuses the forged document itself
 
 
 # ----------------------------------------------------------------------------- containment
 
 TRAVERSALS = [
-    ("store file", lambda run: run["bins"][0]["stores"]["native"].update(file="../../../X.safetensors")),
-    ("empty store file", lambda run: run["bins"][0]["stores"]["native"].update(file="")),
+    ("store file", lambda run: run["units"][0]["stores"]["native"].update(file="../../../X.safetensors")),
+    ("empty store file", lambda run: run["units"][0]["stores"]["native"].update(file="")),
     ("arm name", lambda run: _rename_arm(run, "pin_sigma", "../../../escaped_arm")),
     ("empty arm name", lambda run: _rename_arm(run, "pin_sigma", "")),
     ("dot-dot arm name", lambda run: _rename_arm(run, "pin_sigma", "..")),
-    ("absolute store file", lambda run: run["bins"][1]["stores"]["pin_sigma"].update(file="/etc/passwd")),
+    ("absolute store file", lambda run: run["units"][1]["stores"]["pin_sigma"].update(file="/etc/passwd")),
 ]
 
 
@@ -135,8 +137,8 @@ def _rename_arm(run, old, new):
     for a in run["arms"]:
         if a["name"] == old:
             a["name"] = new
-    for b in run["bins"]:
-        b["stores"][new] = b["stores"].pop(old)
+    for u in run["units"]:
+        u["stores"][new] = u["stores"].pop(old)
 
 
 @pytest.mark.parametrize("name", ["reduce", "status", "compare", "resume"])
@@ -209,10 +211,13 @@ def test_a_fifo_in_place_of_run_json_does_not_hang(run_copy, capsys):
 
 MALFORMED = [
     ("missing role", lambda run: run["arms"][0].pop("role"), "arms[0].role"),
-    ("no bins", lambda run: run.update(bins=[]), "bins"),
-    ("store entry a string", lambda run: run["bins"][0]["stores"].update(native="done"), "bins[0].stores.native"),
+    ("no units", lambda run: run.update(units=[]), "units"),
+    ("store entry a string", lambda run: run["units"][0]["stores"].update(native="done"),
+     "units[0].stores.native"),
     ("no config_hash", lambda run: run["arms"][1].pop("config_hash"), "arms[1].config_hash"),
-    ("sigma a string", lambda run: run["bins"][2].update(sigma="abc"), "bins[2].sigma"),
+    ("sigma a string", lambda run: run["units"][2]["probe"].update(sigma="abc"), "units[2].probe.sigma"),
+    ("no measure", lambda run: run.pop("measure"), "measure"),
+    ("unknown measure", lambda run: run.update(measure="curvature"), "measure"),
     ("status unknown", lambda run: run.update(status="exploded"), "status"),
 ]
 
@@ -322,7 +327,7 @@ def test_hypothesis_mutated_store_metadata_never_yields_a_number(made_run, tmp_p
         path.write_bytes(data)
         import hashlib
 
-        edit_run_json(run_dir, lambda run: run["bins"][0]["stores"]["native"].update(
+        edit_run_json(run_dir, lambda run: run["units"][0]["stores"]["native"].update(
             sha256=hashlib.sha256(data).hexdigest()))
         _check_readers(run_dir, made_run, capsys)
 
@@ -406,7 +411,8 @@ def test_user_code_raising_mid_run_is_exit_4_in_one_line(tmp_path):
     assert proc.returncode == 4, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "bin 2 (σ=1.2)" in lines[0] and "user code broke" in lines[0], lines
-    assert json.loads((run_dir / "run.json").read_text())["failure"]["bin_index"] == 2
+    failure = json.loads((run_dir / "run.json").read_text())["failure"]
+    assert failure["unit_index"] == 2 and failure["unit"] == "bin 2 (σ=1.2)"
 
 
 # ----------------------------------------------------------------------------- the streaming store format
@@ -429,10 +435,20 @@ def test_an_old_format_store_asks_for_a_new_measurement(run_copy, capsys):
     store = _first_store(run_copy)
     data = safetensors.torch.save({"sums": torch.ones(4, 3)}, metadata={"format": "twinrun-store/1"})
     store.write_bytes(data)
-    edit_run_json(run_copy, lambda run: run["bins"][0]["stores"]["native"].update(
+    edit_run_json(run_copy, lambda run: run["units"][0]["stores"]["native"].update(
         sha256=hashlib.sha256(data).hexdigest()))
     code, out, err = cli(reduce.main, [run_copy], capsys)
     one_line_refusal(code, out, err, store.name, "twinrun-store/1", "measure the run again")
+
+
+@pytest.mark.parametrize("name", ["reduce", "status", "compare", "resume"])
+def test_a_format_1_run_json_asks_for_a_new_measurement(run_copy, made_run, capsys, name):
+    """run.json of σ bins (twinrun-run/1, written before units) is refused in one line, never migrated."""
+    edit_run_json(run_copy, lambda run: run.update(format="twinrun-run/1"))
+    main = resume.main if name == "resume" else READERS[name]
+    argv = [run_copy, "--local"] if name == "resume" else entry(name, run_copy, made_run)
+    code, out, err = cli(main, argv, capsys)
+    one_line_refusal(code, out, err, "run.json", "twinrun-run/1", "measure the run again")
 
 
 def test_a_forged_tensor_with_a_matching_file_digest_yields_no_number(run_copy, capsys):
@@ -440,7 +456,7 @@ def test_a_forged_tensor_with_a_matching_file_digest_yields_no_number(run_copy, 
     digest (in the store's metadata) still refuses it, and no summary is written."""
     import hashlib
 
-    from twinrun.store import StoreReader
+    from twinrun.storage.store import StoreReader
 
     store = _first_store(run_copy)
     with StoreReader(store) as reader:
@@ -448,7 +464,7 @@ def test_a_forged_tensor_with_a_matching_file_digest_yields_no_number(run_copy, 
     data = bytearray(store.read_bytes())
     data[start + 2] ^= 0x04
     store.write_bytes(bytes(data))
-    edit_run_json(run_copy, lambda run: run["bins"][0]["stores"]["native"].update(
+    edit_run_json(run_copy, lambda run: run["units"][0]["stores"]["native"].update(
         sha256=hashlib.sha256(bytes(data)).hexdigest()))
     (run_copy / "summary.json").unlink()
     code, out, err = cli(reduce.main, [run_copy], capsys)
@@ -471,10 +487,8 @@ def test_launch_json_writes_no_line_into_the_sbatch_script(tmp_path, knob, value
     job = {"job_id": "999999", "result": str(tmp_path / "r"), "stdout": "o", "stderr": "e"}
     launched = {"cluster": "slurm", **job, "folder": "f", "launcher": {"name": "slurm", knob: value}}
     (tmp_path / "launch.json").write_text(json.dumps(launched))
-    from twinrun.rundir import RunDir
-
     with pytest.raises(StoreError, match=rf"launch.json: field {field}\b.*resume with --local") as err:
-        resume.submitted_launcher(RunDir(tmp_path))
+        submitted_launcher(RunDir(tmp_path))
     assert "\n" not in str(err.value).replace(repr(value), "") and "Traceback" not in str(err.value)
 
 
@@ -488,8 +502,8 @@ def test_a_local_job_id_that_is_no_process_id_is_refused(run_copy, capsys, job_i
 
 
 def test_a_symlinked_env_directory_is_refused_before_a_job_writes_through_it(run_copy, tmp_path):
-    from twinrun.run import start_job
-    from twinrun.rundir import RunIndex
+    from twinrun.job import start_job
+    from twinrun.storage.rundir import RunIndex
 
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -29,11 +29,11 @@ def run_doc(sigmas, gates=(), arms=ARMS, status: str = "planned", hashes: dict |
 
     arms: (name, role) pairs; hashes: {arm: config_hash} (default: a distinct hex digest per arm)."""
     planned = [Arm(name, {}, role) for name, role in arms]
+    hashes = {a.name: f"{k + 1:016x}" for k, a in enumerate(planned)} | (hashes or {})
     units = [unit_entry({"index": i, "label": bin_label(i, s), "gate": s in gates, "probe": {"sigma": s},
                          "file": store_name(i, s)}, planned) for i, s in enumerate(sigmas)]
     return {"format": RUN_FORMAT, "measure": "probe", "status": status, "command": None, "reference": None,
-            "arms": [{"name": a.name, "role": a.role, "config_hash": (hashes or {}).get(a.name, f"{k + 1:016x}")}
-                     for k, a in enumerate(planned)],
+            "arms": [{"name": a.name, "role": a.role, "config_hash": hashes[a.name]} for a in planned],
             "registered": dict(registered or REGISTERED), "units": units}
 
 

@@ -1,4 +1,5 @@
-"""The reducer's one streaming pass (twinrun.analysis.scan) against a whole-matrix numpy reduction of the same stores."""
+"""The reducer's one streaming pass (twinrun.analysis.scan) against a whole-matrix numpy reduction of the
+same stores."""
 
 import hashlib
 import itertools

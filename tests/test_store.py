@@ -130,7 +130,8 @@ def test_second_writer_is_refused_and_a_stale_lock_recovered(tmp_path, capsys):
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(StoreError, match=f"being written by pid {holder.pid} on this host"), job_lock(tmp_path):
+        with pytest.raises(StoreError, match=f"being written by pid {holder.pid} on this host"), \
+                job_lock(tmp_path):
             pass
     finally:
         holder.kill()

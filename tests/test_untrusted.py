@@ -112,7 +112,8 @@ def test_an_edited_seed_is_refused_before_it_mixes_into_the_run(run_copy, capsys
 def test_a_forged_reference_claim_in_summary_json_is_refused(run_copy, made_run):
     summary = json.loads((run_copy / "summary.json").read_text())
     # a well-formed claim (every field of a reference report), about a run this run.json does not name
-    summary["reference"] = {"path": str(made_run), "alive": True, "status": "alive", "detail": "reference ALIVE"}
+    summary["reference"] = {"path": str(made_run), "alive": True, "status": "alive",
+                            "detail": "reference ALIVE"}
     (run_copy / "summary.json").write_text(json.dumps(summary))
     # compare asks whether A vouches for B only across kernel paths; it recomputes the verdict from the
     # stores (A's run.json names no reference), so the forged claim counts for nothing

@@ -167,3 +167,12 @@ def test_lint_enforces_the_declared_line_length():
     finally:
         tmp_line.unlink(missing_ok=True)
     assert "E501" in probe.stdout
+
+
+def test_the_probes_arithmetic_imports_torch_alone():
+    """benchmarks/bench_gpu.py imports the probe's arithmetic on a GPU image that may lack Hydra,
+    OmegaConf and PyYAML: measures/fold_sums.py must not pull them in (through a package __init__)."""
+    code = ("import sys, twinrun.measures.fold_sums; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'omegaconf', 'yaml', 'submitit'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

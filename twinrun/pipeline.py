@@ -17,7 +17,7 @@ from twinrun.job import run_job
 from twinrun.launchers.record import submitted_launcher
 from twinrun.launchers.submit import submit
 from twinrun.launchers.wait import wait
-from twinrun.measures import measure_of
+from twinrun.measures.registry import measure_of
 from twinrun.plan import plan_run, trusted_targets
 from twinrun.publish import publish
 from twinrun.publish.render import render

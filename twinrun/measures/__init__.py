@@ -1,15 +1,3 @@
-"""Measurement kinds: MEASURES lists each, and the config's `measure` key selects one (`probe` the
-default)."""
-
-from twinrun.errors import ConfigError
-from twinrun.measures.kind import Measure
-from twinrun.measures.probe import PROBE
-
-MEASURES: dict[str, Measure] = {m.name: m for m in (PROBE,)}
-
-
-def measure_of(name: str) -> Measure:
-    """The kind a config (or run.json) names, or a one-line error listing the valid choices."""
-    if name not in MEASURES:
-        raise ConfigError("measure", name, f"choose one of {', '.join(MEASURES)}")
-    return MEASURES[name]
+"""Measurement kinds (the table is measures/registry.py). This package's modules import nothing heavy on
+their own: fold_sums, modes and kind need torch alone, so a GPU check can import the probe's arithmetic
+without Hydra."""

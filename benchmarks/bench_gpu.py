@@ -1,7 +1,7 @@
 """GPU pace of the probe: probe / plain batched backward, eager and compiled, with peak GPU memory.
 
-    python benchmarks/bench_gpu.py                       # on a GPU: DiT-B/2 (P ≈ 1.3e8, 256 tokens) and
-                                                         # the P = 7.6 M / 16-token DiT; < 8 min on an H100/H200
+    python benchmarks/bench_gpu.py                       # on a GPU: DiT-B/2 (P ≈ 1.3e8, 256 tokens) and the
+                                                         # P = 7.6 M / 16-token DiT; < 8 min on an H100/H200
     python benchmarks/bench_gpu.py --device cpu --cpu-sizes --reps 3   # the CPU-sized variant
     python benchmarks/bench_gpu.py --json out.json       # also write the figures as JSON
 
@@ -114,18 +114,19 @@ def bench_size(name: str, arch: dict, chunk_images: int, chunk_draws: int, devic
         forward = model if mode == "eager" else torch.compile(model, mode=mode, dynamic=False)
         fns = {
             "floor": lambda fw=forward: plain_backward(model, fw, images, eps, chunk_images * chunk_draws),
-            "folds": lambda fw=forward: probe.fold_sums(model, names, images, eps, SIGMA, sigma_cond, folds, N_FOLDS,
-                                                        **call, method="folds", forward=fw),
+            "folds": lambda fw=forward: probe.fold_sums(model, names, images, eps, SIGMA, sigma_cond, folds,
+                                                        N_FOLDS, **call, method="folds", forward=fw),
         }
         if mode == "eager":
-            fns["vmap"] = lambda: probe.fold_sums(model, names, images, eps, SIGMA, sigma_cond, folds, N_FOLDS,
-                                                  **call, method="vmap")
+            fns["vmap"] = lambda: probe.fold_sums(model, names, images, eps, SIGMA, sigma_cond, folds,
+                                                  N_FOLDS, **call, method="vmap")
         t = timed(fns, reps, sync)
         for method in [m for m in ("vmap", "folds") if m in t]:
             ratios = [a / b for a, b in zip(t[method]["s"], t["floor"]["s"])]
             rows.append({
                 "size": name, "params": n_params, "tokens": tokens, "mode": mode, "method": method,
-                "probe_ms": 1e3 * statistics.median(t[method]["s"]), "floor_ms": 1e3 * statistics.median(t["floor"]["s"]),
+                "probe_ms": 1e3 * statistics.median(t[method]["s"]),
+                "floor_ms": 1e3 * statistics.median(t["floor"]["s"]),
                 "ratio": statistics.median(ratios), "peak_gb_probe": t[method]["peak_gb"],
                 "peak_gb_floor": t["floor"]["peak_gb"], "warmup_s": t[method]["warmup_s"],
                 "floor_warmup_s": t["floor"]["warmup_s"],
@@ -135,10 +136,11 @@ def bench_size(name: str, arch: dict, chunk_images: int, chunk_draws: int, devic
 
 
 def format_row(r: dict) -> str:
-    peak = "" if r["peak_gb_probe"] is None else f", peak {r['peak_gb_probe']:.1f} / {r['peak_gb_floor']:.1f} GB"
-    return (f"{r['size']:>15} P={r['params'] / 1e6:7.2f}M T={r['tokens']:3d} {r['mode']:>8} {r['method']:>5}: "
-            f"probe {r['probe_ms']:9.1f} ms, floor {r['floor_ms']:9.1f} ms, ratio {r['ratio']:.2f}x{peak} "
-            f"(first call {r['warmup_s']:.1f} s)")
+    peak = ("" if r["peak_gb_probe"] is None
+            else f", peak {r['peak_gb_probe']:.1f} / {r['peak_gb_floor']:.1f} GB")
+    return (f"{r['size']:>15} P={r['params'] / 1e6:7.2f}M T={r['tokens']:3d} {r['mode']:>8} "
+            f"{r['method']:>5}: probe {r['probe_ms']:9.1f} ms, floor {r['floor_ms']:9.1f} ms, "
+            f"ratio {r['ratio']:.2f}x{peak} (first call {r['warmup_s']:.1f} s)")
 
 
 def main() -> None:
@@ -157,8 +159,8 @@ def main() -> None:
     sizes = CPU_SIZES if args.cpu_sizes else SIZES
     chosen = args.sizes.split(",") if args.sizes else list(sizes)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {hardware}, threads {torch.get_num_threads()}, "
-          f"compile cache {cache}", flush=True)
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {hardware}, "
+          f"threads {torch.get_num_threads()}, compile cache {cache}", flush=True)
     rows = []
     t0 = time.perf_counter()
     for name in chosen:
@@ -167,8 +169,8 @@ def main() -> None:
     print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"hardware": hardware, "torch": torch.__version__, "cuda": torch.version.cuda, "rows": rows},
-                      f, indent=2)
+            json.dump({"hardware": hardware, "torch": torch.__version__, "cuda": torch.version.cuda,
+                       "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -78,8 +78,8 @@ def per_sample_loop(model, names, images, eps, fold_of_image) -> torch.Tensor:
     """The loop researchers write first: one forward and backward per (image, draw)."""
     params = dict(model.named_parameters())
     lam = float(probe.edm_weight(torch.tensor(SIGMA), model.sigma_data))
-    sums = torch.zeros(int(fold_of_image.max()) + 1, sum(params[n].numel() for n in names), dtype=torch.float64,
-                       device=images.device)
+    sums = torch.zeros(int(fold_of_image.max()) + 1, sum(params[n].numel() for n in names),
+                       dtype=torch.float64, device=images.device)
     sig = torch.tensor([SIGMA], device=images.device)
     for i in range(images.shape[0]):
         for d in range(eps.shape[1]):
@@ -92,8 +92,8 @@ def per_sample_loop(model, names, images, eps, fold_of_image) -> torch.Tensor:
 
 
 def twinrun_probe(model, names, images, eps, fold_of_image, sigma_cond=SIGMA, **chunks) -> torch.Tensor:
-    return probe.fold_sums(model, names, images, eps, SIGMA, torch.tensor(sigma_cond, device=images.device), fold_of_image,
-                           int(fold_of_image.max()) + 1, **chunks)
+    return probe.fold_sums(model, names, images, eps, SIGMA, torch.tensor(sigma_cond, device=images.device),
+                           fold_of_image, int(fold_of_image.max()) + 1, **chunks)
 
 
 def batched_backward(model, names, images, eps, fold_of_image) -> None:
@@ -101,8 +101,8 @@ def batched_backward(model, names, images, eps, fold_of_image) -> None:
     n, d = eps.shape[:2]
     clean = images.repeat_interleave(d, 0)
     sig = torch.full((n * d,), SIGMA, device=images.device)
-    loss = (probe.edm_weight(sig, model.sigma_data) * (model(clean + SIGMA * eps.flatten(0, 1), sig, sig) - clean)
-            .square().flatten(1).mean(1)).sum()
+    loss = (probe.edm_weight(sig, model.sigma_data)
+            * (model(clean + SIGMA * eps.flatten(0, 1), sig, sig) - clean).square().flatten(1).mean(1)).sum()
     model.zero_grad(set_to_none=True)
     loss.backward()
 
@@ -145,7 +145,8 @@ def speed(args, model, names, images, ids, eps, fold_of_image) -> dict:
     t = interleaved({"probe": lambda: twinrun_probe(*inputs), "floor": lambda: batched_backward(*inputs)},
                     4 * args.reps)
     return {"loop_s": med(loop_t), "probe_s": med(t["probe"]), "floor_s": med(t["floor"]),
-            "loop_over_probe": med(loop_t) / med(t["probe"]), "probe_over_floor": ratio(t["probe"], t["floor"]),
+            "loop_over_probe": med(loop_t) / med(t["probe"]),
+            "probe_over_floor": ratio(t["probe"], t["floor"]),
             "min_probe_over_floor": min(t["probe"]) / min(t["floor"]), "max_rel_err_vs_loop": err}
 
 
@@ -159,7 +160,8 @@ def pair_vs_arm(args, model, names, images, ids, eps, fold_of_image) -> dict:
         e = draws.noise(SEED, SIGMA, ids, N_DRAWS, shape)
         for sigma_cond in arms:
             draws.digest(e, SIGMA)
-            probe.fold_sums(model, names, images, e, SIGMA, sigma_cond, fold_of_image, int(fold_of_image.max()) + 1)
+            probe.fold_sums(model, names, images, e, SIGMA, sigma_cond, fold_of_image,
+                            int(fold_of_image.max()) + 1)
 
     t = interleaved({"arm": lambda: bin_of([native]), "pair": lambda: bin_of([native, pinned]),
                      "draws": lambda: draws.noise(SEED, SIGMA, ids, N_DRAWS, shape)}, args.reps * 2)
@@ -232,13 +234,13 @@ def job_child(reps: int) -> None:
             shutil.rmtree(run_dir)
 
         t = interleaved({"arm": lambda: job("arm"), "pair": lambda: job("pair")}, reps)
-    print(json.dumps({"arm_s": med(t["arm"]), "pair_s": med(t["pair"]), "pair_over_arm": ratio(t["pair"], t["arm"]),
-                      "bins": len(cfg.sigma_grid.sigmas)}))
+    print(json.dumps({"arm_s": med(t["arm"]), "pair_s": med(t["pair"]),
+                      "pair_over_arm": ratio(t["pair"], t["arm"]), "bins": len(cfg.sigma_grid.sigmas)}))
 
 
 def job_pair_vs_arm(args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--job-child", str(2 * args.reps)], capture_output=True, text=True,
-                         check=True, env={**os.environ, "BENCH_THREADS": str(args.threads)})
+    out = subprocess.run([sys.executable, __file__, "--job-child", str(2 * args.reps)], capture_output=True,
+                         text=True, check=True, env={**os.environ, "BENCH_THREADS": str(args.threads)})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -277,8 +279,9 @@ def chunk_sweep(args, model, names, images, ids, eps, fold_of_image) -> list[dic
         t = interleaved(fns, args.reps)
         for s in settings:
             per_call = (images.shape[0] if s[0] < 1 else s[0]) * (d if s[1] < 1 else min(s[1], d))
-            rows.append({"n_draws": d, "chunk_images": s[0], "chunk_draws": s[1], "samples_per_call": per_call,
-                         "probe_s": med(t[s]), "over_floor": ratio(t[s], t["floor"])})
+            rows.append({"n_draws": d, "chunk_images": s[0], "chunk_draws": s[1],
+                         "samples_per_call": per_call, "probe_s": med(t[s]),
+                         "over_floor": ratio(t[s], t["floor"])})
     return rows
 
 
@@ -287,8 +290,8 @@ def end_to_end() -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="twinrun-bench-"))
     run_dir = tmp / "run"
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "twinrun", "+experiment=pin_sigma", f"hydra.run.dir={run_dir}"],
-                          cwd=tmp, capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "twinrun", "+experiment=pin_sigma",
+                           f"hydra.run.dir={run_dir}"], cwd=tmp, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - t
     size = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
     bins = [line for line in proc.stdout.splitlines() if line.startswith("bin ")]
@@ -306,11 +309,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="repetitions per timing (medians reported)")
     ap.add_argument("--chunks", action="store_true", help="also sweep chunk shapes (chose the default)")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end default run")
-    ap.add_argument("--width", type=int, default=DEFAULT_ARCH["width"], help="model width (default: the default model)")
+    ap.add_argument("--width", type=int, default=DEFAULT_ARCH["width"],
+                    help="model width (default: the default model)")
     ap.add_argument("--depth", type=int, default=DEFAULT_ARCH["depth"])
     ap.add_argument("--folds", type=int, default=N_FOLDS)
-    ap.add_argument("--speed-only", action="store_true", help="only the speed section (e.g. for a larger model)")
-    ap.add_argument("--device", default="cpu", help="device for the speed section (cuda: implies --speed-only)")
+    ap.add_argument("--speed-only", action="store_true",
+                    help="only the speed section (e.g. for a larger model)")
+    ap.add_argument("--device", default="cpu",
+                    help="device for the speed section (cuda: implies --speed-only)")
     ap.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--chunk-images", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--chunk-draws", type=int, help=argparse.SUPPRESS)
@@ -335,17 +341,19 @@ def main() -> None:
     model, names, images, _, eps, fold_of_image = inputs
     n_params = sum(p.numel() for n, p in model.named_parameters() if n in names)
     print(f"twinrun probe benchmark  {time.strftime('%Y-%m-%d %H:%M')}  torch {torch.__version__}  "
-          f"{platform.machine()} {os.cpu_count()} CPUs  threads={args.threads}  load avg {os.getloadavg()[0]:.1f}")
+          f"{platform.machine()} {os.cpu_count()} CPUs  threads={args.threads}  "
+          f"load avg {os.getloadavg()[0]:.1f}")
     print(f"model: DiT {model.arch}, {n_params} probed parameters, {model_desc}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
-    print(f"inputs: {N_IMAGES} images x {N_DRAWS} draws = {N_IMAGES * N_DRAWS} samples per bin, {args.folds} folds, "
-          f"σ={SIGMA}; medians of interleaved repetitions (probe vs floor: {4 * args.reps})\n")
+    print(f"inputs: {N_IMAGES} images x {N_DRAWS} draws = {N_IMAGES * N_DRAWS} samples per bin, "
+          f"{args.folds} folds, σ={SIGMA}; medians of interleaved repetitions "
+          f"(probe vs floor: {4 * args.reps})\n")
 
     s = speed(args, *inputs)
     print("speed, one bin and arm:")
     print(f"  per-sample loop            {s['loop_s'] * 1e3:8.1f} ms")
-    print(f"  twinrun probe (fold sums)  {s['probe_s'] * 1e3:8.1f} ms   max |Δ| vs loop = {s['max_rel_err_vs_loop']:.1e}"
-          " of max |sum|")
+    print(f"  twinrun probe (fold sums)  {s['probe_s'] * 1e3:8.1f} ms   max |Δ| vs loop = "
+          f"{s['max_rel_err_vs_loop']:.1e} of max |sum|")
     print(f"  plain batched backward     {s['floor_s'] * 1e3:8.1f} ms   (floor: mean gradient only)")
     print(f"  loop / probe   = {s['loop_over_probe']:6.1f} x   (target ≥ 8)")
     print(f"  probe / floor  = {s['probe_over_floor']:6.2f} x   (target ≤ 1.4; ratio of best times "
@@ -357,7 +365,8 @@ def main() -> None:
     j = job_pair_vs_arm(args)
     print("twin cost (target: pair ≤ 1.9 x one arm alone):")
     print(f"  one bin: draws once ({p['draws_s'] * 1e3:.1f} ms) + each arm's digest and probe: one arm "
-          f"{p['arm_s'] * 1e3:.1f} ms, pair {p['pair_s'] * 1e3:.1f} ms   pair / arm = {p['pair_over_arm']:.2f}")
+          f"{p['arm_s'] * 1e3:.1f} ms, pair {p['pair_s'] * 1e3:.1f} ms   "
+          f"pair / arm = {p['pair_over_arm']:.2f}")
     print(f"  one job (job.run_job, {j['bins']} bins, stores written; model, data, determinism, fingerprint "
           f"and sentinel once): one arm {j['arm_s']:.2f} s, pair {j['pair_s']:.2f} s   pair / arm = "
           f"{j['pair_over_arm']:.2f}\n")
@@ -367,22 +376,25 @@ def main() -> None:
     print("peak RSS, one probe call in a fresh process (setup = after imports, model, data and draws):")
     for r in rows:
         print(f"  {r['n_draws']:4d} draws/image: peak {r['peak_mb']:7.1f} MB  (setup {r['setup_mb']:.1f} MB, "
-              f"probe {r['probe_s']:.2f} s)   vs 12 draws: {100 * (r['peak_mb'] / base - 1):+.1f}%   (target ≤ +10%)")
+              f"probe {r['probe_s']:.2f} s)   vs 12 draws: {100 * (r['peak_mb'] / base - 1):+.1f}%   "
+              "(target ≤ +10%)")
     print()
 
     peak = matmul_throughput()
     flops = probe_flops(model, names, images, eps, fold_of_image)
     achieved = flops / s["probe_s"]
-    print(f"throughput: float32 matmul 2048² peak {peak / 1e9:.1f} GFLOP/s; probe {flops / 1e9:.2f} GFLOP (matmuls) "
-          f"in {s['probe_s'] * 1e3:.1f} ms = {achieved / 1e9:.1f} GFLOP/s = {100 * achieved / peak:.0f}% of peak "
-          f"(floor: {100 * flops / s['floor_s'] / peak:.0f}%)\n")
+    print(f"throughput: float32 matmul 2048² peak {peak / 1e9:.1f} GFLOP/s; probe {flops / 1e9:.2f} GFLOP "
+          f"(matmuls) in {s['probe_s'] * 1e3:.1f} ms = {achieved / 1e9:.1f} GFLOP/s = "
+          f"{100 * achieved / peak:.0f}% of peak (floor: {100 * flops / s['floor_s'] / peak:.0f}%)\n")
 
     if args.chunks:
         print("chunk sweep (probe time per bin; over floor = probe / plain backward at the same draws):")
         for r in chunk_sweep(args, *inputs):
-            print(f"  draws {r['n_draws']:3d}  chunk_images {r['chunk_images']:3d}  chunk_draws {r['chunk_draws']:3d}  "
-                  f"samples/call {r['samples_per_call']:5d}  {r['probe_s'] * 1e3:8.1f} ms  over floor {r['over_floor']:.2f}")
-        print("peak RSS by chunk (fresh process, one probe call; MB at " + ", ".join(map(str, RSS_DRAWS)) + " draws):")
+            print(f"  draws {r['n_draws']:3d}  chunk_images {r['chunk_images']:3d}  "
+                  f"chunk_draws {r['chunk_draws']:3d}  samples/call {r['samples_per_call']:5d}  "
+                  f"{r['probe_s'] * 1e3:8.1f} ms  over floor {r['over_floor']:.2f}")
+        print("peak RSS by chunk (fresh process, one probe call; MB at " + ", ".join(map(str, RSS_DRAWS))
+              + " draws):")
         for chunks in ((40, 12), (40, 6), (40, 3)):
             rows = peak_memory(args, chunks)
             print(f"  chunk {chunks[0]} images x {chunks[1]} draws: "
@@ -392,8 +404,8 @@ def main() -> None:
 
     if not args.no_e2e:
         e = end_to_end()
-        print(f"end to end: `python -m twinrun +experiment=pin_sigma` took {e['seconds']:.1f} s (target < 30 s), "
-              f"exit code {e['exit_code']}, run directory {e['run_dir_mb']:.1f} MB")
+        print(f"end to end: `python -m twinrun +experiment=pin_sigma` took {e['seconds']:.1f} s "
+              f"(target < 30 s), exit code {e['exit_code']}, run directory {e['run_dir_mb']:.1f} MB")
         for line in e["bin_lines"]:
             print(f"  {line}")
         for line in e["stderr_tail"]:

@@ -42,7 +42,8 @@ def synthetic_layout(n_params: int) -> list[dict]:
     """Four blocks, each a conditioning slice (5%) and the rest: the shape of a DiT's layout."""
     out, offset = [], 0
     for i in range(4):
-        for name, frac, cond in ((f"blocks.{i}.adaln.linear.weight", 0.05, True), (f"blocks.{i}.rest", 0.20, False)):
+        for name, frac, cond in ((f"blocks.{i}.adaln.linear.weight", 0.05, True),
+                                 (f"blocks.{i}.rest", 0.20, False)):
             numel = int(n_params * frac) if i < 3 or cond else n_params - offset
             out.append({"name": name, "offset": offset, "numel": numel, "shape": [numel], "cond": cond})
             offset += numel
@@ -62,7 +63,8 @@ def make_run(root: Path, n_folds: int) -> Path:
     register_configs()
     overrides = ["+experiment=pin_sigma", f"sigma_grid.sigmas=[{','.join(map(str, SIGMAS))}]",
                  f"intervention.sigma_pin={GATE}", f"probe.n_images={n_folds}", f"probe.n_folds={n_folds}",
-                 "probe.n_draws=1", "reduce.groups={block0:[blocks.0.*]}", "reduce.estimands=[all,cond,residual,block0]"]
+                 "probe.n_draws=1", "reduce.groups={block0:[blocks.0.*]}",
+                 "reduce.estimands=[all,cond,residual,block0]"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     run_dir = root / "run"
@@ -134,11 +136,13 @@ def reduce_in_child(run_dir: Path) -> dict:
     summary, code = reduction.summary, reduction.exit_code
     return {"seconds": seconds, "scan_s": spent["scan"], "exit_code": code, "valid": summary["valid"],
             "n_effects": len(summary["effects"]), "peak_rss": peak_rss(),
-            "rchar": io_after["rchar"] - io_before["rchar"], "read_bytes": io_after["read_bytes"] - io_before["read_bytes"]}
+            "rchar": io_after["rchar"] - io_before["rchar"],
+            "read_bytes": io_after["read_bytes"] - io_before["read_bytes"]}
 
 
 def proc_io() -> dict:
-    return {k: int(v) for k, v in (line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())}
+    return {k: int(v)
+            for k, v in (line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())}
 
 
 def peak_rss() -> int:
@@ -189,7 +193,8 @@ def main() -> None:
     print(f"twinrun reducer benchmark  {time.strftime('%Y-%m-%d %H:%M')}  torch {torch.__version__}  "
           f"{os.cpu_count()} CPUs  threads={args.threads}  load avg {os.getloadavg()[0]:.1f}")
     try:
-        print(f"self-check: streaming pass vs a whole-matrix numpy Gram, max relative diff {self_check(root / 'check'):.1e}")
+        print("self-check: streaming pass vs a whole-matrix numpy Gram, max relative diff "
+              f"{self_check(root / 'check'):.1e}")
         t = time.perf_counter()
         run_dir = make_run(root, args.folds)
         stores = rewrite_stores(run_dir, args.params)
@@ -201,12 +206,14 @@ def main() -> None:
         child = subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--reduce-only",
                                 str(run_dir)], capture_output=True, text=True, check=True)
         r = json.loads(child.stdout.strip().splitlines()[-1])
-        print(f"reduce_run (fresh process, stores evicted from the page cache): {r['seconds']:.1f} s, exit code "
-              f"{r['exit_code']}, valid={r['valid']}, {r['n_effects']} effects; the one pass {r['scan_s']:.1f} s")
+        print(f"reduce_run (fresh process, stores evicted from the page cache): {r['seconds']:.1f} s, "
+              f"exit code {r['exit_code']}, valid={r['valid']}, {r['n_effects']} effects; "
+              f"the one pass {r['scan_s']:.1f} s")
         print(f"  peak RSS {r['peak_rss'] / 2**20:,.0f} MiB (bound: 2 GiB whatever P; the stores are "
               f"{on_disk / 2**30:.1f} GiB)")
-        print(f"  bytes read: rchar {r['rchar']:,} = {r['rchar'] / on_disk:.4f} x the stores' {on_disk:,} bytes; "
-              f"from storage (read_bytes) {r['read_bytes']:,} = {r['read_bytes'] / on_disk:.4f} x")
+        print(f"  bytes read: rchar {r['rchar']:,} = {r['rchar'] / on_disk:.4f} x the stores' "
+              f"{on_disk:,} bytes; from storage (read_bytes) {r['read_bytes']:,} = "
+              f"{r['read_bytes'] / on_disk:.4f} x")
         print(f"  summary written: {RunDir(run_dir).summary_json.exists()}")
     finally:
         if args.keep is None:

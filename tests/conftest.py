@@ -37,8 +37,8 @@ def run_twinrun(args, cwd, module="twinrun", timeout=600, env=None):
     full_env = {**os.environ, **(env or {})}
     if env and "PYTHONPATH" in env and os.environ.get("PYTHONPATH"):  # keep a worktree's twinrun first
         full_env["PYTHONPATH"] = os.pathsep.join([os.environ["PYTHONPATH"], env["PYTHONPATH"]])
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, check=False,
-                          timeout=timeout, env=full_env)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+                          check=False, timeout=timeout, env=full_env)
 
 
 # ----------------------------------------------------------------------------- launching (SLURM, submitit)

@@ -37,4 +37,5 @@ def write_all(root: Path, sums: dict, layout: list[dict]) -> dict:
 
 def scan_sums(root: Path, sums: dict, layout: list[dict], gram_arms: list[str], n_bins: int, names: list[str],
               pairs: list[tuple[str, str]], bases=("native",), groups=None, chunk_params: int = 1_000_000):
-    return scan(write_all(root, sums, layout), gram_arms, n_bins, names, groups, list(bases), pairs, chunk_params)
+    return scan(write_all(root, sums, layout), gram_arms, n_bins, names, groups, list(bases), pairs,
+                chunk_params)

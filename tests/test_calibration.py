@@ -26,7 +26,8 @@ def sample_grams(rng, sizes, mu_a, mu_b, rho, reps):
     n = np.asarray(sizes, dtype=np.float64)
     f, root = len(n), np.sqrt(np.asarray(sizes, dtype=np.float64))
     cov = np.block([[np.eye(f), rho * np.eye(f)], [rho * np.eye(f), np.eye(f)]])
-    w = np.atleast_3d(stats.wishart(df=P - 2, scale=cov).rvs(size=reps, random_state=rng)).reshape(reps, 2 * f, 2 * f)
+    w = (np.atleast_3d(stats.wishart(df=P - 2, scale=cov).rvs(size=reps, random_state=rng))
+         .reshape(reps, 2 * f, 2 * f))
     w = w * np.tile(root, 2)[None, :, None] * np.tile(root, 2)[None, None, :]
     za = rng.standard_normal((reps, f, 2))
     zb = rho * za + np.sqrt(1 - rho**2) * rng.standard_normal((reps, f, 2))
@@ -71,10 +72,12 @@ BAND = (0.93 - 0.01, 0.97 + 0.01)
 
 def assert_calibrated(snr, folds, sizes):
     fold_sizes = (EQUAL if sizes == "equal" else UNEQUAL)[folds]
-    _, cov_cos, cov_ratio, reported = simulate(fold_sizes, snr, rho=0.9, reps=2000, seed=int(snr * 10) + folds)
+    _, cov_cos, cov_ratio, reported = simulate(fold_sizes, snr, rho=0.9, reps=2000,
+                                               seed=int(snr * 10) + folds)
     assert reported >= 1400  # SNR 0.3 at F = 5 withholds up to a fifth
     assert BAND[0] <= cov_cos <= BAND[1], f"cos interval covered the truth in {cov_cos:.3f} of cases"
-    assert BAND[0] <= cov_ratio <= BAND[1], f"norm-ratio interval covered the truth in {cov_ratio:.3f} of cases"
+    assert BAND[0] <= cov_ratio <= BAND[1], (f"norm-ratio interval covered the truth in {cov_ratio:.3f} "
+                                             "of cases")
 
 
 @pytest.mark.parametrize("sizes", ["equal", "unequal"])

@@ -166,7 +166,8 @@ def test_every_run_dir_command_refuses_bad_paths_in_one_line(tmp_path, module, w
 @pytest.mark.parametrize("module", ["twinrun.compare", "twinrun.diff"])
 def test_pair_commands_refuse_missing_paths_in_one_line(tmp_path, module):
     proc = run_twinrun([str(tmp_path / "a"), str(tmp_path / "b")], cwd=tmp_path, module=module)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert (proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+            and "Traceback" not in proc.stderr)
 
 
 def test_estimands_are_chosen_at_reduce_time_as_a_post_hoc_view(tmp_path):
@@ -175,6 +176,7 @@ def test_estimands_are_chosen_at_reduce_time_as_a_post_hoc_view(tmp_path):
     again = run_twinrun([str(run_dir), "--estimands", "all"], cwd=tmp_path, module="twinrun.reduce")
     assert again.returncode == 0, again.stderr
     summary = json.loads((run_dir / "views" / "estimands-all" / "summary.json").read_text())
-    assert {e["estimand"] for e in summary["effects"]} == {"all"} and summary["post_hoc"]["used"]["estimands"] == ["all"]
+    assert ({e["estimand"] for e in summary["effects"]} == {"all"}
+            and summary["post_hoc"]["used"]["estimands"] == ["all"])
     bad = run_twinrun([str(run_dir), "--estimands", "all,curvature"], cwd=tmp_path, module="twinrun.reduce")
     assert bad.returncode == 2 and "curvature" in bad.stderr and "Traceback" not in bad.stderr

@@ -59,7 +59,8 @@ def test_resume_reuses_the_cache_and_a_wiped_cache_is_refused(tmp_path):
 
     cold = run()
     assert cold.returncode == EXIT_OK, cold.stderr[-2000:]
-    assert "probe.method=auto chose folds" not in cold.stdout  # compiling: auto takes folds without a vmap trial
+    # compiling: auto takes folds without a vmap trial
+    assert "probe.method=auto chose folds" not in cold.stdout
     (path,) = run_dir.glob("env/kernel_path-*.json")
     compile_path = json.loads(path.read_text())["kernel_path"]["compile"]
     assert compile_path["mode"] == "default" and compile_path["caches"]["inductor"] != "absent"

@@ -25,7 +25,8 @@ def test_every_experiment_composes_and_builds(compose_cfg, name):
     grid = list(cfg.sigma_grid.sigmas)
     intervention.check(grid)
     noop = intervention.noop()
-    assert intervention.gate_sigmas(grid) or noop is not None, "every experiment needs a gate bin or a no-op setting"
+    assert intervention.gate_sigmas(grid) or noop is not None, ("every experiment needs a gate bin "
+                                                                "or a no-op setting")
     arms, diff = derive_arms(cfg, intervention.name, noop=noop)
     assert [a.role for a in arms] == ["intervention", "twin"] + (["machinery"] if noop is not None else [])
     assert diff and all(d["key"].startswith("intervention.") for d in diff)

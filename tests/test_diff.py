@@ -52,4 +52,5 @@ def test_cli_bad_input_exit_2(tmp_path, bad):
     elif bad == "mismatch":
         save_file({"v": torch.zeros(2)}, b)
     proc = run_twinrun([str(tmp_path / "a.safetensors"), str(b)], cwd=tmp_path, module="twinrun.diff")
-    assert proc.returncode == 2 and proc.stderr.startswith("twinrun: error:") and "Traceback" not in proc.stderr
+    assert (proc.returncode == 2 and proc.stderr.startswith("twinrun: error:")
+            and "Traceback" not in proc.stderr)

@@ -54,8 +54,8 @@ def test_auto_takes_folds_for_the_unet_and_vmap_for_the_dit():
 def test_end_to_end(tmp_path, experiment, method):
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")])}
-    proc = run_twinrun(["--config-dir", str(EXAMPLE / "conf"), f"+experiment={experiment}", f"hydra.run.dir={run_dir}"],
-                       cwd=tmp_path, env=env)
+    proc = run_twinrun(["--config-dir", str(EXAMPLE / "conf"), f"+experiment={experiment}",
+                        f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"probe.method=auto chose {method}" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -8,7 +8,8 @@ from conftest import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("*/README.md")),
          *sorted(REPO.glob("examples/*/README.md"))]
-PATH = re.compile(r"`((?:twinrun|tests|benchmarks|launch|conf|examples|docs)/[A-Za-z0-9_./-]+\.(?:py|md|yaml|sh))`")
+PATH = re.compile(r"`((?:twinrun|tests|benchmarks|launch|conf|examples|docs)/"
+                  r"[A-Za-z0-9_./-]+\.(?:py|md|yaml|sh))`")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())

@@ -33,7 +33,8 @@ def two_arms_with_cosine(rng, cos_true, n_params=200, signal_norm=2.0):
 
 def fold_sums(rng, mu, sizes, noise_std=1.0, shared_noise=None):
     """Per-fold sums of per-sample vectors μ + noise (optionally the other arm's noise, as in CRN)."""
-    noise = shared_noise if shared_noise is not None else rng.standard_normal((sum(sizes), mu.size)) * noise_std
+    noise = (shared_noise if shared_noise is not None
+             else rng.standard_normal((sum(sizes), mu.size)) * noise_std)
     samples = mu + noise
     edges = np.cumsum([0, *sizes])
     return np.stack([samples[a:b].sum(0) for a, b in itertools.pairwise(edges)]), noise
@@ -92,13 +93,15 @@ def test_debiased_cosine_recovers_truth_and_jackknife_covers_it(cos_true):
 
 
 def test_pure_noise_is_reported_below_noise_not_as_a_number():
-    """Signal, not sign: pure noise with shared draws, and norm² > 0 that is not significant, give no cosine."""
+    """Signal, not sign: pure noise with shared draws, and norm² > 0 that is not significant, give no
+    cosine."""
     rng = np.random.default_rng(3)
     sizes = [5] * 10
     below = positive_but_insignificant = 0
     for _ in range(200):
         sa, noise = fold_sums(rng, np.zeros(100), sizes)
-        sb, _ = fold_sums(rng, np.zeros(100), sizes, shared_noise=0.99 * noise + 0.14 * rng.standard_normal(noise.shape))
+        sb, _ = fold_sums(rng, np.zeros(100), sizes,
+                          shared_noise=0.99 * noise + 0.14 * rng.standard_normal(noise.shape))
         est = estimate(*grams(sa, sb), sizes, sizes, ALPHA)
         if est.below_noise:
             below += 1
@@ -123,7 +126,8 @@ def test_leave_one_out_and_jackknife_match_a_brute_force_recomputation():
         brute.append(debiased_inner((sa @ sa.T)[np.ix_(keep, keep)], sizes[keep], sizes[keep]))
     np.testing.assert_allclose(leave_one_out_inner(g), brute, rtol=1e-12)
     reps = np.asarray(brute)
-    assert jackknife_se(reps) == pytest.approx(np.sqrt((len(reps) - 1) / len(reps) * ((reps - reps.mean()) ** 2).sum()))
+    assert jackknife_se(reps) == pytest.approx(np.sqrt((len(reps) - 1) / len(reps)
+                                                       * ((reps - reps.mean()) ** 2).sum()))
 
 
 def test_unequal_folds_are_weighted_by_their_size():

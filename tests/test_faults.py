@@ -61,7 +61,8 @@ def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path):
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(SLOW_FSYNC)
     # keep the caller's PYTHONPATH (a worktree's twinrun) after the injection
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "inject"), os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "inject"),
+                                                       os.environ.get("PYTHONPATH")]))}
     run_dir = tmp_path / "killed"
     rng = random.Random(0)
 
@@ -121,7 +122,8 @@ NAN_AT_HIGH_SIGMA = textwrap.dedent("""
 def test_nan_gradient_stops_with_arm_bin_and_sigma_named(tmp_path):
     (tmp_path / "nan_intervention.py").write_text(NAN_AT_HIGH_SIGMA)
     run_dir = tmp_path / "run"
-    proc = run_twinrun([*FAULT_RUN, f"hydra.run.dir={run_dir}", "intervention._target_=nan_intervention.NanAboveOne"],
+    proc = run_twinrun([*FAULT_RUN, f"hydra.run.dir={run_dir}",
+                        "intervention._target_=nan_intervention.NanAboveOne"],
                        cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 1
     err = proc.stderr.strip().splitlines()

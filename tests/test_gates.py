@@ -12,7 +12,8 @@ from twinrun.analysis.references import reproduced
 from twinrun.storage.rundir import RunDir, RunIndex
 
 F, P = 5, 40
-LAYOUT = [{"name": "w", "offset": 0, "numel": 30, "cond": False}, {"name": "c", "offset": 30, "numel": 10, "cond": True}]
+LAYOUT = [{"name": "w", "offset": 0, "numel": 30, "cond": False},
+          {"name": "c", "offset": 30, "numel": 10, "cond": True}]
 SIGMAS, GATE = [0.2, 0.5], 0.5  # bin 1 is the gate bin
 
 
@@ -65,8 +66,10 @@ def test_close_is_not_a_no_op_on_a_deterministic_path(tmp_path, signal):
     rows = run_gates(tmp_path, twin * (1 + 1e-3), twin.clone(), twin=twin)
     assert not any(r["passed"] for r in rows)
     assert {r["rule"] for r in rows} == {"not a no-op on a deterministic path"}
-    assert rows[0]["detail"].startswith("not a no-op: the arms differ at a bin where the intervention claims to do nothing")
-    assert "σ=0.5, estimand all" in rows[0]["detail"] and "max relative difference of the sums 1.0" in rows[0]["detail"]
+    assert rows[0]["detail"].startswith("not a no-op: the arms differ at a bin where the intervention "
+                                        "claims to do nothing")
+    assert ("σ=0.5, estimand all" in rows[0]["detail"]
+            and "max relative difference of the sums 1.0" in rows[0]["detail"])
 
 
 def test_an_anti_aligned_gate_fails_whatever_the_replicate(tmp_path):
@@ -85,7 +88,8 @@ def test_on_a_nondeterministic_path_only_a_difference_within_the_replicate_passe
     assert all(r["passed"] for r in within) and {r["rule"] for r in within} == {"within the replicate"}
     beyond = run_gates(tmp_path, twin + 1e-3 * jitter / jitter.abs().max(), replicate, twin=twin)
     assert not any(r["passed"] for r in beyond) and {r["rule"] for r in beyond} == {"beyond the replicate"}
-    strict = run_gates(tmp_path, twin + 0.5e-5 * jitter / jitter.abs().max(), replicate, rule="bit_identical", twin=twin)
+    strict = run_gates(tmp_path, twin + 0.5e-5 * jitter / jitter.abs().max(), replicate,
+                       rule="bit_identical", twin=twin)
     assert not any(r["passed"] for r in strict)
 
 

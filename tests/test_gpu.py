@@ -33,8 +33,9 @@ def test_methods_agree_on_cuda_and_with_the_cpu():
         model = tiny_dit().to(device)
         images, eps, folds = inputs(device)
         names = probe.select_params(model, ["*"])
-        sums[device, method] = probe.fold_sums(model, names, images, eps, SIGMA, torch.tensor(1.2, device=device),
-                                               folds, 4, method=method).cpu()
+        sums[device, method] = probe.fold_sums(model, names, images, eps, SIGMA,
+                                               torch.tensor(1.2, device=device), folds, 4,
+                                               method=method).cpu()
     scale = sums["cpu", "vmap"].abs().max().item()
     for key in (("cuda", "vmap"), ("cuda", "folds")):
         # Another device and kernels: float32 rounding of sums of 24 per-sample gradients each.
@@ -45,8 +46,9 @@ def test_methods_agree_on_cuda_and_with_the_cpu():
 @pytest.mark.parametrize("method", ["vmap", "folds"])
 def test_determinism_on_gives_bit_identical_replicates_on_cuda(tmp_path, model_args, method):
     run_dir = tmp_path / "run"
-    proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, "probe.device=cuda", f"probe.method={method}",
-                        "arms.replicate=true", "determinism.enabled=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, "probe.device=cuda",
+                        f"probe.method={method}", "arms.replicate=true", "determinism.enabled=true",
+                        f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["valid"] is True
     kernel_path = json.loads(next(run_dir.glob("env/kernel_path-*.json")).read_text())["kernel_path"]

@@ -47,8 +47,9 @@ def test_help_lists_a_users_own_experiments(tmp_path):
     assert f"experiment: {', '.join(experiments)}" in done.stdout.splitlines()
 
 
-@pytest.mark.parametrize(("module", "codes"), [("twinrun.diff", "0 bit-identical; 1 at least one tensor differs; 2 bad"),
-                                               ("twinrun.compare", "0 compared; 2 bad; 3 kernel paths differ")])
+@pytest.mark.parametrize(("module", "codes"),
+                         [("twinrun.diff", "0 bit-identical; 1 at least one tensor differs; 2 bad"),
+                          ("twinrun.compare", "0 compared; 2 bad; 3 kernel paths differ")])
 def test_diff_and_compare_help_document_every_exit_code(module, codes, capsys):
     main = __import__(module, fromlist=["main"]).main
     with pytest.raises(SystemExit) as done:

@@ -69,8 +69,8 @@ def test_scale_input_is_the_model_at_a_scaled_input(model):
         assert torch.equal(hooked, model(x * 0.9, sigma))
 
 
-@pytest.mark.parametrize("intervention", [ScaleModule("blocks.1.attn", 1.0), ScaleModule("blocks.0.adaln", 1.0),
-                                          ScaleInput(1.0)])
+@pytest.mark.parametrize("intervention", [ScaleModule("blocks.1.attn", 1.0),
+                                          ScaleModule("blocks.0.adaln", 1.0), ScaleInput(1.0)])
 def test_no_op_settings_give_bit_identical_probe_sums(model, intervention):
     # The machinery arm's premise: the hook at its no-op setting leaves the probe's sums bit for bit.
     gen = torch.Generator().manual_seed(2)
@@ -82,8 +82,8 @@ def test_no_op_settings_give_bit_identical_probe_sums(model, intervention):
     with attached(intervention, model):
         hooked = probe.fold_sums(*args)
     assert torch.equal(plain, hooked)
-    with attached(type(intervention)(*((intervention.module,) if hasattr(intervention, "module") else ()), 0.5),
-                  model):
+    with attached(type(intervention)(*((intervention.module,) if hasattr(intervention, "module") else ()),
+                                     0.5), model):
         assert not torch.equal(plain, probe.fold_sums(*args))  # and the setting does reach the probe
 
 
@@ -118,7 +118,8 @@ def test_scale_module_runs_with_its_machinery_arm_bit_identical(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_twinrun(["+experiment=scale_module", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sorted(p.name for p in (run_dir / "arms").iterdir()) == ["native", "scale_module", "scale_module_noop"]
+    assert sorted(p.name for p in (run_dir / "arms").iterdir()) == ["native", "scale_module",
+                                                                    "scale_module_noop"]
     assert "[ok] machinery_is_a_no_op" in proc.stdout
 
 
@@ -126,10 +127,12 @@ def test_scale_module_runs_with_its_machinery_arm_bit_identical(tmp_path):
 def test_a_leaky_machinery_arm_fails_the_run(tmp_path):
     (tmp_path / "user_interventions.py").write_text(USER_INTERVENTIONS)
     run_dir = tmp_path / "run"
-    proc = run_twinrun(["+experiment=scale_module", "intervention._target_=user_interventions.LeakyScale", *TINY,
-                        f"hydra.run.dir={run_dir}"], cwd=tmp_path, env={"PYTHONPATH": _pythonpath(tmp_path)})
+    proc = run_twinrun(["+experiment=scale_module", "intervention._target_=user_interventions.LeakyScale",
+                        *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                       env={"PYTHONPATH": _pythonpath(tmp_path)})
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "[FAIL] machinery_is_a_no_op" in proc.stdout and "effects" not in proc.stdout.split("INSTRUMENT")[-1]
+    assert ("[FAIL] machinery_is_a_no_op" in proc.stdout
+            and "effects" not in proc.stdout.split("INSTRUMENT")[-1])
 
 
 def test_an_unknown_module_and_an_unchecked_intervention_are_refused_before_compute(tmp_path):

@@ -264,7 +264,8 @@ def test_failing_arm_is_reported_with_its_bin_and_exit_1(tmp_path, model_args, c
     run = json.loads((run_dir / "run.json").read_text())
     assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "unit_index": 2,
                                                             "unit": "bin 2 (σ=1.2)"}
-    assert len(store_sums(run_dir)) == 2 * 2 + 1  # bins 0 and 1 of both arms (+ the gate replicate) stay valid
+    # bins 0 and 1 of both arms (+ the gate replicate) stay valid
+    assert len(store_sums(run_dir)) == 2 * 2 + 1
 
 
 def _children(pid: int) -> list[int]:

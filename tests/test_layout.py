@@ -63,7 +63,8 @@ def imports(path: Path, known: dict) -> list[tuple[str, int, bool]]:
         for child in ast.iter_child_nodes(node):
             inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             if isinstance(child, ast.Import):
-                found.extend((a.name, child.lineno, in_function) for a in child.names if a.name.startswith("twinrun"))
+                found.extend((a.name, child.lineno, in_function) for a in child.names
+                             if a.name.startswith("twinrun"))
             elif isinstance(child, ast.ImportFrom) and (child.module or "").startswith("twinrun"):
                 for a in child.names:  # `from twinrun.measures import fold_sums` imports a submodule
                     sub = f"{child.module}.{a.name}"
@@ -90,13 +91,14 @@ def test_no_import_climbs_a_floor_and_no_command_imports_another():
     for module, path in known.items():
         for target, line, _ in imports(path, known):
             if floor(target) < floor(module):
-                bad.append(f"{path.relative_to(REPO)}:{line} imports {target} ({FLOORS[floor(target)][0]}, above "
-                           f"{FLOORS[floor(module)][0]})")
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {target} "
+                           f"({FLOORS[floor(target)][0]}, above {FLOORS[floor(module)][0]})")
             alias = module == "twinrun.__main__" and target == "twinrun.app"  # `python -m twinrun` is the app
             if module in COMMANDS and target in COMMANDS and target != module and not alias:
                 bad.append(f"{path.relative_to(REPO)}:{line}: a command line imports another ({target})")
             for a, b in APART:
-                if (module.startswith(a) and target.startswith(b)) or (module.startswith(b) and target.startswith(a)):
+                if ((module.startswith(a) and target.startswith(b))
+                    or (module.startswith(b) and target.startswith(a))):
                     bad.append(f"{path.relative_to(REPO)}:{line} imports {target}: {a} and {b} stay apart")
     assert not bad, "\n".join(bad)
 

@@ -1,4 +1,5 @@
-"""The default denoiser: shapes, the sigma/sigma_cond split, parameter naming, vmap+grad, committed weights."""
+"""The default denoiser: shapes, the sigma/sigma_cond split, parameter naming, vmap+grad, committed
+weights."""
 
 from __future__ import annotations
 

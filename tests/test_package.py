@@ -30,7 +30,8 @@ def _clean_env() -> dict:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """`pip wheel` of a copy of the tracked sources, as a user building from a fresh clone would."""
-    tracked = subprocess.run(["git", "ls-files", "-z", *SOURCES], cwd=REPO, capture_output=True, check=True).stdout
+    tracked = subprocess.run(["git", "ls-files", "-z", *SOURCES], cwd=REPO, capture_output=True,
+                             check=True).stdout
     src = tmp_path_factory.mktemp("src")
     for rel in filter(None, tracked.decode().split("\0")):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -44,7 +45,8 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_carries_every_config_and_the_weights(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    configs = {f"twinrun/conf/{p.relative_to(REPO / 'conf').as_posix()}" for p in (REPO / "conf").rglob("*.yaml")}
+    configs = {f"twinrun/conf/{p.relative_to(REPO / 'conf').as_posix()}"
+               for p in (REPO / "conf").rglob("*.yaml")}
     assert configs and configs <= names, sorted(configs - names)
     assert "twinrun/conf/hydra/help/twinrun.yaml" in names
     assert "twinrun/weights/dit_digits.safetensors" in names
@@ -52,7 +54,8 @@ def test_wheel_carries_every_config_and_the_weights(wheel):
 
 
 def test_wheel_declares_the_twinrun_command(wheel):
-    dist_info = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/entry_points.txt"))
+    dist_info = next(n for n in zipfile.ZipFile(wheel).namelist()
+                     if n.endswith(".dist-info/entry_points.txt"))
     entry_points = zipfile.ZipFile(wheel).read(dist_info).decode()
     assert "[console_scripts]" in entry_points and "twinrun = twinrun.app:main" in entry_points
 
@@ -82,8 +85,9 @@ def _run(installed: dict, *args: str, env: dict | None = None, exe: str | None =
 
 @pytest.mark.slow
 def test_installed_wheel_runs_every_documented_command_from_anywhere(installed):
-    imported = subprocess.run([str(installed["python"]), "-c", "import twinrun.app; print(twinrun.app.CONF_DIR)"],
-                              cwd=installed["cwd"], capture_output=True, text=True, check=True, env=_clean_env())
+    imported = subprocess.run([str(installed["python"]), "-c",
+                               "import twinrun.app; print(twinrun.app.CONF_DIR)"], cwd=installed["cwd"],
+                              capture_output=True, text=True, check=True, env=_clean_env())
     conf_dir = Path(imported.stdout.strip())
     assert REPO not in conf_dir.parents and conf_dir.parts[-2:] == ("twinrun", "conf"), conf_dir
 
@@ -108,8 +112,8 @@ def test_installed_wheel_runs_every_documented_command_from_anywhere(installed):
         assert done.returncode == 0, f"{args}: {done.stderr[-2000:]}"
 
     byo = REPO / "examples" / "byo"
-    own = _run(installed, "twinrun", "--config-dir", str(byo / "conf"), "+experiment=byo_bars", "hydra.run.dir=byo",
-               env={"PYTHONPATH": str(byo)})
+    own = _run(installed, "twinrun", "--config-dir", str(byo / "conf"), "+experiment=byo_bars",
+               "hydra.run.dir=byo", env={"PYTHONPATH": str(byo)})
     assert own.returncode == 0, own.stderr[-2000:]
     help_text = _run(installed, "--help", exe="twinrun")
     assert help_text.returncode == 0 and "pin_sigma" in help_text.stdout and "schema/" not in help_text.stdout

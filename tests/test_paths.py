@@ -26,7 +26,8 @@ def test_a_plot_that_cannot_be_written_is_one_store_error(tmp_path):
 
 def test_an_unwritable_compile_cache_and_a_non_utf8_run_dir_are_refused_at_plan_time(compose_cfg, tmp_path):
     (tmp_path / "file").write_text("x")
-    cfg = compose_cfg(["+experiment=pin_sigma", f"determinism.compile_cache_dir={tmp_path / 'file' / 'cache'}"])
+    cfg = compose_cfg(["+experiment=pin_sigma",
+                       f"determinism.compile_cache_dir={tmp_path / 'file' / 'cache'}"])
     with pytest.raises(ConfigError, match="determinism.compile_cache_dir"):
         check_paths(cfg, tmp_path / "run")
     cfg = compose_cfg(["+experiment=pin_sigma"])

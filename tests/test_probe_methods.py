@@ -111,7 +111,8 @@ def test_failure_record_lands_in_run_json(tmp_path):
 def cli(tmp_path, *extra, name="run"):
     run_dir = tmp_path / name
     env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path, env=env)
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path,
+                       env=env)
     return proc, run_dir
 
 

@@ -27,7 +27,8 @@ def test_every_protocol_key_is_a_key_of_the_schema():
 
 def test_protocol_differences_name_each_differing_key_and_only_those():
     base = {"data": {"_target_": "d"}, "sigma_grid": {"sigmas": [0.5]}, "seed": 0,
-            "probe": {"n_images": 8, "n_draws": 2, "n_folds": 4, "params": ["*"], "chunk_images": 4, "device": "cpu"}}
+            "probe": {"n_images": 8, "n_draws": 2, "n_folds": 4, "params": ["*"], "chunk_images": 4,
+                      "device": "cpu"}}
     assert protocol_differences(base, base) == []
     other = {**base, "seed": 1, "probe": {**base["probe"], "n_draws": 3, "chunk_images": 2, "device": "cuda"}}
     assert protocol_differences(base, other) == ["seed", "probe.n_draws"]  # chunks and device: kernel path

@@ -49,7 +49,8 @@ def with_path(folder) -> dict:
 
 def run(tmp_path, name, *extra, env=None):
     run_dir = tmp_path / name
-    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path, env=env)
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path,
+                       env=env)
     return proc, run_dir
 
 
@@ -79,7 +80,8 @@ def test_compare_refuses_a_store_whose_fingerprint_was_altered(tmp_path):
     assert forced.returncode == 3 and "INVALID" in forced.stdout
     # every estimand, residual included, with bit-identity and the size of the difference
     rows = [line.split() for line in forced.stdout.splitlines()[2:]]
-    assert [r[1] for r in rows] == ["all", "cond", "residual"] and all(r[2:4] == ["yes", "0.000e+00"] for r in rows)
+    assert ([r[1] for r in rows] == ["all", "cond", "residual"]
+            and all(r[2:4] == ["yes", "0.000e+00"] for r in rows))
 
 
 def test_compare_refuses_a_reference_from_another_kernel_path(tmp_path):
@@ -95,7 +97,8 @@ def test_reference_alive_across_a_path_change_that_moves_no_bit_then_vouched_for
     proc, today = run(tmp_path, "today", f"reference={ref}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((today / "summary.json").read_text())
-    assert summary["reference"]["alive"] is True and summary["reference"]["rule"] == "bit-identical in every bin"
+    assert (summary["reference"]["alive"] is True
+            and summary["reference"]["rule"] == "bit-identical in every bin")
     assert any(f.startswith("threads") for f in summary["reference"]["kernel_path_differs_in"])
     assert "reference ALIVE" in proc.stdout
     # the same-environment control vouches for the reference, recomputed from the stores
@@ -129,7 +132,8 @@ def test_reference_dead_when_the_path_shifts_while_the_twin_gate_still_passes(tm
     assert "intervention_vs_reference" not in ref_verdict
     # the size of the shift per bin and estimand, residual included
     rows = ref_verdict["native_vs_reference"]
-    assert {r["estimand"] for r in rows} == {"all", "cond", "residual"} and all(r["max_shift"] > 0 for r in rows)
+    assert ({r["estimand"] for r in rows} == {"all", "cond", "residual"}
+            and all(r["max_shift"] > 0 for r in rows))
     assert "reference shift" in (today / "report.md").read_text()
 
 
@@ -200,8 +204,8 @@ def test_sentinel_check_fails_when_a_job_saw_the_path_move(tmp_path):
 # One changed value per key of the probe and determinism schemas. A key added later without an
 # entry here fails the walk below: every setting must be shown to move no bit or the digest.
 ALTERNATIVES = {
-    "probe.n_images": 6, "probe.n_draws": 3, "probe.n_folds": 3, "probe.params": "['blocks.*','cond_embed.*']",
-    "probe.chunk_images": 3, "probe.chunk_draws": 1,
+    "probe.n_images": 6, "probe.n_draws": 3, "probe.n_folds": 3,
+    "probe.params": "['blocks.*','cond_embed.*']", "probe.chunk_images": 3, "probe.chunk_draws": 1,
     "probe.device": None,  # one device on a CPU-only machine: nothing to change to
     "probe.method": "folds",
     # Compiling takes minutes on this CPU; test_probe_methods.py shows the compile mode moves the digest.
@@ -218,7 +222,8 @@ def digests(run_dir):
     out = {}
     for path in sorted(run_dir.glob("arms/*/*.safetensors")):
         store = read_store(path)
-        protocol = json.dumps([store.meta.get(k) for k in (*PROTOCOL_KEYS, "image_ids", "seed")], sort_keys=True)
+        protocol = json.dumps([store.meta.get(k) for k in (*PROTOCOL_KEYS, "image_ids", "seed")],
+                              sort_keys=True)
         out[path.relative_to(run_dir).as_posix()] = (store.sums.numpy().tobytes(),
                                                      (store.meta["env"]["kernel_path_sha256"], protocol))
     return out
@@ -231,8 +236,10 @@ def test_every_bit_moving_setting_is_on_the_record(tmp_path):
 
     from twinrun.config import DeterminismConfig, ProbeConfig
 
-    keys = [f"probe.{f.name}" for f in fields(ProbeConfig)] + [f"determinism.{f.name}" for f in fields(DeterminismConfig)]
-    assert set(keys) == set(ALTERNATIVES), f"give each new key a changed value in ALTERNATIVES: {set(keys) ^ set(ALTERNATIVES)}"
+    keys = ([f"probe.{f.name}" for f in fields(ProbeConfig)]
+            + [f"determinism.{f.name}" for f in fields(DeterminismConfig)])
+    assert set(keys) == set(ALTERNATIVES), ("give each new key a changed value in ALTERNATIVES: "
+                                            f"{set(keys) ^ set(ALTERNATIVES)}")
     _, base_dir = run(tmp_path, "base")
     base = digests(base_dir)
     moved = []
@@ -244,7 +251,8 @@ def test_every_bit_moving_setting_is_on_the_record(tmp_path):
         other = digests(other_dir)
         for name, (bits, digest) in other.items():
             if name in base and bits != base[name][0]:
-                assert digest != base[name][1], f"{key} changed {name} under the same kernel-path and protocol digest"
+                assert digest != base[name][1], (f"{key} changed {name} under the same kernel-path and "
+                                                 "protocol digest")
                 moved.append(key)
     # the walk is not vacuous: chunking really moves bits (that is why it is in the digest)
     assert "probe.chunk_images" in moved or "probe.chunk_draws" in moved
@@ -252,7 +260,8 @@ def test_every_bit_moving_setting_is_on_the_record(tmp_path):
 
 def test_interventions_that_prove_nothing_are_refused_before_compute(tmp_path):
     noop_dir = tmp_path / "gamma1"
-    noop = run_twinrun(["+experiment=scale_cond", *TINY, "intervention.gamma=1", f"hydra.run.dir={noop_dir}"], cwd=tmp_path)
+    noop = run_twinrun(["+experiment=scale_cond", *TINY, "intervention.gamma=1", f"hydra.run.dir={noop_dir}"],
+                       cwd=tmp_path)
     assert noop.returncode == 2 and "a no-op everywhere: nothing to measure" in noop.stderr
     assert "Traceback" not in noop.stderr and not (noop_dir / "run.json").exists()
     (tmp_path / "gateless.py").write_text(textwrap.dedent("""
@@ -262,5 +271,7 @@ def test_interventions_that_prove_nothing_are_refused_before_compute(tmp_path):
             def gate_sigmas(self, grid):
                 return []
     """))
-    gateless, _ = run(tmp_path, "gateless", "intervention._target_=gateless.Gateless", env=with_path(tmp_path))
-    assert gateless.returncode == 2 and "has no gate bin" in gateless.stderr and "Traceback" not in gateless.stderr
+    gateless, _ = run(tmp_path, "gateless", "intervention._target_=gateless.Gateless",
+                      env=with_path(tmp_path))
+    assert (gateless.returncode == 2 and "has no gate bin" in gateless.stderr
+            and "Traceback" not in gateless.stderr)

@@ -30,10 +30,12 @@ COLUMNS = {"all": list(range(P)), "residual": list(range(P)), "cond": [*range(7,
 
 def random_sums(arms, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    sums = {(a, b): (torch.randn(N_FOLDS, P, generator=gen) * 3 + 1).float() for a in arms for b in range(N_BINS)}
+    sums = {(a, b): (torch.randn(N_FOLDS, P, generator=gen) * 3 + 1).float()
+            for a in arms for b in range(N_BINS)}
     sums["native_replicate", 2] = sums["native", 2].clone()  # the gate replicate: one bin, bit-identical
     sums["native_replicate", 3] = sums["native", 3].clone()
-    sums["native_replicate", 3][1, 22] = torch.nextafter(sums["native", 3][1, 22], torch.tensor(100.0))  # one ulp
+    sums["native_replicate", 3][1, 22] = torch.nextafter(sums["native", 3][1, 22],
+                                                         torch.tensor(100.0))  # one ulp
     return sums
 
 
@@ -52,7 +54,8 @@ def test_streaming_pass_equals_a_whole_matrix_numpy_reduction(tmp_path, arms, ch
     sums = random_sums(arms)
     names = [*ESTIMANDS, *GROUPS]
     pairs = [(a, "native") for a in arms if a != "native"] + [("native_replicate", "native")]
-    found = scan_sums(tmp_path, sums, LAYOUT, arms, N_BINS, names, pairs, groups=GROUPS, chunk_params=chunk_params)
+    found = scan_sums(tmp_path, sums, LAYOUT, arms, N_BINS, names, pairs, groups=GROUPS,
+                      chunk_params=chunk_params)
     for name in names:
         full, resid = numpy_grams(sums, arms, COLUMNS[name])
         derived = ESTIMANDS[name].derive if name in ESTIMANDS else None
@@ -87,8 +90,8 @@ def test_residual_against_two_bases_in_one_pass(tmp_path):
     for base in arms:
         _, resid = numpy_grams(sums, arms, COLUMNS["residual"], base=base)
         got = found.gram("residual", base)
-        np.testing.assert_allclose(got[1, 0, :, 1], resid[N_FOLDS * 1 : N_FOLDS * 2, N_FOLDS * 5 : N_FOLDS * 6],
-                                   rtol=1e-12)
+        np.testing.assert_allclose(got[1, 0, :, 1],
+                                   resid[N_FOLDS * 1 : N_FOLDS * 2, N_FOLDS * 5 : N_FOLDS * 6], rtol=1e-12)
 
 
 def test_every_byte_is_read_once_in_file_order(tmp_path, monkeypatch):
@@ -103,7 +106,8 @@ def test_every_byte_is_read_once_in_file_order(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store_mod.os, "pread", counting)
     fds = {r.fd: r for r in readers.values()}
-    scan(readers, ["pin_sigma", "native"], N_BINS, ["all"], None, ["native"], [("pin_sigma", "native")], chunk_params=3)
+    scan(readers, ["pin_sigma", "native"], N_BINS, ["all"], None, ["native"], [("pin_sigma", "native")],
+         chunk_params=3)
     for fd, r in fds.items():
         payload = sorted(reads[fd])
         assert payload == reads[fd], "front to back"
@@ -137,7 +141,8 @@ def test_an_old_format_store_is_one_line_asking_to_measure_again(tmp_path):
     import safetensors.torch
 
     path = tmp_path / "old.safetensors"
-    path.write_bytes(safetensors.torch.save({"sums": torch.ones(3, 4)}, metadata={"format": "twinrun-store/1"}))
+    path.write_bytes(safetensors.torch.save({"sums": torch.ones(3, 4)},
+                                            metadata={"format": "twinrun-store/1"}))
     with pytest.raises(StoreError, match="format twinrun-store/1 .* measure the run again"):
         StoreReader(path)
 
@@ -160,7 +165,8 @@ def test_an_estimand_is_one_registry_entry_and_a_group_needs_only_config():
     assert available(LAYOUT) == list(ESTIMANDS)
     assert available([{**e, "cond": False} for e in LAYOUT]) == ["all", "residual"]
     assert available(LAYOUT, GROUPS) == [*ESTIMANDS, "block0", "heads"]
-    assert [g["name"] for g in LAYOUT if registry(GROUPS)["block0"].selects(g)] == ["blocks.0.a", "blocks.0.b"]
+    assert ([g["name"] for g in LAYOUT if registry(GROUPS)["block0"].selects(g)]
+            == ["blocks.0.a", "blocks.0.b"])
     check_estimands(["all", "block0"], GROUPS, LAYOUT)
 
 

@@ -65,16 +65,18 @@ def test_sweep_summary_report_and_heatmap(tmp_path):
 def test_bring_your_own_model_data_and_intervention(tmp_path):
     example = REPO / "examples" / "byo"
     run_dir = tmp_path / "byo"
-    proc = run_twinrun(["--config-dir", str(example / "conf"), "+experiment=byo_bars", f"hydra.run.dir={run_dir}"],
-                       cwd=tmp_path, env={"PYTHONPATH": f"{REPO}:{example}"})
+    proc = run_twinrun(["--config-dir", str(example / "conf"), "+experiment=byo_bars",
+                        f"hydra.run.dir={run_dir}"], cwd=tmp_path, env={"PYTHONPATH": f"{REPO}:{example}"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["arms"] == ["scale_cond", "native"]
-    assert [g["sigma"] for g in summary["gates"]] == [0.4] * 3 and all(g["bit_identical"] for g in summary["gates"])
+    assert ([g["sigma"] for g in summary["gates"]] == [0.4] * 3
+            and all(g["bit_identical"] for g in summary["gates"]))
     run = json.loads((run_dir / "run.json").read_text())
     store = next((run_dir / "arms" / "native").glob("*.safetensors"))
     layout = read_store(store).meta["layout"]
-    assert {e["name"] for e in layout if e["cond"]} == {"film.0.weight", "film.0.bias", "film.2.weight", "film.2.bias"}
+    assert {e["name"] for e in layout if e["cond"]} == {"film.0.weight", "film.0.bias", "film.2.weight",
+                                                        "film.2.bias"}
     assert run["units"][0]["stores"]["scale_cond"]["status"] == "done"
 
 
@@ -86,8 +88,8 @@ def fresh_meta(store) -> dict:
 def test_post_hoc_settings_make_a_labelled_view_and_never_rewrite_the_registered_verdict(tmp_path):
     run_dir = tmp_path / "run"
     # registered: the strict rule; the stores are then edited as a nondeterministic path would move them
-    proc = run_twinrun(["+experiment=pin_sigma", *TINY, "reduce.gate_rule=bit_identical", f"hydra.run.dir={run_dir}"],
-                       cwd=tmp_path)
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, "reduce.gate_rule=bit_identical",
+                        f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((run_dir / "run.json").read_text())["registered"]["gate_rule"] == "bit_identical"
     run = json.loads((run_dir / "run.json").read_text())
@@ -109,7 +111,8 @@ def test_post_hoc_settings_make_a_labelled_view_and_never_rewrite_the_registered
     summary = json.loads((view_dir / "summary.json").read_text())
     assert summary["passed"] and {g["rule"] for g in summary["gates"]} == {"within the replicate"}
     assert summary["post_hoc"]["registered"]["gate_rule"] == "bit_identical"
-    assert summary["post_hoc"]["used"]["gate_rule"] == "replicate" and summary["post_hoc"]["registered_passed"] is False
+    assert (summary["post_hoc"]["used"]["gate_rule"] == "replicate"
+            and summary["post_hoc"]["registered_passed"] is False)
     assert "POST-HOC VIEW" in (view_dir / "report.md").read_text()
     again = run_twinrun([str(run_dir), "--estimands", "all,curvature"], cwd=tmp_path, module="twinrun.reduce")
     assert again.returncode == 2 and "curvature" in again.stderr and "Traceback" not in again.stderr

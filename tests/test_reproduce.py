@@ -24,8 +24,8 @@ def test_reproduce_keeps_config_dirs_and_overrides_but_no_hydra_directory(tmp_pa
         cfg = compose(config_name="config", overrides=["+experiment=pin_sigma"], return_hydra_config=True)
     with open_dict(cfg):
         cfg.hydra.overrides.task = ["+experiment=my exp", "hydra.run.dir=/old/run", "probe.n_images=8"]
-        cfg.hydra.runtime.config_sources.append(ConfigSourceInfo(path=f"file://{tmp_path}/my conf", schema="file",
-                                                                 provider="command-line"))
+        cfg.hydra.runtime.config_sources.append(ConfigSourceInfo(path=f"file://{tmp_path}/my conf",
+                                                                 schema="file", provider="command-line"))
     HydraConfig.instance().set_config(cfg)
     try:
         command = reproduce_command()

@@ -65,7 +65,7 @@ class _Session:
     """The measurement kind's side of a job that measures nothing (measure_units never calls measure)."""
 
     compile_mode = None
-    identity = {"model_sha256": "0" * 64}
+    identity: typing.ClassVar[dict] = {"model_sha256": "0" * 64}
 
     def arithmetic(self) -> dict:
         return {}

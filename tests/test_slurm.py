@@ -141,7 +141,8 @@ def whole_bins(run_dir: Path) -> list[dict]:
 
 def test_preempted_job_requeues_and_resumes_without_recomputing(tmp_path, slurm_args, model_args):
     # bins long enough (~0.2 s per arm on a quiet 2-core machine) that USR2 lands mid-run
-    common = ["+experiment=pin_sigma", "probe.n_images=40", "probe.n_draws=48", "probe.n_folds=8", *model_args]
+    common = ["+experiment=pin_sigma", "probe.n_images=40", "probe.n_draws=48", "probe.n_folds=8",
+              *model_args]
     ref_dir, job_dir = tmp_path / "reference", tmp_path / "job"
     popen = {"cwd": tmp_path, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     twinrun = [sys.executable, "-m", "twinrun", *common]
@@ -191,7 +192,8 @@ def test_failing_arm_ends_the_job_failed_and_names_arm_and_bin(tmp_path, slurm_a
     run = run_json(run_dir)
     assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "unit_index": 2,
                                                             "unit": "bin 2 (σ=1.2)"}
-    assert len(store_sums(run_dir)) == 2 * 2 + 1  # bins 0 and 1 of both arms (+ the gate replicate) stay valid
+    # bins 0 and 1 of both arms (+ the gate replicate) stay valid
+    assert len(store_sums(run_dir)) == 2 * 2 + 1
 
 
 def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_args, model_args, capsys):
@@ -261,8 +263,8 @@ def assert_each_bin_in_its_own_element(run_dir: Path) -> set[str]:
     return set(ids)
 
 
-def test_split_bins_measures_each_bin_as_an_array_element_with_the_pairs_bits(tmp_path, slurm_args, model_args,
-                                                                               local_reference):
+def test_split_bins_measures_each_bin_as_an_array_element_with_the_pairs_bits(tmp_path, slurm_args,
+                                                                              model_args, local_reference):
     run_dir = tmp_path / "run"
     proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, *slurm_args, "launcher.split=bins",
                         f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=300)
@@ -281,10 +283,12 @@ def test_split_bins_measures_each_bin_as_an_array_element_with_the_pairs_bits(tm
     assert RunDir(run_dir).read_summary()["valid"] is True
 
 
-def test_split_bins_sweep_is_one_array_of_points_times_bins(tmp_path, slurm_args, model_args, local_reference):
+def test_split_bins_sweep_is_one_array_of_points_times_bins(tmp_path, slurm_args, model_args,
+                                                            local_reference):
     sweep = tmp_path / "sweep"
     proc = run_twinrun(["-m", "+experiment=pin_sigma", "intervention.sigma_pin=0.5,1.2", *TINY, *model_args,
-                        *slurm_args, "launcher.split=bins", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=400)
+                        *slurm_args, "launcher.split=bins", f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
+                       timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launched = [launch_json(sweep / point) for point in ("0", "1")]
     array = launched[0]["array_job_id"]
@@ -295,7 +299,8 @@ def test_split_bins_sweep_is_one_array_of_points_times_bins(tmp_path, slurm_args
     assert read_json(sweep / "sweep_summary.json")["all_valid"] is True
 
 
-def test_split_bins_a_cancelled_element_is_measured_on_resume(tmp_path, slurm_args, model_args, local_reference):
+def test_split_bins_a_cancelled_element_is_measured_on_resume(tmp_path, slurm_args, model_args,
+                                                              local_reference):
     run_dir = tmp_path / "run"
     # held PENDING (sbatch --begin) so that one element can be cancelled before it runs, however fast
     proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, *slurm_args, "launcher.split=bins",
@@ -306,7 +311,8 @@ def test_split_bins_a_cancelled_element_is_measured_on_resume(tmp_path, slurm_ar
     subprocess.run(["scancel", elements[1]["job_id"]], check=True)
     for e in (elements[0], elements[2]):
         subprocess.run(["scontrol", "update", f"jobid={e['job_id']}", "StartTime=now"], check=True)
-    assert [final_state(e["job_id"], timeout_s=240) for e in (elements[0], elements[2])] == ["COMPLETED 0:0"] * 2
+    assert ([final_state(e["job_id"], timeout_s=240) for e in (elements[0], elements[2])]
+            == ["COMPLETED 0:0"] * 2)
     run = run_json(run_dir)
     assert [all(s["status"] == "done" for s in u["stores"].values()) for u in run["units"]] == \
         [True, False, True]

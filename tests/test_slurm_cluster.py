@@ -25,8 +25,8 @@ TERMINAL = {
 }
 
 
-# pytest imports this file as the top-level module "test_slurm_cluster" (tests/ goes on sys.path), which the job's
-# interpreter cannot import: ship this module's functions by value instead of by reference.
+# pytest imports this file as the top-level module "test_slurm_cluster" (tests/ goes on sys.path),
+# which the job's interpreter cannot import: ship this module's functions by value instead of by reference.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 

@@ -53,7 +53,8 @@ def test_concurrent_elements_never_lose_an_update(tmp_path, n_procs):
     start.set()
     for p in procs:
         p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs) and errors.empty(), errors.get() if not errors.empty() else procs
+    assert all(p.exitcode == 0 for p in procs) and errors.empty(), (errors.get() if not errors.empty()
+                                                                    else procs)
     run = RunIndex.load(tmp_path).doc
     last = N_ROUNDS - 1
     # every bin carries its own process's last update: none was overwritten by another's stale copy

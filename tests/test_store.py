@@ -22,7 +22,8 @@ from twinrun.storage.store import STORE_FORMAT, TENSOR_SHA256, read_store
 LAYOUT = [{"name": "w", "offset": 0, "numel": 6, "shape": [2, 3], "cond": False},
           {"name": "c", "offset": 6, "numel": 2, "shape": [2], "cond": True}]
 META = {"arm": "native", "bin_index": 0, "sigma": 0.5, "sigma_cond": 0.5, "n_images": 6, "n_draws": 2,
-        "fold_sizes": [2, 2, 2], "draws_digest": "ab" * 32, "config_hash": "0123456789abcdef", "layout": LAYOUT}
+        "fold_sizes": [2, 2, 2], "draws_digest": "ab" * 32, "config_hash": "0123456789abcdef",
+        "layout": LAYOUT}
 
 
 def real_store(tmp_path):
@@ -127,7 +128,8 @@ with run_lock(rd.lock, _unit_locks(rd, None), shared=False):  # as run_job holds
 
 def test_second_writer_is_refused_and_a_stale_lock_recovered(tmp_path, capsys):
     # another live process holds the lock
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(StoreError, match=f"being written by pid {holder.pid} on this host"), \

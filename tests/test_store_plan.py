@@ -24,7 +24,8 @@ def test_the_store_size_counts_the_gate_replicate_at_gate_bins_only(compose_cfg,
     plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path / "run", dry_run=True)
     n_stores = size_line(capsys.readouterr().out)[1]
     assert n_stores == 2 * 3 + 1  # 2 arms x 3 bins, + the replicate at the one gate bin (σ = 0.5)
-    plan_run(compose_cfg(["+experiment=pin_sigma", *TINY, "arms.replicate=true"]), tmp_path / "run", dry_run=True)
+    plan_run(compose_cfg(["+experiment=pin_sigma", *TINY, "arms.replicate=true"]), tmp_path / "run",
+             dry_run=True)
     assert size_line(capsys.readouterr().out)[1] == 3 * 3  # a replicate arm in every bin: no extra one
 
 
@@ -78,7 +79,8 @@ def test_a_sweep_is_sized_where_it_will_write(compose_cfg, tmp_path, monkeypatch
 
 def test_a_per_layer_estimand_needs_only_config(compose_cfg, tmp_path):
     run = plan_run(compose_cfg(["+experiment=pin_sigma", *TINY, "reduce.groups={block0:[blocks.0.*]}",
-                                "reduce.estimands=[all,cond,residual,block0]"]), tmp_path / "run", dry_run=True)
+                                "reduce.estimands=[all,cond,residual,block0]"]), tmp_path / "run",
+                   dry_run=True)
     assert run["registered"]["groups"] == {"block0": ["blocks.0.*"]}
     assert run["registered"]["estimands"] == ["all", "cond", "residual", "block0"]
 

@@ -1,4 +1,5 @@
-"""The sweep heatmap and report: axes are the swept variables, every cell's state is distinct and captioned."""
+"""The sweep heatmap and report: axes are the swept variables, every cell's state is distinct and
+captioned."""
 
 import sys
 
@@ -18,8 +19,9 @@ def _effect(sigma, cos, se, estimand="all"):
 
 def _point(job, overrides, effects=(), valid=True, gates_passed=True, gate_sigmas=(), target="PinSigma"):
     return {"run_dir": f"/sweep/{job}", "overrides": ["+experiment=pin_sigma", *overrides],
-            "intervention": {"_target_": f"twinrun.interventions.{target}"}, "status": "measured", "valid": valid,
-            "gates_passed": gates_passed, "effects": list(effects), "gate_sigmas": list(gate_sigmas)}
+            "intervention": {"_target_": f"twinrun.interventions.{target}"}, "status": "measured",
+            "valid": valid, "gates_passed": gates_passed, "effects": list(effects),
+            "gate_sigmas": list(gate_sigmas)}
 
 
 def _summary(*points):
@@ -31,9 +33,11 @@ def _summary(*points):
 def pin_sweep():
     """sigma_pin 1.2 listed before 0.2; one point failed its gate; every kind of cell present."""
     return _summary(
-        _point(0, ["intervention.sigma_pin=1.2"], [_effect(0.2, 0.5, 0.01), _effect(1.2, 1.0, 0.0)], gate_sigmas=[1.2]),
+        _point(0, ["intervention.sigma_pin=1.2"], [_effect(0.2, 0.5, 0.01), _effect(1.2, 1.0, 0.0)],
+               gate_sigmas=[1.2]),
         _point(1, ["intervention.sigma_pin=0.2"], [_effect(0.2, 1.0, None), _effect(1.2, 0.9, 0.08),
-                                                    _effect(1.2, 0.1, 0.01, estimand="cond")], gate_sigmas=[0.2]),
+                                                   _effect(1.2, 0.1, 0.01, estimand="cond")],
+               gate_sigmas=[0.2]),
         _point(2, ["intervention.sigma_pin=0.5"], valid=True, gates_passed=False),
         _point(3, ["intervention.sigma_pin=0.8"], [_effect(0.2, None, None), _effect(1.2, 0.7, None)]),
     )
@@ -50,14 +54,16 @@ def test_rows_are_the_swept_knob_in_numeric_order_and_every_cell_state_is_distin
 
 
 def test_only_an_effect_beyond_two_se_is_resolved():
-    cells = [_effect(0.2, 0.8, 0.09), _effect(0.5, 0.8, 0.1001), _effect(0.8, 1.0, 0.0), _effect(1.2, 1.3, 0.1)]
-    assert sweep_grid(_summary(_point(0, ["a=1"], cells)))["states"][0] == ["effect", "within_2se", "within_2se",
-                                                                            "effect"]
+    cells = [_effect(0.2, 0.8, 0.09), _effect(0.5, 0.8, 0.1001), _effect(0.8, 1.0, 0.0),
+             _effect(1.2, 1.3, 0.1)]
+    assert (sweep_grid(_summary(_point(0, ["a=1"], cells)))["states"][0]
+            == ["effect", "within_2se", "within_2se", "effect"])
 
 
 def test_sweeping_the_grid_gives_one_row_per_grid_and_marks_bins_a_grid_lacks():
-    g = sweep_grid(_summary(_point(0, ["sigma_grid=edm8"], [_effect(0.2, 0.5, 0.01), _effect(0.5, 0.6, 0.01)]),
-                            _point(1, ["sigma_grid=coarse4"], [_effect(0.5, 0.4, 0.01), _effect(3.0, 0.3, 0.01)])))
+    g = sweep_grid(_summary(
+        _point(0, ["sigma_grid=edm8"], [_effect(0.2, 0.5, 0.01), _effect(0.5, 0.6, 0.01)]),
+        _point(1, ["sigma_grid=coarse4"], [_effect(0.5, 0.4, 0.01), _effect(3.0, 0.3, 0.01)])))
     assert g["row_axis"] == "sigma_grid" and g["rows"] == ["edm8", "coarse4"]
     assert g["states"] == [["effect", "effect", "not_measured"], ["not_measured", "effect", "effect"]]
 
@@ -80,7 +86,8 @@ def test_caption_names_below_noise_and_failed_cells_for_what_they_are(pin_sweep)
     assert "below noise" not in clean and "failed" not in clean  # only states that are present
 
 
-def test_heatmap_titles_intervention_and_estimand_and_hatches_uncertain_cells(pin_sweep, tmp_path, monkeypatch):
+def test_heatmap_titles_intervention_and_estimand_and_hatches_uncertain_cells(pin_sweep, tmp_path,
+                                                                              monkeypatch):
     figures = []
     monkeypatch.setattr(plots.plt, "close", figures.append)
     assert plot_sweep(pin_sweep, tmp_path / "h.png", estimand="all") == tmp_path / "h.png"
@@ -104,7 +111,8 @@ def test_sweep_report_words_plurals_and_flags(tmp_path):
     one["points"][0]["run_dir"] = str(tmp_path / "0")
     text = write_sweep_report(SweepDir(tmp_path), one).read_text()
     assert "1 point;" in text and "1 points" not in text
-    two = _summary(_point(0, ["x=1"], [_effect(0.2, 0.5, 0.01)]), _point(1, ["x=2"], valid=None, gates_passed=None))
+    two = _summary(_point(0, ["x=1"], [_effect(0.2, 0.5, 0.01)]),
+                   _point(1, ["x=2"], valid=None, gates_passed=None))
     for job, p in enumerate(two["points"]):
         p["run_dir"] = str(tmp_path / str(job))
     text = write_sweep_report(SweepDir(tmp_path), two).read_text()
@@ -121,7 +129,8 @@ def _scale(job, factor, overrides, effects):
 
 
 def test_rows_follow_the_interventions_declared_axis_whatever_the_overrides_say():
-    # Points named by experiment files, not by the knob: the declared axis (factor) orders and labels the rows.
+    # Points named by experiment files, not by the knob: the declared axis (factor) orders and labels
+    # the rows.
     points = [_scale(0, 0.5, ["+experiment=half"], [_effect(0.2, 0.9, 0.01)]),
               _scale(1, 0.0, ["+experiment=ablate"], [_effect(0.2, 0.4, 0.01)])]
     for p in points:
@@ -134,7 +143,8 @@ def test_rows_follow_the_interventions_declared_axis_whatever_the_overrides_say(
 def test_the_axis_is_read_from_twinruns_classes_never_imported_from_a_run_directory():
     assert sweep_axis({"_target_": "twinrun.interventions.PinSigma", "sigma_pin": 1.2}) == \
         {"key": "intervention.sigma_pin", "value": 1.2}
-    assert sweep_axis({"_target_": "twinrun.interventions.ScaleInput", "factor": 2.0})["key"] == "intervention.factor"
+    assert sweep_axis({"_target_": "twinrun.interventions.ScaleInput", "factor": 2.0})["key"] == \
+        "intervention.factor"
     # a module nobody imported is not imported to find out (it would run code named by a file)
     assert sweep_axis({"_target_": "tw_never_imported_module.Evil", "x": 1}) is None
     assert "tw_never_imported_module" not in sys.modules

@@ -254,7 +254,8 @@ def _paths(tree, prefix=()):
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=10**20, max_value=10**30),
                  st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
                  st.sampled_from(["../x", "", "..", "/etc/passwd", "a/b"]),
-                 st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+                 st.lists(st.integers(), max_size=3),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 
 
 @st.composite
@@ -384,12 +385,15 @@ def test_status_tells_a_killed_run_from_a_running_one(run_copy, capsys):
 
 
 def test_a_rejected_config_leaves_nothing_on_disk(tmp_path):
-    run_dir = tmp_path / "outputs" / "runs" / "day" / "run"  # Hydra's default layout: its date folder goes too
-    proc = run_twinrun(["+experiment=pin_sigma", "probe.n_images=1", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    # Hydra's default layout: its date folder goes too
+    run_dir = tmp_path / "outputs" / "runs" / "day" / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", "probe.n_images=1", f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path)
     assert proc.returncode == 2 and "probe.n_images" in proc.stderr
     assert not run_dir.exists() and not run_dir.parent.exists()
     mine = tmp_path / "mine"  # a folder the user chose stays, even empty
-    proc = run_twinrun(["+experiment=pin_sigma", "probe.n_images=1", f"hydra.run.dir={mine / 'run'}"], cwd=tmp_path)
+    proc = run_twinrun(["+experiment=pin_sigma", "probe.n_images=1", f"hydra.run.dir={mine / 'run'}"],
+                       cwd=tmp_path)
     assert proc.returncode == 2 and not (mine / "run").exists() and mine.is_dir()
 
 
@@ -408,7 +412,8 @@ def test_user_code_raising_mid_run_is_exit_4_in_one_line(tmp_path):
     (tmp_path / "raising.py").write_text(RAISES_AT_HIGH_SIGMA)
     run_dir = tmp_path / "run"
     proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={run_dir}",
-                        "intervention._target_=raising.RaisesAboveOne"], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+                        "intervention._target_=raising.RaisesAboveOne"], cwd=tmp_path,
+                       env={"PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 4, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "bin 2 (σ=1.2)" in lines[0] and "user code broke" in lines[0], lines
@@ -423,7 +428,8 @@ def test_compare_addresses_the_gate_replicate_at_its_gate_bins(made_run, capsys)
     code, out, err = cli(compare.main, [made_run / "arms" / "native_replicate", made_run], capsys)
     assert code == 0, (out, err)
     rows = [line.split() for line in out.splitlines()[2:]]
-    assert {r[0] for r in rows} == {"0.5"} and all(r[2] == "yes" for r in rows), out  # bit-identical, gate bin only
+    # bit-identical, gate bin only
+    assert {r[0] for r in rows} == {"0.5"} and all(r[2] == "yes" for r in rows), out
     assert "gate bins" in err
 
 
@@ -497,7 +503,8 @@ def test_launch_json_writes_no_line_into_the_sbatch_script(tmp_path, knob, value
 def test_a_local_job_id_that_is_no_process_id_is_refused(run_copy, capsys, job_id):
     # status signals a local job's pid: a huge one overflowed, 0 read RUNNING forever (kill(0, 0))
     job = {"job_id": job_id, "result": str(run_copy / "r"), "stdout": "o", "stderr": "e"}
-    (run_copy / "launch.json").write_text(json.dumps({"cluster": "local", **job, "folder": "f", "launcher": {}}))
+    (run_copy / "launch.json").write_text(json.dumps({"cluster": "local", **job, "folder": "f",
+                                                      "launcher": {}}))
     code, out, err = cli(status.main, [run_copy], capsys)
     one_line_refusal(code, out, err, "launch.json", "field job_id", "not a local job's process id")
 

@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from twinrun.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, Interrupted, KernelPathRefused, TwinrunError
 from twinrun.files import write_json
-from twinrun.measures.registry import measure_of
 from twinrun.measures.kind import Session, resolve_device
+from twinrun.measures.registry import measure_of
 from twinrun.measures.trial import failure_record, to_model_error
 from twinrun.plan import load_arms
 from twinrun.provenance.fingerprint import fingerprint

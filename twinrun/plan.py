@@ -23,8 +23,8 @@ from twinrun.arms import Arm, derive_arms
 from twinrun.config import build, protocol_differences
 from twinrun.errors import ConfigError, StoreError
 from twinrun.files import atomic_write, write_json
-from twinrun.measures.registry import measure_of
 from twinrun.measures.kind import Measure
+from twinrun.measures.registry import measure_of
 from twinrun.provenance.determinism import MATMUL_PRECISIONS
 from twinrun.storage.records import GATE_REPLICATE, RUN_FORMAT, RunRecord
 from twinrun.storage.rundir import RunDir, RunIndex

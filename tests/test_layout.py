@@ -175,6 +175,7 @@ def test_the_probes_arithmetic_imports_torch_alone():
     """benchmarks/bench_gpu.py imports the probe's arithmetic on a GPU image that may lack Hydra,
     OmegaConf and PyYAML: measures/fold_sums.py must not pull them in (through a package __init__)."""
     heavy = "{'hydra', 'omegaconf', 'yaml', 'submitit'}"
-    code = f"import sys, twinrun.measures.fold_sums; print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy}))"
+    code = ("import sys, twinrun.measures.fold_sums; "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

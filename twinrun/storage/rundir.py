@@ -45,6 +45,8 @@ VIEWS_DIR = "views"
 LOG_NAME = "twinrun.log"
 REPORT_MD = "report.md"  # in the run directory and in each post-hoc view
 EFFECT_PNG = "effect.png"
+LOSS_PNG = "loss.png"  # a training run's loss curves, every arm
+DISTANCE_PNG = "distance.png"  # a training run's distance to the twin over steps, the chaos floor beside it
 
 # refuse(other kernel-path digests of whole units, this store's) raises when a store may not join the
 # run (the straddling rule, twinrun.provenance.record.refuse_straddling): handed in, never imported.

@@ -26,6 +26,8 @@ from twinrun.measures import fold_sums as fs
 from twinrun.measures import trial
 from twinrun.measures.kind import Measure, Plan, resolve_device
 from twinrun.provenance.record import read_sentinel
+from twinrun.publish.render import render
+from twinrun.publish.report import write_report
 from twinrun.storage.records import UnitEntry
 from twinrun.storage.store import store_size
 
@@ -284,4 +286,7 @@ PROBE = Measure(
     open_session=ProbeSession,
     device=lambda config: config["probe"]["device"],
     reduce=reduce_run,
+    report=write_report,
+    render=render,
+    config_keys=("probe", "sigma_grid"),
 )

@@ -39,6 +39,8 @@ class Run:
     layout: list[dict]
     margin: float  # train.floor_margin, registered with the config at plan time
     stored: list  # per unit: {arm: TrainStore metadata and digests}, payload dropped once read
+    chaos_param: str  # train.chaos.param: the weight the chaos arm starts one ulp off
+    chaos_moved: dict  # at the start: weight -> how many of its elements the chaos arm holds off the twin's
 
 
 def _store(index: RunIndex, u: dict, arm: str) -> TrainStore:
@@ -113,7 +115,8 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
         raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not training")
     roles = {a["role"]: a["name"] for a in index.arms}
     twin_cfg = index.run_dir.read_arm_config(TWIN)
-    margin = typed(TrainConfig, twin_cfg["train"], index.run_dir.arm_config(TWIN)).floor_margin
+    t = typed(TrainConfig, twin_cfg["train"], index.run_dir.arm_config(TWIN))
+    chaos, moved = roles.get("chaos"), {}
     groups = index.registered.get("groups") or {}
     records, found, losses, start, sel = [], {}, [], None, None
     for u in index.units:
@@ -123,6 +126,9 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
             start, layout = weights[TWIN], stores[TWIN].meta["layout"]
             check_estimands(names, groups, layout, "estimands")
             sel = selections(layout, names, groups)
+            if chaos is not None:
+                moved = {n: int((w != weights[chaos][n]).sum()) for n, w in start.items()}
+                moved = {n: k for n, k in moved.items() if k}
         for arm in (a for a in weights if a != TWIN):
             for name, selected in sel.items():
                 found[u["index"], arm, name] = pair_stats(weights[arm], weights[TWIN], start, selected)
@@ -130,7 +136,7 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
                         for arm, s in stores.items()})
         losses.append({arm: {k: s.tensors[k] for k in ("train_loss", "heldout_loss")}
                        for arm, s in stores.items()})
-    return Run(index, roles, layout, margin, records), records, found, losses
+    return Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved), records, found, losses
 
 
 def validity_checks(run: Run, records: list[dict]) -> list[dict]:
@@ -155,6 +161,13 @@ def validity_checks(run: Run, records: list[dict]) -> list[dict]:
     out.append(check("same_protocol", not mismatched,
                      "every store holds the same weights and the steps of its unit" if not mismatched
                      else f"layout or steps differ in {mismatched}"))
+    if "chaos" in run.roles:
+        landed = run.chaos_moved == {run.chaos_param: 1}
+        where = run.chaos_moved or "no weight"
+        detail = (f"the chaos arm starts one element of {run.chaos_param} off the twin's bits (only)"
+                  if landed else f"the chaos arm starts off the twin's bits at {where}, not at one element "
+                  f"of {run.chaos_param}: the floor would measure something else")
+        out.append(check("chaos_perturbation_landed", landed, detail))
     metas = {(arm, i): _Meta(m) for i, per in enumerate(records) for arm, m in per.items()}
     return out + provenance_checks(index, metas)
 
@@ -283,12 +296,18 @@ def effect_rows(run: Run, records: list[dict], found: dict, names: list[str]) ->
             above = e["distance"] is not None and floor_d is not None and e["distance"] > run.margin * floor_d
             effects.append({"step": step, "estimand": name, "cos": e["cos"], "norm_ratio": e["norm_ratio"],
                             "distance": e["distance"], "floor": floor_d, "margin": run.margin,
-                            "floor_ratio": (e["distance"] / floor_d if floor_d else None)
-                            if e["distance"] is not None else None,
+                            "floor_ratio": _ratio(e["distance"], floor_d),
                             "above_floor": bool(above),
                             **{f"{role}_distance": found[i, run.roles[role], name]["distance"]
                                for role in ("machinery", "replicate") if role in run.roles}})
     return floor, effects
+
+
+def _ratio(distance: float | None, floor: float | None) -> float | None:
+    """The intervention's distance in floors (inf over a zero floor: a chaos arm back on the twin's bits)."""
+    if distance is None or floor is None:
+        return None
+    return distance / floor if floor > 0 else (math.inf if distance > 0 else None)
 
 
 def verdict(effects: list[dict], name: str, margin: float) -> str:
@@ -298,8 +317,9 @@ def verdict(effects: list[dict], name: str, margin: float) -> str:
         return "no training step was stored after the start: nothing to read"
     last = rows[-1]
     above = [e["step"] for e in rows if e["above_floor"]]
+    times = "–" if last["floor_ratio"] is None else f"{last['floor_ratio']:.3g}"
     where = (f"at step {last['step']} its distance from the twin is {last['distance']:.3g}, the chaos floor "
-             f"{last['floor']:.3g} ({last['floor_ratio']:.3g}×; a margin of {margin:g}× is required)")
+             f"{last['floor']:.3g} ({times}×; a margin of {margin:g}× is required)")
     if not above:
         return (f"the intervention CANNOT be told from chaos ({name}): {where}; a one-ulp wobble moves this "
                 "run as far as the intervention does at every stored step")

@@ -80,10 +80,19 @@ def test_a_steps_samples_and_noise_do_not_depend_on_the_batch_layout():
 
 def test_a_layout_dependent_order_is_caught():
     def by_layout(seed, step, n_train, batch_size):  # keyed by the batch size too: the forbidden pattern
-        return streams._philox(streams._ORDER, seed, step, batch_size).permutation(n_train)[:batch_size]
+        return streams.fresh(streams._ORDER, seed, step, batch_size).permutation(n_train)[:batch_size]
 
     with pytest.raises(AssertionError, match="batch"):
         order_is_layout_free(by_layout)
+
+
+def test_a_rekeyed_generator_draws_what_a_fresh_one_does():
+    keyed = streams.Keyed()
+    for coords in [(0, 1, 5), (3, 2, 7), (0, 1, 5)]:
+        a, b = keyed(streams._NOISE, *coords), streams.fresh(streams._NOISE, *coords)
+        drawn = [g.standard_normal(65, dtype=np.float32) for g in (a, b)]
+        assert np.array_equal(*drawn)
+        assert np.array_equal(a.permutation(50), b.permutation(50))
 
 
 def test_streams_differ_by_seed_and_step_and_never_repeat_a_sample_within_a_step():

@@ -82,5 +82,12 @@ def heldout_losses(model: torch.nn.Module, intervention: Intervention, images: t
 def weight_digests(model: torch.nn.Module) -> list[str]:
     """A sha256 prefix of every parameter's bytes, in named_parameters() order: which tensors two arms
     share bit for bit after a step, and so the first step at which an arm leaves the twin."""
-    return [hashlib.sha256(memoryview(p.detach().cpu().contiguous().numpy())).hexdigest()[:DIGEST_HEX]
-            for p in model.parameters()]
+    return [hashlib.sha256(_host(p)).hexdigest()[:DIGEST_HEX] for p in model.parameters()]
+
+
+def _host(p: torch.Tensor):
+    """A parameter's bytes on the host: its own memory on the CPU (no copy), a copy from a GPU."""
+    t = p.detach() if p.device.type == "cpu" else p.detach().cpu()
+    if t.dtype == torch.bfloat16 or not t.is_contiguous():  # numpy has no bfloat16: its bytes instead
+        t = t.contiguous().reshape(-1).view(torch.uint8)
+    return t.numpy()

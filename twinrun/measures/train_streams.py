@@ -26,20 +26,39 @@ def _key(stream: bytes, *coords: int) -> bytes:
     return hashlib.sha256(stream + struct.pack(f"<{len(coords)}q", *coords)).digest()
 
 
-def _philox(stream: bytes, *coords: int) -> np.random.Generator:
+class Keyed:
+    """One Philox bit generator re-keyed for every stream: in the state a fresh Philox(key) starts in
+    (counter 0, empty buffer), at a quarter of the cost of building one, which matters where a segment
+    keys one stream per sample (test_train.py checks that the two agree). Not shared between threads."""
+
+    def __init__(self):
+        self.bits = np.random.Philox(0)
+        self.gen = np.random.Generator(self.bits)
+
+    def __call__(self, stream: bytes, *coords: int) -> np.random.Generator:
+        key = np.frombuffer(_key(stream, *coords)[:16], dtype=np.uint64).copy()
+        self.bits.state = {"bit_generator": "Philox",
+                           "state": {"counter": np.zeros(4, np.uint64), "key": key},
+                           "buffer": np.zeros(4, np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+        return self.gen
+
+
+def fresh(stream: bytes, *coords: int) -> np.random.Generator:
+    """The stream's generator built afresh: what a Keyed re-key must equal."""
     key = np.frombuffer(_key(stream, *coords)[:16], dtype=np.uint64).copy()
     return np.random.Generator(np.random.Philox(key=key))
 
 
-def step_positions(seed: int, step: int, n_train: int, batch_size: int) -> np.ndarray:
+def step_positions(seed: int, step: int, n_train: int, batch_size: int, keyed=fresh) -> np.ndarray:
     """Positions (into the training split) of step `step`'s samples: a prefix of one keyed permutation,
     so no sample repeats within a step and the order never depends on how the batch is cut."""
-    return _philox(_ORDER, seed, step).permutation(n_train)[:batch_size]
+    return keyed(_ORDER, seed, step).permutation(n_train)[:batch_size]
 
 
-def sample_noise(seed: int, step: int, sample_id: int, shape: tuple) -> tuple[np.float32, np.ndarray]:
+def sample_noise(seed: int, step: int, sample_id: int, shape: tuple,
+                 keyed=fresh) -> tuple[np.float32, np.ndarray]:
     """(the standard normal that sets the sample's σ, its ε of `shape`), float32."""
-    gen = _philox(_NOISE, seed, step, sample_id)
+    gen = keyed(_NOISE, seed, step, sample_id)
     return gen.standard_normal(dtype=np.float32), gen.standard_normal(shape, dtype=np.float32)
 
 
@@ -62,13 +81,14 @@ class Segment:
 
 def draw_segment(seed: int, steps: list[int], train_ids: list[int], batch_size: int, shape: tuple) -> Segment:
     """Every step's samples and noise for `steps`, on the CPU."""
-    positions = (np.stack([step_positions(seed, s, len(train_ids), batch_size) for s in steps]) if steps
-                 else np.zeros((0, batch_size), dtype=np.int64))
+    keyed = Keyed()
+    positions = (np.stack([step_positions(seed, s, len(train_ids), batch_size, keyed) for s in steps])
+                 if steps else np.zeros((0, batch_size), dtype=np.int64))
     normal = np.empty(positions.shape, dtype=np.float32)
     eps = np.empty((*positions.shape, *shape), dtype=np.float32)
     for k, step in enumerate(steps):
         for j, pos in enumerate(positions[k]):
-            normal[k, j], eps[k, j] = sample_noise(seed, step, train_ids[pos], shape)
+            normal[k, j], eps[k, j] = sample_noise(seed, step, train_ids[pos], shape, keyed)
     ids = np.asarray(train_ids, dtype=np.int64)[positions.astype(np.int64)]
     return Segment(steps, torch.from_numpy(positions.astype(np.int64)), torch.from_numpy(normal),
                    torch.from_numpy(eps), digest(ids, normal, eps))
@@ -79,8 +99,9 @@ def heldout_draws(seed: int, ids: list[int], shape: tuple) -> tuple[torch.Tensor
     every stored step and in every arm, so two arms' held-out losses pair image by image."""
     normal = np.empty(len(ids), dtype=np.float32)
     eps = np.empty((len(ids), *shape), dtype=np.float32)
+    keyed = Keyed()
     for i, image in enumerate(ids):
-        gen = _philox(_HELDOUT, seed, int(image))
+        gen = keyed(_HELDOUT, seed, int(image))
         normal[i] = gen.standard_normal(dtype=np.float32)
         eps[i] = gen.standard_normal(shape, dtype=np.float32)
     return (torch.from_numpy(normal), torch.from_numpy(eps),

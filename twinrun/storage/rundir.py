@@ -403,6 +403,18 @@ class RunIndex:
 
         self._update(change)
 
+    def mark_unit_done(self, u: UnitEntry, digests: dict[str, str], kernel_path_sha256: str,
+                       refuse: StraddleRule) -> None:
+        """Record every store of a unit done at once ({arm: sha256}), as mark_done does each: for a kind
+        whose units continue each other, a unit with some arms done is never continued from anyway."""
+        def change(doc: RunRecord) -> None:
+            refuse(self.whole_kernel_paths(doc, except_unit=u["index"]), kernel_path_sha256)
+            for arm, sha256 in digests.items():
+                doc["units"][u["index"]]["stores"][arm].update(sha256=sha256, status="done",
+                                                              kernel_path_sha256=kernel_path_sha256)
+
+        self._update(change)
+
     def mark_failed(self, u: UnitEntry, arm: str, cause: dict | None = None) -> None:
         """Record which arm and unit failed (and, when the model raised, its exception's type, message
         and frame); best effort (on a full disk run.json may not be writable)."""

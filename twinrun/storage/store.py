@@ -39,10 +39,48 @@ def write_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict, fmt: s
     sha256. `fmt`: the store's format (a probe store, or TRAIN_STORE_FORMAT)."""
     # Each tensor's own digest travels inside the store, so a store handed around without its
     # run.json still proves its numbers intact (a flipped byte is caught by compare too).
+    if fmt == TRAIN_STORE_FORMAT:
+        return _write_streaming(Path(path), tensors, meta)
     digests = {name: hashlib.sha256(t.numpy().tobytes()).hexdigest() for name, t in tensors.items()}
     strings = {"format": fmt, TENSOR_SHA256: json.dumps(digests)}
     strings.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
     return atomic_write(path, safetensors.torch.save(tensors, metadata=strings))
+
+
+def _write_streaming(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    """A training store written straight from the tensors' memory (safetensors' save_file: no copy of the
+    state is ever held, so a job holds no second model while it stores one), fsynced and renamed into
+    place as atomic_write does (the same temporary name, so a write cut short is found and removed)."""
+    digests = {name: hashlib.sha256(_bytes_of(t)).hexdigest() for name, t in tensors.items()}
+    strings = {"format": TRAIN_STORE_FORMAT, TENSOR_SHA256: json.dumps(digests)}
+    strings.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        safetensors.torch.save_file(tensors, tmp, metadata=strings)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            digest = hashlib.sha256()
+            while chunk := os.read(fd, 16 * 2**20):
+                digest.update(chunk)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power loss
+        finally:
+            os.close(dir_fd)
+    except Exception as err:  # noqa: BLE001 — safetensors reports a failed write as its own error type
+        tmp.unlink(missing_ok=True)
+        raise StoreError(path, f"cannot write ({getattr(err, 'strerror', None) or err}); finished stores "
+                         "are kept") from None
+    return digest.hexdigest()
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, without a copy (any dtype: viewed as bytes)."""
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def store_size(n_folds: int, n_params: int, n_tensors: int, n_images: int) -> int:
@@ -321,8 +359,10 @@ def read_train_store(path: Path, sha256: str | None = None) -> TrainStore:
     every tensor against its own sha256, and no NaN or inf. Never unpickled, never mapped."""
     path = Path(path)
     fd, size = open_regular(path, min(MAX_STORE_BYTES, memory_bytes()), "store")
+    data = bytearray(size)  # the tensors are views into it: the store is held once
     try:
-        data = os.pread(fd, size, 0)
+        if os.preadv(fd, [data], 0) != size:
+            raise StoreError(path, "changed size while being read")
     except OSError as err:
         raise StoreError(path, f"cannot read ({err.strerror})") from None
     finally:
@@ -349,15 +389,28 @@ def read_train_store(path: Path, sha256: str | None = None) -> TrainStore:
             and all(isinstance(d, str) and HEX64.fullmatch(d) for d in digests.values())):
         raise StoreError(path, f"metadata field {TENSOR_SHA256} is not one sha256 digest per tensor: damaged")
     meta = validate_train_store_meta(path, meta, shapes)
-    tensors = safetensors.torch.load(data)
+    tensors = _tensors_of(data, header, 8 + struct.unpack("<Q", data[:8])[0])
     for name, t in tensors.items():
-        if hashlib.sha256(t.numpy().tobytes()).hexdigest() != digests[name]:
+        if hashlib.sha256(_bytes_of(t)).hexdigest() != digests[name]:
             raise StoreError(path, f"tensor {name!r} does not match its sha256 in the store's metadata: "
                              "damaged or altered")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise StoreError(path, f"tensor {name!r} holds NaN or inf (twinrun never writes such a store): "
                              "damaged or forged")
     return TrainStore(path, tensors, meta, digests, digest)
+
+
+def _tensors_of(data: bytearray, header: dict, start: int) -> dict[str, torch.Tensor]:
+    """The tensors a checked header describes, as views into the store's bytes (little-endian, as
+    safetensors writes them and as StoreReader reads them)."""
+    assert sys.byteorder == "little", "twinrun reads stores on little-endian machines only"
+    out = {}
+    for name, info in header.items():
+        dtype, shape = TRAIN_DTYPES[info["dtype"]], info["shape"]
+        begin, end = info["data_offsets"]
+        out[name] = (torch.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start + begin)
+                     .view(shape) if end > begin else torch.empty(shape, dtype=dtype))
+    return out
 
 
 def _check_train_tensors(path: Path, header: dict, start: int, size: int) -> dict[str, list[int]]:

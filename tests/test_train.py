@@ -270,6 +270,9 @@ def write_mismatched_checkpoint(path) -> str:
     (["train.batch_size=5000"], "train.batch_size"),
     (["train.chunk_samples=0"], "train.chunk_samples"),
     (["train.chaos.ulps=0"], "train.chaos.ulps"),
+    (["train.optimizer._target_=torch.optim.Nope"], "train.optimizer._target_"),
+    (["train/optimizer=sgd", "train.optimizer.momentum=0", "+train.optimizer.nesterov=true"],
+     "train.optimizer._target_"),
     (["train.chaos.param=blocks.9.nope"], "train.chaos.param"),
     (["train.chaos.index=99999999"], "train.chaos.index"),
     (["intervention.factor=1"], "intervention(ScaleLR)"),
@@ -284,6 +287,21 @@ def test_bad_input_is_one_error_naming_the_key_before_compute(tmp_path, override
         plan_run(tiny_cfg(override), tmp_path / "run")
     assert str(err.value).startswith(f"{key}=") and "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_another_optimizer_is_a_config_choice(tmp_path):
+    red = train_run(tmp_path / "run", ["train/optimizer=sgd"])
+    store = read_train_store(red.index.store_path(red.index.units[-1], "native"))
+    assert store.meta["optimizer"]["class"] == "torch.optim.sgd.SGD"
+    assert any(k.endswith("/momentum_buffer") for k in store.tensors) and red.summary["passed"]
+
+
+def test_determinism_off_is_allowed_and_the_replicate_reads_the_path(tmp_path):
+    red = train_run(tmp_path / "run", ["determinism.enabled=false"])
+    job = json.loads((tmp_path / "run" / "env" / "job000.json").read_text())
+    assert job["determinism"]["enabled"] is False
+    # on this CPU the kernels repeat anyway: the replicate says so (on a GPU with atomics it would not)
+    assert red.summary["replicate"]["deterministic"] and red.summary["passed"]
 
 
 def test_split_bins_is_refused_for_segments():

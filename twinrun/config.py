@@ -106,10 +106,11 @@ class TrainConfig:
     # (-1 = the whole batch in one call). It changes the arithmetic order (so it joins the kernel
     # path), never which samples or noise a step sees.
     chunk_samples: int = -1
-    # The optimizer, one level of Hydra instantiate with the model's parameters as `params`. Any
-    # torch.optim-style class works (its learning rate as `lr`); the rate is constant over the run.
-    optimizer: Any = field(default_factory=lambda: {"_target_": "torch.optim.AdamW", "lr": 1e-3,
-                                                    "weight_decay": 0.0})
+    # The optimizer (config group train/optimizer: adamw, sgd): one level of instantiate with the
+    # model's parameters as `params`. Any torch.optim-style class works (its learning rate as `lr`);
+    # the rate is constant over the run. Typed Any, not a dict: a dict default would be merged with
+    # (and so keep the keys of) whichever optimizer replaces it.
+    optimizer: Any = None
     # The weights every arm starts from: a safetensors file of the model's parameters; null = the
     # model as its builder returns it (the committed digits denoiser for model=dit_digits).
     start_checkpoint: str | None = None

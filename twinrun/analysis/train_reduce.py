@@ -244,13 +244,16 @@ def replicate_report(run: Run, records: list[dict], found: dict) -> dict | None:
                      "first_tensor": differ[0].removeprefix("weight/") if differ else None})
     worst = max(rows, key=lambda r: r["n_differ"])
     deterministic = all(r["bit_identical"] for r in rows)
-    detail = (f"{worst['n_differ']} / {worst['n_tensors']} tensors differ between the native twin and its "
-              f"replicate at worst (step {worst['step']}); " +
-              ("bit-identical at every step: this kernel path is deterministic for this run"
-               if deterministic else
-               f"first at step {next(r['step'] for r in rows if not r['bit_identical'])}, tensor "
-               f"{next((r['first_tensor'] for r in rows if r['first_tensor']), '–')}: this kernel path is "
-               "nondeterministic (the replicate measures its within-environment chaos)"))
+    if deterministic:
+        detail = (f"0 / {worst['n_tensors']} tensors differ between the native twin and its replicate at "
+                  "every stored step, and their weights are bit-identical after every step: this kernel path "
+                  "is deterministic for this run")
+    else:
+        first = next(r for r in rows if not r["bit_identical"])
+        detail = (f"{worst['n_differ']} / {worst['n_tensors']} tensors differ between the native twin and "
+                  f"its replicate at worst (step {worst['step']}); they part by step {first['step']} "
+                  f"(first tensor {next((r['first_tensor'] for r in rows if r['first_tensor']), '–')}): this "
+                  "kernel path is nondeterministic, and the replicate measures its within-environment chaos")
     return {"deterministic": deterministic, "steps": rows, "detail": detail}
 
 

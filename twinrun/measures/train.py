@@ -78,7 +78,8 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if t.chaos.ulps == 0:
         raise ConfigError("train.chaos.ulps", t.chaos.ulps, "must be a nonzero number of ulps (the chaos arm "
                           "would be the twin); 1 is the default")
-    _validate_optimizer(OmegaConf.to_container(t.optimizer, resolve=True))
+    optimizer = OmegaConf.to_container(t.optimizer, resolve=True) if t.optimizer is not None else None
+    _validate_optimizer(optimizer)
     _validate_device(t.device)
     if cfg.reference is not None:
         raise ConfigError("reference", cfg.reference, "a training run takes no reference: compare two "
@@ -412,9 +413,9 @@ class TrainSession:
 
     def _arm(self, start: torch.nn.Module, arm) -> ArmState:
         model = copy.deepcopy(start)
-        if arm.role == "chaos":
-            c = self.t.chaos
-            perturb(model, c.param, c.index, c.ulps)
+        if arm.role == "chaos":  # (its config is the twin's: the role says what differs)
+            c = arm.config["train"]["chaos"]
+            perturb(model, c["param"], c["index"], c["ulps"])
         intervention = build(arm.config["intervention"], "intervention")
         return ArmState(model, build_optimizer(arm.config["train"]["optimizer"], model, intervention),
                         intervention, 0)

@@ -156,7 +156,8 @@ def per_step(a, data) -> dict:
 
 def whole_run(a, data) -> dict:
     with tempfile.TemporaryDirectory() as root:
-        twin_run(a, Path(root))  # warm-up: imports, the data's first read, determinism switched on
+        if not a.smoke:
+            twin_run(a, Path(root))  # warm-up: imports, the data's first read, determinism switched on
         plain, twin = [], []
         for _ in range(a.reps):
             twin.append(twin_run(a, Path(root)))
@@ -224,6 +225,8 @@ def main(argv=None) -> None:
     print(f"bench_train: torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
           f"{load:.1f}; {a.steps} steps in segments of {a.segment}, batch {a.batch}, {a.heldout} held-out "
           f"images, {a.reps} repetitions")
+    if a.smoke:
+        print("bench_train: --smoke runs every section on a tiny run: its ratios measure start-up only")
     data = load_train_and_heldout()
     s = per_step(a, data)
     print(f"per step: plain {s['plain_ms']:.2f} ms, one twinrun arm {s['twinrun_ms']:.2f} ms: "

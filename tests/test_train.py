@@ -13,13 +13,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from twinrun.analysis.train_reduce import compare_stores, reduce_train
+from twinrun.analysis.train_reduce import Run, compare_stores, gate_rows, reduce_train
 from twinrun.app import CONF_DIR
 from twinrun.config import register_configs
 from twinrun.errors import ConfigError, TwinrunError
@@ -371,3 +372,22 @@ def test_the_training_benchmark_runs_every_section_in_smoke_mode():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for section in ("per step:", "whole run:", "memory ("):
         assert section in proc.stdout, proc.stdout
+
+
+def test_on_a_nondeterministic_path_the_replicate_decides_the_gate():
+    # Synthetic records: the replicate differs from the twin (the path is nondeterministic), so the
+    # machinery arm passes only within the replicate's distance, as the probe's gate rule says.
+    def store(last: str) -> dict:
+        return {"to_step": 2, "from_step": 0, "step_digests": [["a"], [last]], "digests": {"weight/w": last}}
+
+    records = [{"native": store("b"), "native_replicate": store("c"), "x_noop": store("d")}]
+    index = SimpleNamespace(units=[{"label": "segment 1 (steps 1–2)"}])
+    roles = {"machinery": "x_noop", "replicate": "native_replicate"}
+    run = Run(index, roles, [{"name": "w"}], 10.0, [], "w", {})
+    for machinery, passed, rule in ((1e-4, True, "within the replicate"),
+                                    (1e-2, False, "beyond the replicate")):
+        found = {(0, "x_noop", "all"): {"distance": machinery, "abs_distance": 1.0},
+                 (0, "native_replicate", "all"): {"distance": 1e-3, "abs_distance": 1.0}}
+        row = gate_rows(run, records, found, "replicate")[0]
+        assert (row["passed"], row["rule"], row["first_tensor"]) == (passed, rule, "w (after step 2)")
+        assert not gate_rows(run, records, found, "bit_identical")[0]["passed"]

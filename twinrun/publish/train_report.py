@@ -83,7 +83,8 @@ def _head(summary: dict) -> list[str]:
     state = ("**VALID** — every validity check and the machinery gate passed. " if summary["passed"] else
              "**INSTRUMENT BROKEN** — a validity check or the machinery gate failed. Effects are withheld; "
              "nothing else from this run should be read. ")
-    return [said, "", "## Verdict", "", state + summary["verdict"] + "."]
+    verdict = summary["verdict"]
+    return [said, "", "## Verdict", "", f"{state}{verdict[:1].upper()}{verdict[1:]}."]
 
 
 def _floor_lines(summary: dict) -> list[str]:

@@ -105,6 +105,7 @@ def test_streams_differ_by_seed_and_step_and_never_repeat_a_sample_within_a_step
     assert not np.array_equal(a, streams.step_positions(1, 1, 1500, 64))
 
 
+@pytest.mark.slow
 def test_chunking_a_batch_changes_the_arithmetic_never_the_samples(tmp_path):
     whole = train_run(tmp_path / "whole")
     chunked = train_run(tmp_path / "chunked", ["train.chunk_samples=4"])

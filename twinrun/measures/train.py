@@ -137,8 +137,8 @@ def check_training_intervention(intervention: Intervention) -> None:
         raise ConfigError(key, settings, "has no no-op setting (`noop()`): a training run's gate is the "
                           "machinery arm, the intervention's own code at its no-op setting, which must be "
                           "bit-identical to the twin at every step; without one nothing vouches for the "
-                          "instrument. Declare a no-op setting, or use scale_lr (factor=1) or weight_sigma "
-                          "(power=0)")
+                          "instrument. Declare a no-op setting, or train with an intervention that has one "
+                          "(scale_lr: factor=1; weight_sigma: power=0)")
     if not any(getattr(type(intervention), h) is not getattr(Intervention, h) for h in TRAINING_HOOKS):
         raise ConfigError(key, settings, f"acts nowhere in training (it overrides none of "
                           f"{', '.join(TRAINING_HOOKS)}): nothing to measure")

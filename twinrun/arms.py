@@ -27,7 +27,7 @@ class NotATwin(TwinrunError):
 class Arm:
     name: str  # directory under RUN_DIR/arms/
     config: dict  # resolved, plain containers
-    role: str  # "intervention" | "twin" | "replicate" | "machinery"
+    role: str  # "intervention" | "twin" | "replicate" | "machinery" | "chaos"
 
 
 def _resolved(cfg: DictConfig, what: str) -> dict:
@@ -66,9 +66,10 @@ def outside_intervention(diff: list[dict]) -> list[str]:
     return [d["key"] for d in diff if d["key"].split(".")[0] != INTERVENTION_KEY]
 
 
-def for_compute(cfg: dict) -> dict:
-    """The part of a resolved config that can change a result (launching excluded)."""
-    return {k: v for k, v in cfg.items() if k not in EXCLUDED}
+def for_compute(cfg: dict, exclude: tuple = ()) -> dict:
+    """The part of a resolved config that can change a result (launching excluded, and `exclude`: the
+    settings of the measurement kinds this run is not)."""
+    return {k: v for k, v in cfg.items() if k not in EXCLUDED and k not in exclude}
 
 
 def machinery_of(cfg: DictConfig, noop: dict) -> DictConfig:
@@ -80,9 +81,12 @@ def machinery_of(cfg: DictConfig, noop: dict) -> DictConfig:
 
 
 def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False,
-                noop: dict | None = None) -> tuple[list[Arm], list[dict]]:
-    """[intervention, twin(, replicate)(, machinery)] and the intervention–twin diff; refuse a pair
-    that is not a twin. `noop`: the intervention's no-op setting, which adds its machinery arm."""
+                noop: dict | None = None, chaos: bool = False,
+                exclude: tuple = ()) -> tuple[list[Arm], list[dict]]:
+    """[intervention, twin(, replicate)(, machinery)(, chaos)] and the intervention–twin diff; refuse a
+    pair that is not a twin. `noop`: the intervention's no-op setting, which adds its machinery arm;
+    `chaos`: the twin once more, run with a one-ulp perturbation (a training run's chaos arm: its
+    config is the twin's, its role says what differs); `exclude`: config keys no arm carries."""
     if cfg[INTERVENTION_KEY].get("_target_") == NATIVE["_target_"]:
         raise TwinrunError(
             "intervention=native: no intervention declared; declare one, e.g. "
@@ -94,13 +98,13 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
             f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} "
             "names its arm directory, so it must be letters, digits, '_', '.', '-' without '..'"
         )
-    if intervention_name in ("native", "native_replicate"):
+    if intervention_name in ("native", "native_replicate", "native_chaos"):
         raise TwinrunError(
             f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} "
             "is the twin's own; give the intervention class another `name` (its arm directory)"
         )
-    mine = for_compute(_resolved(cfg, "intervention arm's"))
-    twin = for_compute(_resolved(twin_of(cfg), "derived twin's"))
+    mine = for_compute(_resolved(cfg, "intervention arm's"), exclude)
+    twin = for_compute(_resolved(twin_of(cfg), "derived twin's"), exclude)
     diff = config_diff(mine, twin)
     bad = outside_intervention(diff)
     if bad:
@@ -112,6 +116,8 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
     if replicate:
         arms.append(Arm("native_replicate", twin, "replicate"))
     if noop is not None:
-        machinery = for_compute(_resolved(machinery_of(cfg, noop), "machinery arm's"))
+        machinery = for_compute(_resolved(machinery_of(cfg, noop), "machinery arm's"), exclude)
         arms.append(Arm(f"{intervention_name}_noop", machinery, "machinery"))
+    if chaos:
+        arms.append(Arm("native_chaos", twin, "chaos"))
     return arms, diff

@@ -1,5 +1,9 @@
 """Absolute comparison of two arms: `python -m twinrun.compare A B [--force]`.
 
+Training runs (measure=train) are compared step by step instead: at every step both stored, how many
+weight tensors differ (and the first), the largest difference, B's distance from A relative to A's
+update, and B's held-out loss minus A's with its paired SE (same images, same draws).
+
 A and B are run directories (their native twin, or `--arm NAME`), arm directories
 (RUN/arms/NAME; the gate replicate, RUN/arms/native_replicate, is compared at its gate bins) or
 single store files. Prints, per bin and estimand (every estimand of the
@@ -17,12 +21,14 @@ from pathlib import Path
 from twinrun.analysis.checks import arm_stores, close, load_run, registered, scan_run
 from twinrun.analysis.estimands import SHIFT_VIEW
 from twinrun.analysis.references import cross_estimates, protocol_mismatch, reference_report
+from twinrun.analysis.train_reduce import arm_stores as train_arm_stores
+from twinrun.analysis.train_reduce import compare_stores
 from twinrun.config import STORE_IDENTITY_KEYS, ReduceConfig
 from twinrun.errors import EXIT_OK, EXIT_REFUSED, StoreError, TwinrunError, fail
 from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.publish.render import pm
-from twinrun.storage.rundir import ARMS_DIR, RunDir
-from twinrun.storage.store import StoreReader
+from twinrun.storage.rundir import ARMS_DIR, RunDir, RunIndex
+from twinrun.storage.store import TRAIN_STORE_FORMAT, StoreReader, read_train_store, store_format
 
 
 def resolve(path: Path, arm: str) -> tuple[Path | None, dict]:
@@ -108,6 +114,51 @@ def vouched(run_a: Path | None, run_b: Path | None) -> bool:
     return bool(verdict["alive"])
 
 
+def train_side(path: Path, arm: str) -> dict | None:
+    """{stored step: store} when `path` is a training run (its arm `arm`), one of its arm directories or a
+    training store; None for anything else (the probe's inputs)."""
+    path = Path(path)
+    if path.is_file():
+        if store_format(path) != TRAIN_STORE_FORMAT:
+            return None
+        store = read_train_store(path)
+        return {store.meta["to_step"]: store}
+    run, name = (path, arm) if RunDir(path).is_run() else (path.parent.parent, path.name)
+    if run != path and path.parent.name != ARMS_DIR:
+        return None
+    if not RunDir(run).is_run() or RunIndex.load(run).measure != "train":
+        return None
+    return train_arm_stores(run, name)
+
+
+def compare_training(args, a: dict | None, b: dict | None) -> int:
+    """Two training arms (runs, arm directories or stores) at every step both stored; refused across
+    kernel paths as the probe's comparison is."""
+    if a is None or b is None:
+        raise TwinrunError(f"{args.a if a is None else args.b} is not a training run, arm or store, and the "
+                           "other is: compare training with training (a probe with a probe)")
+    fields = kernel_path_fields(a, b)
+    if fields and not args.force:
+        print(f"twinrun: refused: {args.a} and {args.b} ran on different kernel paths (differs in "
+              f"{', '.join(fields)}); two training runs on different paths differ by that path's chaos, "
+              "not by anything they did: pass --force to see the numbers anyway", file=sys.stderr)
+        return EXIT_REFUSED
+    rows = compare_stores(a, b)
+    label = f"INVALID: kernel paths differ ({', '.join(fields)})" if fields else "valid: one kernel path"
+    mark = "  INVALID" if fields else ""
+    print(f"twinrun compare (training): {args.a} vs {args.b} [{label}]")
+    print(f"  {'step':>6} {'tensors differ':>15} {'first':<28} {'max |Δ|':>10} {'rel. dist':>10} "
+          f"{'cos upd':>9} {'held-out B − A ± paired se':>28}")
+    for r in rows:
+        held = "–" if r["heldout_diff"] is None else f"{r['heldout_diff']:+.3e} ± {r['heldout_diff_se']:.1e}"
+        dist = "–" if r["distance"] is None else f"{r['distance']:.3e}"
+        cos = "–" if r["cos"] is None else f"{r['cos']:.6f}"
+        count = f"{r['n_differ']} / {r['n_tensors']}"
+        print(f"  {r['step']:>6} {count:>15} {r['first_tensor'] or '–':<28} "
+              f"{r['max_abs_diff']:>10.3e} {dist:>10} {cos:>9} {held:>28}{mark}")
+    return EXIT_REFUSED if fields else EXIT_OK
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m twinrun.compare", description=__doc__.splitlines()[0],
@@ -123,6 +174,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     a, b = {}, {}
     try:
+        ta, tb = train_side(args.a, args.arm), train_side(args.b, args.arm)
+        if ta is not None or tb is not None:
+            return compare_training(args, ta, tb)
         run_a, a = resolve(args.a, args.arm)
         run_b, b = resolve(args.b, args.arm)
         a, b = common_bins(a, b, args.a, args.b)

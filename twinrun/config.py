@@ -37,6 +37,12 @@ class DigitsDataConfig:
     _target_: str = "twinrun.data.load_heldout_images"
 
 
+@dataclass
+class DigitsTrainDataConfig:
+    # The digits' training split (what the committed model was trained on) and held-out split.
+    _target_: str = "twinrun.data.load_train_and_heldout"
+
+
 # ----------------------------------------------------------------------------- plain settings
 
 
@@ -81,6 +87,47 @@ class ProbeConfig:
     # ones (dropout) draw from a stream keyed like the noise, so every arm sees the same masks (folds
     # method only).
     train_mode: bool = False
+
+
+@dataclass
+class ChaosConfig:
+    # The chaos arm is the twin with this one weight moved by `ulps` units in the last place
+    # (torch.nextafter, towards +inf for ulps > 0): a rounding-sized wobble, whose distance from the
+    # twin over the steps is the floor no intervention effect can be read below (docs/training.md).
+    param: str = "blocks.0.attn.qkv.weight"  # a name from model.named_parameters()
+    index: int = 0  # the element of that parameter, in its flattened (row-major) order
+    ulps: int = 1  # how many ulps (± = direction); 0 is refused (the chaos arm would be the twin)
+
+
+@dataclass
+class TrainConfig:
+    # Twin training runs (measure=train): every arm trains from one start checkpoint on the same
+    # sample order and noise draws, segment by segment in one process (docs/training.md).
+    steps: int = 40  # optimizer steps of every arm
+    # A unit of the run is a segment of this many steps; it must divide `steps` (no ragged last
+    # segment). Each segment boundary stores every arm's weights, optimizer state and losses, so a
+    # kill loses at most one segment, and the report's curves have one point per segment.
+    segment_steps: int = 10
+    batch_size: int = 64  # samples per step (drawn without replacement within a step)
+    # A step's batch runs forward and backward in chunks of ≤ this many samples, gradients summed
+    # (-1 = the whole batch in one call). It changes the arithmetic order (so it joins the kernel
+    # path), never which samples or noise a step sees.
+    chunk_samples: int = -1
+    # The optimizer (config group train/optimizer: adamw, sgd): one level of instantiate with the
+    # model's parameters as `params`. Any torch.optim-style class works (its learning rate as `lr`);
+    # the rate is constant over the run. Typed Any, not a dict: a dict default would be merged with
+    # (and so keep the keys of) whichever optimizer replaces it.
+    optimizer: Any = None
+    # The weights every arm starts from: a safetensors file of the model's parameters; null = the
+    # model as its builder returns it (the committed digits denoiser for model=dit_digits).
+    start_checkpoint: str | None = None
+    heldout_images: int = 297  # held-out images the held-out loss reads (one keyed draw each)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    # An intervention is read as "above the floor" at a step only where its distance from the twin
+    # exceeds the chaos arm's by this factor (docs/training.md: the spread of the floor over
+    # perturbations measured on this model).
+    floor_margin: float = 10.0
+    device: str = "auto"  # auto | cpu | cuda[:N], as probe.device
 
 
 @dataclass
@@ -168,12 +215,14 @@ class ArmsConfig:
 
 @dataclass
 class TwinrunConfig:
-    # The measurement kind (twinrun/measures: MEASURES): probe = per-fold gradient sums at each σ bin.
+    # The measurement kind (twinrun/measures: MEASURES): probe = per-fold gradient sums at each σ bin;
+    # train = twin training runs, segment by segment (docs/training.md).
     measure: str = "probe"
     model: Any = MISSING
     data: Any = MISSING
     intervention: Any = MISSING
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)  # measure=train's settings
     sigma_grid: SigmaGridConfig = field(default_factory=SigmaGridConfig)
     reduce: ReduceConfig = field(default_factory=ReduceConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -246,6 +295,8 @@ def register_configs() -> None:
         cs.store(group="schema/intervention", name=cls.name, node=schema(cls))
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
+    cs.store(group="schema/train", name="train", node=TrainConfig)
+    cs.store(group="schema/data", name="digits_train", node=DigitsTrainDataConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
 
 

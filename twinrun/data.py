@@ -70,3 +70,12 @@ def load_heldout_images() -> tuple[torch.Tensor, list[int]]:
     images = load_digits_images()
     ids = heldout_indices(images.shape[0])
     return images[ids], [int(i) for i in ids]
+
+
+def load_train_and_heldout() -> tuple[tuple[torch.Tensor, list[int]], tuple[torch.Tensor, list[int]]]:
+    """The training measure's data builder: ((training images, ids), (held-out images, ids)), each
+    [M, 1, 8, 8] with its indices in the data set: the split the committed model was trained on, and
+    the split it never saw. An image's id keys its noise draws, never its position in a batch."""
+    images = load_digits_images()
+    train, heldout = train_indices(images.shape[0]), heldout_indices(images.shape[0])
+    return (images[train], [int(i) for i in train]), (images[heldout], [int(i) for i in heldout])

@@ -16,7 +16,13 @@ from safetensors import safe_open
 
 from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
 from twinrun.files import memory_bytes, open_regular
-from twinrun.storage.store import OLD_STORE_FORMAT, STORE_FORMAT, StoreReader
+from twinrun.storage.store import (
+    OLD_STORE_FORMAT,
+    STORE_FORMAT,
+    TRAIN_STORE_FORMAT,
+    StoreReader,
+    read_train_store,
+)
 
 
 @dataclass
@@ -49,8 +55,11 @@ def _file_tensors(path: Path) -> dict[str, torch.Tensor]:
     os.close(open_regular(path, memory_bytes(), "safetensors file")[0])  # no FIFO, no 1 TiB
     try:
         with safe_open(str(path), framework="pt") as handle:
-            if (handle.metadata() or {}).get("format") in (STORE_FORMAT, OLD_STORE_FORMAT):
+            fmt = (handle.metadata() or {}).get("format")
+            if fmt in (STORE_FORMAT, OLD_STORE_FORMAT):
                 return _store_tensors(path)  # each tensor's own digest is checked (an old format: one line)
+            if fmt == TRAIN_STORE_FORMAT:  # weights, optimizer state and losses, each digest checked
+                return read_train_store(path).tensors
             return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
     except StoreError:
         raise

@@ -7,13 +7,17 @@ It may act at these places, each optional (the base class's defaults do nothing)
   sigma_cond(sigma)    the σ fed to the denoiser's conditioning pathway at noising σ,
   attach(model)        forward hooks by module name: a module's output, the model's inputs,
                        returning the handles that remove them after the arm's measurement,
+and, in a training run (measure=train), also at
+  train_lr(lr)         the learning rate its arm trains with,
+  loss_weight(sigma, sigma_data)   a per-sample weight on the training loss (None: none),
 and it declares how it can be checked against its twin:
   gate_sigmas(grid)    the bins where it is a no-op: there it must be bit-identical to its twin,
   noop()               its no-op setting (overrides of its own config keys), or None: twinrun runs
                        the intervention's own code at that setting as the *machinery arm*, which must
                        be bit-identical to the twin in every bin,
   sweep_axis           the config key a sweep over this intervention varies,
-  check(grid), check_model(model)   raise ConfigError for settings it cannot run with.
+  check(grid), check_model(model), check_train()   raise ConfigError for settings it cannot run with
+                       (check_train: in a training run, which has no σ grid).
 An intervention with neither a gate bin nor a no-op setting proves nothing and is refused.
 """
 
@@ -53,6 +57,15 @@ class Intervention:
         pass
 
     def check_model(self, model: torch.nn.Module) -> None:
+        pass
+
+    def train_lr(self, lr: float) -> float:
+        return lr
+
+    def loss_weight(self, sigma: torch.Tensor, sigma_data: float) -> torch.Tensor | None:
+        return None
+
+    def check_train(self) -> None:
         pass
 
 
@@ -171,6 +184,9 @@ class ScaleModule(Intervention):
             raise ConfigError("intervention.factor", self.factor, "must be a finite number "
                               "(0 ablates, 1 = native)")
 
+    def check_train(self) -> None:
+        self.check([])  # its settings do not depend on a σ grid
+
     def check_model(self, model: torch.nn.Module) -> None:
         names = [n for n, _ in model.named_modules() if n]
         if self.module not in names:
@@ -207,6 +223,66 @@ class ScaleInput(Intervention):
         if not (math.isfinite(self.factor) and self.factor > 0):
             raise ConfigError("intervention.factor", self.factor, "must be a positive number (1 = native)")
 
+    def check_train(self) -> None:
+        self.check([])
+
+
+@dataclass
+class ScaleLR(Intervention):
+    """Train with the learning rate multiplied by `factor` (a training intervention: the probe refuses it
+    as a no-op everywhere). factor = 1 is its no-op setting: lr·1 == lr exactly, so its machinery arm
+    must be bit-identical to the twin at every step."""
+
+    factor: float = 2.0  # the arm's learning rate is the optimizer's lr times this; 1 is its no-op setting
+    name: ClassVar[str] = "scale_lr"
+    sweep_axis: ClassVar[str] = "factor"
+
+    def __post_init__(self):
+        self.factor = float(self.factor)
+
+    def train_lr(self, lr: float) -> float:
+        return lr * self.factor
+
+    def noop(self) -> dict:
+        return {"factor": 1.0}
+
+    def check(self, grid: list[float]) -> None:
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ConfigError("intervention.factor", self.factor, "must be a positive number (1 = the "
+                              "optimizer's own learning rate)")
+
+    def check_train(self) -> None:
+        self.check([])
+
+
+@dataclass
+class WeightSigma(Intervention):
+    """Weight each sample's training loss by (σ/σ_data)^power on top of EDM's λ(σ) (Karras et al. 2022,
+    Eq. 2): power > 0 leans training towards high noise, < 0 towards low noise. A training
+    intervention acting on the loss. power = 0 is its no-op setting: x^0 == 1 exactly and the loss
+    times 1 is the loss, so its machinery arm must be bit-identical to the twin at every step."""
+
+    power: float = 1.0  # exponent of σ/σ_data in the per-sample loss weight; 0 is its no-op setting
+    name: ClassVar[str] = "weight_sigma"
+    sweep_axis: ClassVar[str] = "power"
+
+    def __post_init__(self):
+        self.power = float(self.power)
+
+    def loss_weight(self, sigma: torch.Tensor, sigma_data: float) -> torch.Tensor:
+        return (sigma / sigma_data) ** self.power
+
+    def noop(self) -> dict:
+        return {"power": 0.0}
+
+    def check(self, grid: list[float]) -> None:
+        if not math.isfinite(self.power):
+            raise ConfigError("intervention.power", self.power, "must be a finite number (0 = EDM's own "
+                              "loss weight)")
+
+    def check_train(self) -> None:
+        self.check([])
+
 
 class attached:
     """`with attached(intervention, model):` its hooks are on the model inside the block only."""
@@ -224,7 +300,8 @@ class attached:
 
 
 # The built-in interventions, each registered as its own schema under schema/intervention/<name>.
-INTERVENTIONS: tuple[type[Intervention], ...] = (Native, PinSigma, ScaleCond, ScaleModule, ScaleInput)
+INTERVENTIONS: tuple[type[Intervention], ...] = (Native, PinSigma, ScaleCond, ScaleModule, ScaleInput,
+                                                 ScaleLR, WeightSigma)
 
 
 def target(cls: type) -> str:

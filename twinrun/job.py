@@ -84,10 +84,17 @@ def _measure(index: RunIndex, arms: list, units: list[int] | None) -> RunRecord:
     kind = measure_of(index.measure)
     session = kind.open_session(config, arms, resolve_device(kind.device(config)))
     todo = index.pending_units(units)
+    if kind.sequential_units and todo:  # each unit continues the one before: measure on from the first gap
+        todo = index.units[todo[0]["index"]:]
     mine = len(index.units) if units is None else len(units)
     if len(todo) < mine:
         print(f"twinrun: resuming: {mine - len(todo)} of {mine} {kind.unit_noun}s already measured",
               flush=True)
+    if kind.sequential_units and todo and todo[0]["index"] > 0:
+        # Every arm continues from its state at the end of the last whole unit, read back from its stores.
+        last = index.units[todo[0]["index"] - 1]
+        session.restore(last, {arm: (index.store_path(last, arm), entry["sha256"])
+                               for arm, entry in last["stores"].items()})
     return measure_units(index, arms, session, todo, determinism, units)
 
 
@@ -122,19 +129,25 @@ def measure_units(
     stamp = {"env": unit_record(fp, job["sentinel_start"]), "kernel_path": fp["kernel_path"]}
     index.set_status("running", units)  # an element never clears a failure recorded at another's unit
 
+    kind = measure_of(index.measure)
     progress = Progress(sum(len(u["stores"]) for u in todo))
     for u in todo:
-        t_unit, timings = time.perf_counter(), []
+        t_unit, timings, landed = time.perf_counter(), [], {}
         session.begin_unit(u)
         for arm in (a for a in arms if a.name in u["stores"]):
             t_arm = time.perf_counter()
             with failure_recorded(index, u, arm.name):
                 # Step: measure this arm, store it with what it is (written atomically), mark it done.
                 tensors, meta = session.measure(u, arm.name, {"config_hash": hashes[arm.name], **stamp})
-                digest = write_store(index.store_path(u, arm.name), tensors, meta)
-                index.mark_done(u, arm.name, digest, sha, refuse, identity)
+                path = index.store_path(u, arm.name)
+                landed[arm.name] = write_store(path, tensors, meta, kind.store_format)
+                if not kind.sequential_units:
+                    index.mark_done(u, arm.name, landed[arm.name], sha, refuse, identity)
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")
             progress.step(f"{u['label']} {arm.name}")
+        if kind.sequential_units:  # only a whole unit is ever continued from: one run.json update for it
+            with failure_recorded(index, u, next(reversed(landed))):
+                index.mark_unit_done(u, landed, sha, refuse, identity)
         progress.log(f"{u['label']}: {', '.join(timings)} ({time.perf_counter() - t_unit:.2f}s)")
     progress.close()
 

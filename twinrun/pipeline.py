@@ -20,7 +20,6 @@ from twinrun.launchers.wait import wait
 from twinrun.measures.registry import measure_of
 from twinrun.plan import plan_run, trusted_targets
 from twinrun.publish import publish
-from twinrun.publish.render import render
 from twinrun.publish.sweep import write_sweep_summary
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.sweepdir import SweepDir
@@ -39,7 +38,8 @@ class Point(NamedTuple):
 def check_launcher(cfg: DictConfig) -> dict:
     """The config's launcher settings as plain data, refused (exit 2) before anything is written."""
     launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
-    launchers.check(launcher, cfg.probe.compile)
+    kind = measure_of(cfg.measure)
+    launchers.check(launcher, cfg.probe.compile, kind.unit_noun if kind.sequential_units else None)
     return launcher
 
 
@@ -73,8 +73,8 @@ def reduce_and_publish(run_dir: Path, estimands=None, gate_rule=None, signal_alp
     """Reduce a measured run with its kind's analysis, publish it, print it; the exit code."""
     kind = measure_of(RunIndex.load(run_dir).measure)
     reduction = kind.reduce(Path(run_dir), estimands, gate_rule, signal_alpha)
-    publish(reduction)
-    print(render(reduction.shown), flush=True)
+    publish(reduction, kind.report)
+    print(kind.render(reduction.shown), flush=True)
     return reduction.exit_code
 
 

@@ -24,7 +24,7 @@ from twinrun.config import build, protocol_differences
 from twinrun.errors import ConfigError, StoreError
 from twinrun.files import atomic_write, write_json
 from twinrun.measures.kind import Measure
-from twinrun.measures.registry import measure_of
+from twinrun.measures.registry import MEASURES, measure_of
 from twinrun.provenance.determinism import MATMUL_PRECISIONS
 from twinrun.storage.records import GATE_REPLICATE, RUN_FORMAT, RunRecord
 from twinrun.storage.rundir import RunDir, RunIndex
@@ -32,7 +32,8 @@ from twinrun.storage.rundir import RunDir, RunIndex
 # The builders a run directory may name without the user vouching for them: twinrun's own
 # model, data and interventions. Anything else must come from a config the user composed (its
 # `_target_`s are passed in as `trusted`) or a module named on the command line.
-BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions")
+# torch.optim's classes take parameters and numbers only: the built-in training experiment's AdamW.
+BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions", "torch.optim")
 
 
 def config_hash(config: dict) -> str:
@@ -117,8 +118,9 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
     validated = kind.validate(cfg, intervention)
     validate_common(cfg)
-    arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate),
-                             noop=intervention.noop())
+    replicate = bool(cfg.arms.replicate) or kind.replicate_always
+    arms, diff = derive_arms(cfg, intervention.name, replicate=replicate, noop=intervention.noop(),
+                             chaos=kind.chaos_arm, exclude=foreign_keys(kind))
     check_paths(cfg, run_dir)
     planned = kind.plan(cfg, intervention, arms, run_dir, validated)
     run: RunRecord = {
@@ -146,6 +148,12 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
         atomic_write(rd.arm_config(arm.name), yaml.safe_dump(arm.config, sort_keys=False).encode())
     write_json(rd.config_diff_json, diff)
     return RunIndex.create(rd, run).doc
+
+
+def foreign_keys(kind: Measure) -> tuple[str, ...]:
+    """The config nodes of the other measurement kinds: an arm's config holds only its own kind's."""
+    own = set(kind.config_keys)
+    return tuple(k for m in MEASURES.values() if m is not kind for k in m.config_keys if k not in own)
 
 
 def unit_entry(u: dict, arms: list[Arm]) -> dict:
@@ -181,8 +189,8 @@ def targets(tree) -> list[str]:
 
 
 def trusted_targets(cfg: DictConfig) -> list[str]:
-    """The builders of a config the user composed (its model, data and intervention)."""
-    return sorted({t for key in ("model", "data", "intervention")
+    """The builders of a config the user composed (its model, data, intervention and optimizer)."""
+    return sorted({t for key in ("model", "data", "intervention", "train")
                    for t in targets(OmegaConf.to_container(cfg[key], resolve=True))})
 
 

@@ -18,6 +18,8 @@ import torch
 from tqdm import tqdm
 
 from twinrun.data import heldout_indices, load_digits_images, sigma_data_of, train_indices
+from twinrun.measures.fold_sums import edm_weight
+from twinrun.measures.train_step import P_MEAN, P_STD
 from twinrun.model import DEFAULT_ARCH, DEFAULT_WEIGHTS_PATH, DiTDenoiser, save_pretrained
 from twinrun.model import TRAIN_COMMAND as TRAIN_PROG
 
@@ -26,9 +28,6 @@ DEFAULT_SEED = 0
 BATCH_SIZE = 128
 LR_PEAK = 2e-3
 LR_WARMUP_STEPS = 200
-# Log-normal training sigma distribution (Karras et al. 2022, Table 1: P_mean, P_std).
-P_MEAN = -1.2
-P_STD = 1.2
 # Held-out evaluation: sigmas where the denoiser must clearly beat the identity, and draws per image.
 EVAL_SIGMAS = (0.2, 0.5, 1.0, 2.0)
 EVAL_DRAWS_PER_IMAGE = 4
@@ -56,10 +55,9 @@ def edm_loss(model: DiTDenoiser, images: torch.Tensor, generator: torch.Generato
     batch = images.shape[0]
     sigma = torch.exp(P_MEAN + P_STD * torch.randn(batch, generator=generator))
     noise = torch.randn(images.shape, generator=generator)
-    sd = model.sigma_data
-    # lambda(sigma) = (sigma^2 + sigma_data^2) / (sigma * sigma_data)^2 makes the effective target
-    # unit-variance.
-    weight = ((sigma**2 + sd**2) / (sigma * sd) ** 2).reshape(batch, 1, 1, 1)
+    # lambda(sigma) makes the effective target unit-variance; twin training runs use the same loss
+    # (twinrun/measures/train_step.py), written per sample.
+    weight = edm_weight(sigma, model.sigma_data).reshape(batch, 1, 1, 1)
     denoised = model(images + sigma.reshape(batch, 1, 1, 1) * noise, sigma)
     return (weight * (denoised - images) ** 2).mean()
 

@@ -159,11 +159,11 @@ def provenance_checks(index: RunIndex, stores: dict) -> list[dict]:
     and the kernel-path sentinel read around the jobs never moved."""
     out = []
     split = {}
-    for b in bins_of(index):
-        records = [s.meta.get("env") or {} for (n, i), s in stores.items() if i == b.index]
+    for u in index.units:  # any kind's units (a probe's bins, a training run's segments)
+        records = [s.meta.get("env") or {} for (n, i), s in stores.items() if i == u["index"]]
         fields = sorted({k for r in records for k in r if any(r.get(k) != o.get(k) for o in records)})
         if fields or not records[0]:
-            split[b.index] = fields or ["(no record)"]
+            split[u["index"]] = fields or ["(no record)"]
     out.append(check("same_allocation_per_bin", not split,
                      "every bin's arms ran back to back in one process (same job, node, boot, GPU)"
                      if not split else "arms of a bin ran apart: "

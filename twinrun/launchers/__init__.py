@@ -37,11 +37,12 @@ LAUNCHERS = {
 }
 
 
-def check(launcher: dict, probe_compile=False) -> None:
+def check(launcher: dict, probe_compile=False, sequential: str | None = None) -> None:
     """Refuse launcher settings that cannot work, naming the knob (ConfigError: exit 2).
 
-    probe_compile: the run's probe.compile. For SLURM, asks sinfo about the partition and its GPUs;
-    call it before planning to fail early.
+    probe_compile: the run's probe.compile. sequential: the noun of a kind whose units continue each
+    other (training segments), which split=bins cannot place. For SLURM, asks sinfo about the
+    partition and its GPUs; call it before planning to fail early.
     """
     name = launcher["name"]
     if name not in LAUNCHERS:
@@ -49,6 +50,11 @@ def check(launcher: dict, probe_compile=False) -> None:
     split = launcher.get("split", "pair")
     if split not in SPLITS:
         raise ConfigError("launcher.split", split, "choose pair (one job per run) or bins (one job per bin)")
+    if split == "bins" and sequential is not None:
+        raise ConfigError("launcher.split", split, f"a training run's {sequential}s are sequential (each "
+                          f"starts from the weights the one before ends with), so they cannot run as one job "
+                          f"per {sequential}; use launcher.split=pair (requeues resume from the last whole "
+                          f"{sequential})")
     if split == "bins" and probe_compile:  # false/None: eager; "default"/"max-autotune": compiled
         # Concurrent elements would compile into one shared cache, each fingerprinting another cache
         # digest: every bin on its own kernel path, and the run refused as straddling.

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from twinrun.storage.records import UnitEntry
+from twinrun.storage.store import STORE_FORMAT
 
 
 @dataclass
@@ -44,6 +45,11 @@ class Session(Protocol):
     def measure(self, u: UnitEntry, arm: str, stamp: dict) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors, metadata) of one arm's store in this unit; `stamp`: config_hash, env, kernel_path."""
 
+    # A kind whose units continue each other (Measure.sequential_units) also has
+    #   restore(u, stores: {arm: (path, sha256)}) -> None
+    # called once before a job's first unit when that unit is not the run's first: every arm's state
+    # is read back from the stores of `u`, the whole unit before it.
+
 
 @dataclass(frozen=True)
 class Measure:
@@ -62,6 +68,15 @@ class Measure:
     device: Callable[[dict], str]  # the config's device setting (`auto`, `cpu`, `cuda:N`)
     # (run_dir, estimands, gate_rule, signal_alpha) -> Reduction: the kind's analysis (writes nothing)
     reduce: Callable
+    report: Callable  # (out_dir, summary, index) -> report.md's path: writes the report and its plots
+    render: Callable  # summary -> the text the command prints after reducing
+    config_keys: tuple[str, ...] = ()  # config nodes only this kind reads: no other kind's arms carry them
+    # Each unit continues from the one before (training segments): a job measures every unit from the
+    # first pending one on, and restores its arms from the whole unit before it (Session.restore).
+    sequential_units: bool = False
+    replicate_always: bool = False  # the twin's replicate is an arm of every run (not only arms.replicate)
+    chaos_arm: bool = False  # the twin with a one-ulp perturbation, as an arm of every run
+    store_format: str = STORE_FORMAT  # the format its stores name (twinrun/storage/store.py)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -27,6 +27,8 @@ from twinrun.measures import trial
 from twinrun.measures.kind import Measure, Plan, resolve_device
 from twinrun.measures.modes import draws_randomness, set_mode
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
+from twinrun.publish.render import render
+from twinrun.publish.report import write_report
 from twinrun.storage.records import UnitEntry
 from twinrun.storage.store import store_size
 
@@ -294,4 +296,7 @@ PROBE = Measure(
     open_session=ProbeSession,
     device=lambda config: config["probe"]["device"],
     reduce=reduce_run,
+    report=write_report,
+    render=render,
+    config_keys=("probe", "sigma_grid"),
 )

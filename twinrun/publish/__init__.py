@@ -10,14 +10,15 @@ from twinrun.publish.report import write_report
 from twinrun.storage.rundir import RunDir
 
 
-def publish(reduction) -> None:
-    """Write a Reduction (twinrun.analysis.reduce): the registered summary, or the post-hoc view."""
+def publish(reduction, report=write_report) -> None:
+    """Write a Reduction (twinrun.analysis.reduce): the registered summary, or the post-hoc view.
+    `report`: the measurement kind's report writer (out_dir, summary, index), the probe's by default."""
     rd = reduction.index.run_dir
     if reduction.view is None:
         write_json(rd.summary_json, reduction.summary)
-        write_report(rd.path, reduction.summary, reduction.index)
+        report(rd.path, reduction.summary, reduction.index)
         return
     out = rd.view_dir(reduction.view_name)
     out.mkdir(parents=True, exist_ok=True)
     write_json(RunDir(out).summary_json, reduction.view)
-    write_report(out, reduction.view, reduction.index)
+    report(out, reduction.view, reduction.index)

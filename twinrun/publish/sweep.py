@@ -29,8 +29,11 @@ def _point(run_dir: Path) -> dict:
         # `passed`: every check and gate, the machinery arm's included (an intervention with a no-op
         # setting may have no gate bin at all).
         point["gates_passed"] = summary["passed"]
-        point["effects"] = summary["effects"]
-        point["gate_sigmas"] = sorted({g["sigma"] for g in summary["gates"]})  # boxed on the heatmap
+        if summary.get("measure") == "train":  # read per step, not per σ: the sweep lists its verdict
+            point["verdict"] = summary["verdict"]
+        else:
+            point["effects"] = summary["effects"]
+            point["gate_sigmas"] = sorted({g["sigma"] for g in summary["gates"]})  # boxed on the heatmap
         point["status"] = "reduced"
     return point
 

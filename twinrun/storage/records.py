@@ -25,7 +25,7 @@ from twinrun.files import SAFE_NAME, safe_name
 RUN_FORMAT = "twinrun-run/2"  # units keyed by measurement kind
 OLD_RUN_FORMATS = ("twinrun-run/1",)  # σ bins only: refused (measure again), never migrated
 GATE_REPLICATE = "native_replicate"  # the twin measured again at gate units (twinrun/analysis/gates.py)
-ROLES = ("intervention", "twin", "replicate", "machinery")
+ROLES = ("intervention", "twin", "replicate", "machinery", "chaos")
 RUN_STATUSES = ("planned", "running", "measured", "failed", "interrupted")
 STORE_STATUSES = ("pending", "done", "failed")
 HEX = re.compile(r"[0-9a-f]+")
@@ -35,7 +35,7 @@ SafeName = Annotated[str, "safe name"]
 Sigma = Annotated[float, "positive"]  # finite and > 0
 RunStatus = Literal["planned", "running", "measured", "failed", "interrupted"]
 StoreStatus = Literal["pending", "done", "failed"]
-Role = Literal["intervention", "twin", "replicate", "machinery"]
+Role = Literal["intervention", "twin", "replicate", "machinery", "chaos"]
 
 
 # ----------------------------------------------------------------------------- run.json
@@ -71,8 +71,15 @@ class ProbeUnit(TypedDict):
     sigma: Sigma  # noising σ
 
 
+class TrainUnit(TypedDict):
+    """A training segment: every arm's optimizer steps from_step + 1 … to_step (the start unit: 0 … 0)."""
+
+    from_step: int  # the step its arms start from (the previous unit's to_step)
+    to_step: int  # the step its stores hold
+
+
 # Each measurement kind's own unit fields, under the kind's name in every unit.
-UNIT_FIELDS: dict[str, type] = {"probe": ProbeUnit}
+UNIT_FIELDS: dict[str, type] = {"probe": ProbeUnit, "train": TrainUnit}
 
 
 class UnitEntry(TypedDict):
@@ -187,6 +194,42 @@ class Summary(TypedDict):
     post_hoc: NotRequired[PostHoc]
 
 
+class TrainGateRow(TypedDict):
+    """The training run's no-op gate at one stored step: the machinery arm against the twin."""
+
+    step: int
+    arm: str
+    passed: bool
+    rule: str  # which rule decided it (bit-identical, not a no-op on a deterministic path, ...)
+    bit_identical: bool
+    distance: float  # |θ_arm − θ_twin| / |θ_twin − θ_start| over every parameter
+    replicate_distance: float | None
+    first_tensor: str | None  # the first parameter (in the model's order) whose bits differ
+    detail: str
+
+
+class TrainSummary(TypedDict):
+    """What one reduction of a training run found: checks, gates, then the floor and the effects (empty
+    unless every check and gate passed)."""
+
+    measure: Literal["train"]
+    run_dir: str
+    arms: list[str]
+    registered: dict
+    used: dict
+    valid: bool
+    passed: bool
+    verdict: str  # one sentence: above the chaos floor, or not told apart from chaos
+    checks: list[Check]
+    gates: list[TrainGateRow]
+    replicate: dict | None
+    first_differing: list[dict]  # per arm: the first step its bits leave the twin's (and the tensor)
+    floor: list[dict]  # per stored step and estimand: the chaos arm's distance from the twin
+    effects: list[dict]  # per stored step and estimand: the intervention against the twin and the floor
+    losses: list[dict]  # per stored step and arm: training and held-out loss (paired SE against the twin)
+    post_hoc: NotRequired[PostHoc]
+
+
 # ----------------------------------------------------------------------------- store metadata
 
 
@@ -214,6 +257,31 @@ class ProbeStoreMeta(TypedDict):
     model_sha256: NotRequired[HexDigest]
     data_sha256: NotRequired[HexDigest]
     layout: list[LayoutEntry]
+    env: NotRequired[dict | None]
+    kernel_path: NotRequired[dict | None]
+
+
+class WeightEntry(TypedDict):
+    name: str  # the parameter's name in model.named_parameters()
+    shape: list[int]
+    cond: bool  # part of the conditioning pathway
+
+
+class TrainStoreMeta(TypedDict):
+    """A training store's metadata (JSON-decoded strings): one arm's state at the end of one unit."""
+
+    arm: str
+    unit_index: int
+    from_step: int
+    to_step: int
+    seed: int
+    config_hash: str
+    layout: list[WeightEntry]  # the weights, in model.named_parameters() order
+    optimizer: dict  # its class, param_groups and the state that is not a tensor
+    data_digest: str  # sha256 of the samples and noise this unit's steps consumed (equal in every arm)
+    heldout_digest: str  # sha256 of the held-out images and noise the held-out loss read
+    # per step of the unit, per weight (layout order): sha256 prefix of the weight after that step
+    step_digests: list[list[str]]
     env: NotRequired[dict | None]
     kernel_path: NotRequired[dict | None]
 
@@ -392,8 +460,10 @@ def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str
             c.fail(f"{field}.stores.{arm}.sha256", "missing (the store is recorded done)")
 
 
-def validate_summary(path: Path, summary: dict) -> Summary:
-    return check_typed(Checker(path), summary, Summary, "")
+def validate_summary(path: Path, summary: dict) -> Summary | TrainSummary:
+    """summary.json against its kind's type (a training run's says `"measure": "train"`)."""
+    schema = TrainSummary if isinstance(summary, dict) and summary.get("measure") == "train" else Summary
+    return check_typed(Checker(path), summary, schema, "")
 
 
 def validate_store_meta(path: Path, meta: dict) -> ProbeStoreMeta:
@@ -414,4 +484,22 @@ def validate_store_meta(path: Path, meta: dict) -> ProbeStoreMeta:
     names = [g["name"] for g in meta["layout"]]
     if len(set(names)) != len(names):
         c.fail("metadata.layout", "parameter names repeat: each names one tensor of the store")
+    return meta
+
+
+def validate_train_store_meta(path: Path, meta: dict, n_tensors: dict[str, list[int]]) -> TrainStoreMeta:
+    """A training store's metadata, field by field, then against its tensors (`n_tensors`: name -> shape):
+    one weight tensor per layout entry, of the layout's shape, and one digest per step of the unit."""
+    c = Checker(path)
+    check_typed(c, meta, TrainStoreMeta, "metadata")
+    if not 0 <= meta["from_step"] <= meta["to_step"] or meta["unit_index"] < 0:
+        c.fail("metadata.to_step", f"steps {meta['from_step']} … {meta['to_step']} of unit "
+               f"{meta['unit_index']} are not a segment")
+    for i, w in enumerate(meta["layout"]):
+        if n_tensors.get(f"weight/{w['name']}") != w["shape"]:
+            c.fail(f"metadata.layout[{i}]", f"weight {w['name']!r} is not a tensor of shape {w['shape']}")
+    digests = meta["step_digests"]
+    if (len(digests) != meta["to_step"] - meta["from_step"]
+            or any(len(d) != len(meta["layout"]) for d in digests)):
+        c.fail("metadata.step_digests", "not one digest per weight for every step of the unit")
     return meta

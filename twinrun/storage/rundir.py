@@ -45,6 +45,8 @@ VIEWS_DIR = "views"
 LOG_NAME = "twinrun.log"
 REPORT_MD = "report.md"  # in the run directory and in each post-hoc view
 EFFECT_PNG = "effect.png"
+LOSS_PNG = "loss.png"  # a training run's loss curves, every arm
+DISTANCE_PNG = "distance.png"  # a training run's distance to the twin over steps, the chaos floor beside it
 
 # refuse(other kernel-path digests of whole units, this store's) raises when a store may not join the
 # run (the straddling rule, twinrun.provenance.record.refuse_straddling): handed in, never imported.
@@ -400,6 +402,19 @@ class RunIndex:
             doc["units"][u["index"]]["stores"][arm].update(sha256=sha256, status="done",
                                                           kernel_path_sha256=kernel_path_sha256,
                                                           identity_sha256=identity_sha256)
+
+        self._update(change)
+
+    def mark_unit_done(self, u: UnitEntry, digests: dict[str, str], kernel_path_sha256: str,
+                       refuse: StraddleRule, identity_sha256: str | None = None) -> None:
+        """Record every store of a unit done at once ({arm: sha256}), as mark_done does each: for a kind
+        whose units continue each other, a unit with some arms done is never continued from anyway."""
+        def change(doc: RunRecord) -> None:
+            refuse(self.whole_kernel_paths(doc, except_unit=u["index"]), kernel_path_sha256)
+            for arm, sha256 in digests.items():
+                doc["units"][u["index"]]["stores"][arm].update(sha256=sha256, status="done",
+                                                              kernel_path_sha256=kernel_path_sha256,
+                                                              identity_sha256=identity_sha256)
 
         self._update(change)
 

@@ -1,0 +1,394 @@
+"""Twin training runs (measure=train): each rule proved by breaking it.
+
+The streams: a step's samples and noise do not depend on how the batch is cut (a layout-dependent
+order is caught). The gate: an intervention off by one ulp at its no-op setting fails it on a
+deterministic path. The chaos arm: its perturbation lands before the first segment ends. A resume:
+bit-identical to the uninterrupted run (here in-process; kill -9 in test_train_faults.py). Bad input:
+one line naming the key, before any compute.
+"""
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from twinrun.analysis.train_reduce import Run, compare_stores, gate_rows, reduce_train
+from twinrun.app import CONF_DIR
+from twinrun.config import register_configs
+from twinrun.errors import ConfigError, TwinrunError
+from twinrun.job import run_job
+from twinrun.measures import train as train_kind
+from twinrun.measures import train_streams as streams
+from twinrun.measures.train_step import NonFiniteLoss
+from twinrun.plan import plan_run, trusted_targets
+from twinrun.storage.rundir import RunIndex
+from twinrun.storage.store import read_train_store
+
+# 3 units (start + 2 segments of 2 steps), small batches: a few seconds end to end.
+TINY = ["train.steps=4", "train.segment_steps=2", "train.batch_size=16", "train.heldout_images=16"]
+
+
+def tiny_cfg(overrides=(), experiment="train_scale_lr"):
+    return compose_cfg([f"+experiment={experiment}", *TINY, *overrides])
+
+
+def train_run(run_dir, overrides=(), experiment="train_scale_lr"):
+    """Plan, train and reduce a tiny training run in this process; its Reduction."""
+    cfg = tiny_cfg(overrides, experiment)
+    plan_run(cfg, run_dir)
+    run_job(run_dir, trusted_targets(cfg))
+    return reduce_train(run_dir)
+
+
+def compose_cfg(overrides=()):
+    """The real conf/ composed with overrides, as `python -m twinrun` would (any scope)."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """One tiny scale_lr run, shared by the tests that only read it."""
+    return train_run(tmp_path_factory.mktemp("tiny") / "run")
+
+
+# ----------------------------------------------------------------------------- the streams
+
+
+def order_is_layout_free(positions) -> None:
+    """The rule: the j-th sample of a step is the same whatever the batch size (a prefix of one keyed
+    order), and every sample's noise is a function of (seed, step, sample id) alone."""
+    for step in (1, 7):
+        big = positions(0, step, 100, 32)
+        for batch in (1, 5, 16):
+            assert np.array_equal(positions(0, step, 100, batch), big[:batch]), f"step {step}, batch {batch}"
+    seg = streams.draw_segment(0, [3], list(range(100, 200)), 8, (1, 2, 2))
+    for j, pos in enumerate(seg.positions[0].tolist()):
+        normal, eps = streams.sample_noise(0, 3, 100 + pos, (1, 2, 2))
+        assert seg.normal[0, j] == normal and np.array_equal(seg.eps[0, j].numpy(), eps)
+
+
+def test_a_steps_samples_and_noise_do_not_depend_on_the_batch_layout():
+    order_is_layout_free(streams.step_positions)
+
+
+def test_a_layout_dependent_order_is_caught():
+    def by_layout(seed, step, n_train, batch_size):  # keyed by the batch size too: the forbidden pattern
+        return streams.fresh(streams._ORDER, seed, step, batch_size).permutation(n_train)[:batch_size]
+
+    with pytest.raises(AssertionError, match="batch"):
+        order_is_layout_free(by_layout)
+
+
+def test_a_rekeyed_generator_draws_what_a_fresh_one_does():
+    keyed = streams.Keyed()
+    for coords in [(0, 1, 5), (3, 2, 7), (0, 1, 5)]:
+        a, b = keyed(streams._NOISE, *coords), streams.fresh(streams._NOISE, *coords)
+        drawn = [g.standard_normal(65, dtype=np.float32) for g in (a, b)]
+        assert np.array_equal(*drawn)
+        assert np.array_equal(a.permutation(50), b.permutation(50))
+
+
+def test_streams_differ_by_seed_and_step_and_never_repeat_a_sample_within_a_step():
+    a = streams.step_positions(0, 1, 1500, 64)
+    assert len(set(a.tolist())) == 64
+    assert not np.array_equal(a, streams.step_positions(0, 2, 1500, 64))
+    assert not np.array_equal(a, streams.step_positions(1, 1, 1500, 64))
+
+
+@pytest.mark.slow
+def test_chunking_a_batch_changes_the_arithmetic_never_the_samples(tmp_path):
+    whole = train_run(tmp_path / "whole")
+    chunked = train_run(tmp_path / "chunked", ["train.chunk_samples=4"])
+    stores = {}
+    for name, red in (("whole", whole), ("chunked", chunked)):
+        index = red.index
+        stores[name] = [read_train_store(index.store_path(u, "native"), u["stores"]["native"]["sha256"])
+                        for u in index.units]
+    for a, b in zip(stores["whole"], stores["chunked"], strict=True):
+        assert a.meta["data_digest"] == b.meta["data_digest"]  # the same samples and noise every step
+    # Another summation order is a wobble the size of the chaos arm's: small beside the update, not zero.
+    rows = compare_stores({i: s for i, s in enumerate(stores["whole"])},
+                          {i: s for i, s in enumerate(stores["chunked"])})
+    assert rows[-1]["n_differ"] > 0 and 0 < rows[-1]["distance"] < 0.05, rows[-1]
+    # chunking moves the arithmetic: it is on the kernel path, so the two runs never compare as one
+    kp = [s[-1].meta["kernel_path"]["train"] for s in stores.values()]
+    assert kp[0]["chunk_samples"] == -1 and kp[1]["chunk_samples"] == 4
+
+
+# ----------------------------------------------------------------------------- arms, gate, floor
+
+
+def test_arms_are_derived_and_the_machinery_gate_passes_bit_identical(tiny):
+    red = tiny
+    s = red.summary
+    assert s["passed"] and s["valid"], s["checks"]
+    roles = {a["name"]: a["role"] for a in red.index.arms}
+    assert roles == {"scale_lr": "intervention", "native": "twin", "native_replicate": "replicate",
+                     "scale_lr_noop": "machinery", "native_chaos": "chaos"}
+    assert [g["step"] for g in s["gates"]] == [0, 2, 4]
+    assert all(g["bit_identical"] and g["rule"] == "bit-identical" for g in s["gates"])
+    assert s["replicate"]["deterministic"] and all(r["n_differ"] == 0 for r in s["replicate"]["steps"])
+    firsts = {f["arm"]: f for f in s["first_differing"]}
+    assert firsts["native_replicate"]["step"] is None and firsts["scale_lr_noop"]["step"] is None
+    assert firsts["scale_lr"]["step"] == 1  # the intervention acts from its first step
+
+
+def test_the_chaos_arms_perturbation_lands_before_the_first_segment_ends(tiny):
+    red = tiny
+    chaos = next(f for f in red.summary["first_differing"] if f["arm"] == "native_chaos")
+    assert chaos["step"] == 0 and chaos["first_tensor"] == "blocks.0.attn.qkv.weight"
+    assert chaos["n_differ"] == 1  # one weight, one ulp
+    first_segment = red.index.units[1]
+    start = read_train_store(red.index.store_path(red.index.units[0], "native_chaos"))
+    twin0 = read_train_store(red.index.store_path(red.index.units[0], "native"))
+    name = "weight/blocks.0.attn.qkv.weight"
+    moved = (start.tensors[name] != twin0.tensors[name]).nonzero()
+    assert moved.tolist() == [[0, 0]]
+    assert float(start.tensors[name][0, 0]) == float(torch.nextafter(twin0.tensors[name][0, 0],
+                                                                     torch.tensor(math.inf)))
+    # ...and it reaches the training: by the first segment's end every weight has left the twin's bits
+    seg = {a: read_train_store(red.index.store_path(first_segment, a)) for a in ("native", "native_chaos")}
+    differ = [k for k in seg["native"].digests if k.startswith("weight/")
+              and seg["native"].digests[k] != seg["native_chaos"].digests[k]]
+    assert len(differ) > 1
+    assert red.summary["floor"] and all(f["distance"] > 0 for f in red.summary["floor"])
+
+
+def test_a_lost_perturbation_is_caught(tmp_path, monkeypatch):
+    # Break it: the chaos arm's ulp applied to a copy of the weight, never to the model.
+    monkeypatch.setattr(train_kind, "perturb", lambda model, *a: None)
+    red = train_run(tmp_path / "run")
+    chaos = next(f for f in red.summary["first_differing"] if f["arm"] == "native_chaos")
+    assert chaos["step"] is None  # what the chaos test above refuses
+    check = next(c for c in red.summary["checks"] if c["name"] == "chaos_perturbation_landed")
+    assert not check["passed"] and "no weight" in check["detail"]
+    assert not red.summary["passed"] and red.summary["floor"] == [] and red.exit_code == 1
+
+
+OFF_BY_ONE_ULP = textwrap.dedent("""
+    import numpy as np
+    from twinrun.interventions import ScaleLR, WeightSigma
+
+    def ulp_up(x):
+        return float(np.nextafter(np.float32(x), np.float32(np.inf)))
+
+    class LrOffByOneUlp(ScaleLR):
+        '''Its no-op setting (factor 1) trains at one float32 ulp above the optimizer's rate.'''
+        def train_lr(self, lr):
+            return ulp_up(lr) if self.factor == 1 else lr * self.factor
+
+    class WeightOffByOneUlp(WeightSigma):
+        '''Its no-op setting (power 0) weights every sample's loss by 1 + one ulp.'''
+        def loss_weight(self, sigma, sigma_data):
+            w = (sigma / sigma_data) ** self.power
+            return w * ulp_up(1.0) if self.power == 0 else w
+""")
+
+
+@pytest.mark.parametrize("experiment,target", [("train_scale_lr", "LrOffByOneUlp"),
+                                               ("train_weight_sigma", "WeightOffByOneUlp")])
+def test_an_intervention_off_by_one_ulp_at_its_no_op_fails_the_gate(tmp_path, monkeypatch,
+                                                                     experiment, target):
+    (tmp_path / "ulp_interventions.py").write_text(OFF_BY_ONE_ULP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    red = train_run(tmp_path / "run", [f"intervention._target_=ulp_interventions.{target}"], experiment)
+    s = red.summary
+    assert s["replicate"]["deterministic"]
+    failed = [g for g in s["gates"] if not g["passed"]]
+    assert failed and failed[0]["step"] == 2 and failed[0]["rule"] == "not a no-op on a deterministic path"
+    assert "not a no-op" in failed[0]["detail"] and failed[0]["first_tensor"]
+    assert not s["passed"] and s["effects"] == [] and "INSTRUMENT BROKEN" in s["verdict"]
+    assert red.exit_code == 1
+    sys.modules.pop("ulp_interventions", None)
+
+
+def test_a_resume_from_any_whole_segment_is_bit_identical(tmp_path, tiny):
+    # Interrupt after the first segment: its later units are forgotten; the job restores every arm
+    # (weights and optimizer state) from the first segment's stores and trains on.
+    ref = tiny
+    run_dir = tmp_path / "run"
+    cfg = tiny_cfg()
+    plan_run(cfg, run_dir)
+    run_job(run_dir, trusted_targets(cfg))
+    run = json.loads((run_dir / "run.json").read_text())
+    for entry in run["units"][2]["stores"].values():
+        entry.update(status="pending", sha256=None)
+    (run_dir / "run.json").write_text(json.dumps(run))
+    run_job(run_dir, trusted_targets(cfg))
+    mine, theirs = RunIndex.load(run_dir), ref.index
+    for arm in mine.arm_names:
+        a = read_train_store(mine.store_path(mine.units[-1], arm)).digests
+        b = read_train_store(theirs.store_path(theirs.units[-1], arm)).digests
+        assert a == b, arm
+
+
+@pytest.mark.parametrize("optimizer", ["torch.optim.AdamW", "torch.optim.SGD"])
+def test_optimizer_state_round_trips_through_a_store_bit_for_bit(optimizer):
+    def fresh():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+        node = {"_target_": optimizer, "lr": 0.1, **({"momentum": 0.9} if optimizer.endswith("SGD") else {})}
+        return model, train_kind.build_optimizer(node, model, train_kind.Intervention())
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).square().sum().backward()
+        opt.step()
+
+    a, opt_a = fresh()
+    step(a, opt_a)
+    tensors, meta = train_kind.optimizer_record(opt_a, train_kind.model_names(a))
+    b, opt_b = fresh()
+    b.load_state_dict(a.state_dict())
+    train_kind.restore_optimizer(opt_b, train_kind.model_names(b), tensors, {"optimizer": meta})
+    step(a, opt_a)
+    step(b, opt_b)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+# ----------------------------------------------------------------------------- bad input, before compute
+
+
+def write_mismatched_checkpoint(path) -> str:
+    from twinrun.model import DEFAULT_ARCH, DiTDenoiser, save_pretrained
+
+    save_pretrained(DiTDenoiser(**{**DEFAULT_ARCH, "width": 16}), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("override,key", [
+    (["train.steps=0"], "train.steps"),
+    (["train.steps=10", "train.segment_steps=3"], "train.segment_steps"),
+    (["train.optimizer.lr=0"], "train.optimizer.lr"),
+    (["train.optimizer.lr=-1e-3"], "train.optimizer.lr"),
+    (["train.batch_size=5000"], "train.batch_size"),
+    (["train.chunk_samples=0"], "train.chunk_samples"),
+    (["train.chaos.ulps=0"], "train.chaos.ulps"),
+    (["train.optimizer._target_=torch.optim.Nope"], "train.optimizer._target_"),
+    (["train/optimizer=sgd", "train.optimizer.momentum=0", "+train.optimizer.nesterov=true"],
+     "train.optimizer._target_"),
+    (["train.chaos.param=blocks.9.nope"], "train.chaos.param"),
+    (["train.chaos.index=99999999"], "train.chaos.index"),
+    (["intervention.factor=1"], "intervention(ScaleLR)"),
+    (["intervention=pin_sigma"], "intervention(PinSigma)"),
+    (["reduce.estimands=[all,residual]"], "reduce.estimands"),
+    (["train.start_checkpoint=MISMATCHED"], "train.start_checkpoint"),
+])
+def test_bad_input_is_one_error_naming_the_key_before_compute(tmp_path, override, key):
+    override = [o.replace("MISMATCHED", write_mismatched_checkpoint(tmp_path / "w16.safetensors"))
+                for o in override]
+    with pytest.raises(ConfigError) as err:
+        plan_run(tiny_cfg(override), tmp_path / "run")
+    assert str(err.value).startswith(f"{key}=") and "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_another_optimizer_is_a_config_choice(tmp_path):
+    red = train_run(tmp_path / "run", ["train/optimizer=sgd"])
+    store = read_train_store(red.index.store_path(red.index.units[-1], "native"))
+    assert store.meta["optimizer"]["class"] == "torch.optim.sgd.SGD"
+    assert any(k.endswith("/momentum_buffer") for k in store.tensors) and red.summary["passed"]
+
+
+def test_determinism_off_is_allowed_and_the_replicate_reads_the_path(tmp_path):
+    red = train_run(tmp_path / "run", ["determinism.enabled=false"])
+    job = json.loads((tmp_path / "run" / "env" / "job000.json").read_text())
+    assert job["determinism"]["enabled"] is False
+    # on this CPU the kernels repeat anyway: the replicate says so (on a GPU with atomics it would not)
+    assert red.summary["replicate"]["deterministic"] and red.summary["passed"]
+
+
+def test_split_bins_is_refused_for_segments():
+    from twinrun.pipeline import check_launcher
+
+    with pytest.raises(ConfigError, match=r"^launcher.split='bins': a training run's segments are sequ"):
+        check_launcher(tiny_cfg(["launcher=submitit_local", "launcher.split=bins"]))
+
+
+def test_the_probe_refuses_a_training_intervention():
+    with pytest.raises(ConfigError, match="no-op everywhere"):
+        plan_run(compose_cfg(["+experiment=pin_sigma", "intervention=scale_lr"]), None, dry_run=True)
+
+
+NAN_LATE = textwrap.dedent("""
+    import torch
+    from twinrun.interventions import WeightSigma
+
+    class NanLate(WeightSigma):
+        '''A loss weight that turns NaN at each arm's third step (the second segment's first).'''
+        def loss_weight(self, sigma, sigma_data):
+            self.calls = getattr(self, "calls", 0) + 1
+            w = (sigma / sigma_data) ** self.power
+            return w * float('nan') if self.calls > 2 else w
+""")
+
+
+def test_a_nan_loss_stops_naming_arm_step_and_segment_and_keeps_earlier_ones(tmp_path, monkeypatch):
+    (tmp_path / "nan_late.py").write_text(NAN_LATE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tiny_cfg(["intervention._target_=nan_late.NanLate"], "train_weight_sigma")
+    plan_run(cfg, tmp_path / "run")
+    with pytest.raises(NonFiniteLoss) as err:
+        run_job(tmp_path / "run", trusted_targets(cfg))
+    assert err.value.exit_code == 1
+    assert str(err.value).startswith("arm weight_sigma, segment 2 (steps 3–4): the training loss is NaN or "
+                                     "inf at step 3")
+    index = RunIndex.load(tmp_path / "run")
+    assert index.status == "failed" and index.failure["arm"] == "weight_sigma"
+    for u in index.units[:2]:  # the start and the first segment are whole and verify
+        for arm, entry in u["stores"].items():
+            read_train_store(index.store_path(u, arm), entry["sha256"])
+    sys.modules.pop("nan_late", None)
+
+
+def test_a_training_store_that_was_altered_is_refused(tiny, tmp_path):
+    red = tiny
+    u = red.index.units[1]
+    path = red.index.store_path(u, "native")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # one bit of the last tensor's payload
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(TwinrunError, match="does not match its sha256"):
+        read_train_store(bad)
+    with pytest.raises(TwinrunError, match="sha256 does not match run.json"):
+        read_train_store(bad, u["stores"]["native"]["sha256"])
+
+
+@pytest.mark.slow
+def test_the_training_benchmark_runs_every_section_in_smoke_mode():
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_train.py"
+    proc = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for section in ("per step:", "whole run:", "memory ("):
+        assert section in proc.stdout, proc.stdout
+
+
+def test_on_a_nondeterministic_path_the_replicate_decides_the_gate():
+    # Synthetic records: the replicate differs from the twin (the path is nondeterministic), so the
+    # machinery arm passes only within the replicate's distance, as the probe's gate rule says.
+    def store(last: str) -> dict:
+        return {"to_step": 2, "from_step": 0, "step_digests": [["a"], [last]], "digests": {"weight/w": last}}
+
+    records = [{"native": store("b"), "native_replicate": store("c"), "x_noop": store("d")}]
+    index = SimpleNamespace(units=[{"label": "segment 1 (steps 1–2)"}])
+    roles = {"machinery": "x_noop", "replicate": "native_replicate"}
+    run = Run(index, roles, [{"name": "w"}], 10.0, [], "w", {})
+    for machinery, passed, rule in ((1e-4, True, "within the replicate"),
+                                    (1e-2, False, "beyond the replicate")):
+        found = {(0, "x_noop", "all"): {"distance": machinery, "abs_distance": 1.0},
+                 (0, "native_replicate", "all"): {"distance": 1e-3, "abs_distance": 1.0}}
+        row = gate_rows(run, records, found, "replicate")[0]
+        assert (row["passed"], row["rule"], row["first_tensor"]) == (passed, rule, "w (after step 2)")
+        assert not gate_rows(run, records, found, "bit_identical")[0]["passed"]

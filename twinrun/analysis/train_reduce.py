@@ -1,0 +1,424 @@
+"""Reduce a training run: validity checks → the machinery gate → the chaos floor → effects. Writes nothing.
+
+Every store is read through its checks (read_train_store), unit by unit: the arms of one stored step
+are held together, the twin's start weights throughout. Per stored step and estimand (a parameter
+group of the registry) each arm is read against the twin in weight space, with θ_start the start
+checkpoint: the cosine and norm ratio of the updates (θ_arm − θ_start vs θ_twin − θ_start) and the
+relative distance |θ_arm − θ_twin| / |θ_twin − θ_start|. The chaos arm's distance is the floor; the
+intervention is "above the floor" only where its distance exceeds the floor by train.floor_margin.
+Bit identity is read from the digests every store carries of each weight after every step.
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from scipy import stats
+
+from twinrun import arms as arms_mod
+from twinrun.analysis.checks import check, provenance_checks, registered
+from twinrun.analysis.estimands import SHIFT_VIEW, check_estimands, registry
+from twinrun.analysis.gates import decide
+from twinrun.analysis.reduce import Reduction, view_name
+from twinrun.config import TrainConfig, typed
+from twinrun.errors import StoreError, TwinrunError
+from twinrun.storage.records import TrainSummary
+from twinrun.storage.rundir import RunIndex
+from twinrun.storage.store import TrainStore, read_train_store
+
+TWIN = "native"
+
+
+@dataclass
+class Run:
+    """A training run as the reducer reads it: its index, roles, the arms' weight layout and settings."""
+
+    index: RunIndex
+    roles: dict  # role -> arm name
+    layout: list[dict]
+    margin: float  # train.floor_margin, registered with the config at plan time
+    stored: list  # per unit: {arm: TrainStore metadata and digests}, payload dropped once read
+    chaos_param: str  # train.chaos.param: the weight the chaos arm starts one ulp off
+    chaos_moved: dict  # at the start: weight -> how many of its elements the chaos arm holds off the twin's
+
+
+def _store(index: RunIndex, u: dict, arm: str) -> TrainStore:
+    entry = u["stores"][arm]
+    path = index.store_path(u, arm)
+    if entry["status"] != "done":
+        raise StoreError(path, f"{u['label']} of arm {arm} is {entry['status']}: resume the run, then reduce")
+    store = read_train_store(path, entry["sha256"])
+    config_hash = next(a["config_hash"] for a in index.arms if a["name"] == arm)
+    if store.meta["config_hash"] != config_hash:
+        raise StoreError(path, "config hash differs from run.json's: a store from another run")
+    if store.meta["arm"] != arm or store.meta["unit_index"] != u["index"]:
+        raise StoreError(path, "store belongs to another arm or unit than run.json says")
+    return store
+
+
+def selections(layout: list[dict], names: list[str], groups: dict) -> dict[str, list[str]]:
+    """estimand -> the weights it reads (registry selections over the layout)."""
+    known = registry(groups)
+    return {n: [g["name"] for g in layout if known[n].selects(g)] for n in names}
+
+
+def pair_stats(theta: dict, twin: dict, start: dict, names: list[str]) -> dict:
+    """Weight-space comparison of one arm with the twin over some weights, float64: the updates'
+    cosine and norm ratio, and the relative distance."""
+    dot = na = nt = dd = 0.0
+    for n in names:
+        a, t, s = theta[n].double(), twin[n].double(), start[n].double()
+        da, dt = a - s, t - s
+        dot += float((da * dt).sum())
+        na += float((da * da).sum())
+        nt += float((dt * dt).sum())
+        dd += float(((a - t) ** 2).sum())
+    ok = na > 0 and nt > 0
+    return {"cos": dot / math.sqrt(na * nt) if ok else None, "norm_ratio": math.sqrt(na / nt) if ok else None,
+            "distance": math.sqrt(dd / nt) if nt > 0 else None, "update_norm": math.sqrt(na),
+            "twin_update_norm": math.sqrt(nt), "abs_distance": math.sqrt(dd)}
+
+
+def first_difference(stores: list[dict], arm: str, layout: list[dict]) -> dict:
+    """The first step at which an arm's weights leave the twin's bits, and the first weight (in the model's
+    order) that differs there: from the start stores' tensor digests (step 0), then every step's."""
+    names = [g["name"] for g in layout]
+    for per in stores:
+        mine, twin = per[arm], per[TWIN]
+        if per is stores[0]:
+            steps = [(0, [mine["digests"][f"weight/{n}"] for n in names],
+                      [twin["digests"][f"weight/{n}"] for n in names])]
+        else:
+            steps = [(mine["from_step"] + k + 1, a, b)
+                     for k, (a, b) in enumerate(zip(mine["step_digests"], twin["step_digests"], strict=True))]
+        for step, a, b in steps:
+            differ = [n for n, x, y in zip(names, a, b, strict=True) if x[:len(y)] != y[:len(x)]]
+            if differ:
+                return {"arm": arm, "step": step, "first_tensor": differ[0], "n_differ": len(differ),
+                        "n_tensors": len(names)}
+    return {"arm": arm, "step": None, "first_tensor": None, "n_differ": 0, "n_tensors": len(names)}
+
+
+def paired(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(mean of a − b, its SE over images): a paired difference of per-image losses on the same draws."""
+    d = (a.double() - b.double()).numpy()
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
+
+
+def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[dict]]:
+    """Read every store once, unit by unit (the arms of one stored step held together, the twin's start
+    weights throughout): the run, the per-unit records (metadata and digests), every arm against the
+    twin {(unit, arm, estimand): pair_stats} for the estimands `names`, and each unit's losses."""
+    index = RunIndex.load(run_dir)
+    if index.measure != "train":
+        raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not training")
+    roles = {a["role"]: a["name"] for a in index.arms}
+    twin_cfg = index.run_dir.read_arm_config(TWIN)
+    t = typed(TrainConfig, twin_cfg["train"], index.run_dir.arm_config(TWIN))
+    chaos, moved = roles.get("chaos"), {}
+    groups = index.registered.get("groups") or {}
+    records, found, losses, start, sel = [], {}, [], None, None
+    for u in index.units:
+        stores = {arm: _store(index, u, arm) for arm in u["stores"]}
+        weights = {arm: _weights(s) for arm, s in stores.items()}
+        if start is None:
+            start, layout = weights[TWIN], stores[TWIN].meta["layout"]
+            check_estimands(names, groups, layout, "estimands")
+            sel = selections(layout, names, groups)
+            if chaos is not None:
+                moved = {n: int((w != weights[chaos][n]).sum()) for n, w in start.items()}
+                moved = {n: k for n, k in moved.items() if k}
+        for arm in (a for a in weights if a != TWIN):
+            for name, selected in sel.items():
+                found[u["index"], arm, name] = pair_stats(weights[arm], weights[TWIN], start, selected)
+        records.append({arm: {**s.meta, "digests": s.digests, "path": str(s.path)}
+                        for arm, s in stores.items()})
+        losses.append({arm: {k: s.tensors[k] for k in ("train_loss", "heldout_loss")}
+                       for arm, s in stores.items()})
+    return Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved), records, found, losses
+
+
+def validity_checks(run: Run, records: list[dict]) -> list[dict]:
+    index = run.index
+    names = index.arm_names
+    configs = {n: index.run_dir.read_arm_config(n) for n in names}
+    bad = {n: d for n in names
+           if (d := arms_mod.outside_intervention(arms_mod.config_diff(configs[TWIN], configs[n])))}
+    out = [check("configs_differ_only_in_intervention", not bad,
+                 "ok" if not bad else f"arms differ outside `intervention` at {bad}")]
+    unequal = [u["label"] for u, per in zip(index.units, records, strict=True)
+               if len({m["data_digest"] for m in per.values()}) > 1]
+    held = {m["heldout_digest"] for per in records for m in per.values()}
+    same = not unequal and len(held) == 1
+    out.append(check("identical_samples_and_noise", same,
+                     f"every arm trained on the same samples and noise in all {len(records)} units and "
+                     "read the held-out loss on the same images and draws" if same else
+                     f"sample or noise digests differ between arms in {unequal or 'the held-out draws'}"))
+    mismatched = sorted({m["path"] for u, per in zip(index.units, records, strict=True) for m in per.values()
+                         if m["layout"] != run.layout or m["from_step"] != u["train"]["from_step"]
+                         or m["to_step"] != u["train"]["to_step"]})
+    out.append(check("same_protocol", not mismatched,
+                     "every store holds the same weights and the steps of its unit" if not mismatched
+                     else f"layout or steps differ in {mismatched}"))
+    if "chaos" in run.roles:
+        landed = run.chaos_moved == {run.chaos_param: 1}
+        where = run.chaos_moved or "no weight"
+        detail = (f"the chaos arm starts one element of {run.chaos_param} off the twin's bits (only)"
+                  if landed else f"the chaos arm starts off the twin's bits at {where}, not at one element "
+                  f"of {run.chaos_param}: the floor would measure something else")
+        out.append(check("chaos_perturbation_landed", landed, detail))
+    metas = {(arm, i): _Meta(m) for i, per in enumerate(records) for arm, m in per.items()}
+    return out + provenance_checks(index, metas)
+
+
+@dataclass
+class _Meta:
+    meta: dict
+
+
+def gate_rows(run: Run, records: list[dict], found: dict, rule: str) -> list[dict]:
+    """The machinery arm against the twin at every stored step: bit-identical (every weight, after every
+    step of the unit), or decided by the replicate as the probe's gate rule decides (gates.decide)."""
+    machinery, replicate = run.roles.get("machinery"), run.roles.get("replicate")
+    if machinery is None:
+        return []
+    rows = []
+    for i, per in enumerate(records):
+        step = per[TWIN]["to_step"]
+        same = _identical(per, machinery)
+        rep_same = replicate is not None and _identical(per, replicate)
+        dist = 0.0 if same else _distance(found, i, machinery)
+        rep = None if replicate is None else 0.0 if rep_same else _distance(found, i, replicate)
+        passed, decided_by = decide(same, dist, rep, rule)
+        tensor = None if same else _first_tensor(per, machinery, run.layout)
+        if same:
+            detail = f"step {step}: bit-identical to the twin at every step of {run.index.units[i]['label']}"
+        elif rep == 0.0:
+            detail = (f"not a no-op: at step {step} the machinery arm (the intervention's code at its "
+                      f"no-op setting) differs from the twin (relative distance {dist:.3e}, first tensor "
+                      f"{tensor}); the replicate is bit-identical, so the kernel path is deterministic")
+        else:
+            detail = (f"step {step}: the machinery arm differs (relative distance {dist:.3e}, first tensor "
+                      f"{tensor}); the replicate's is {rep if rep is not None else 'unmeasured'}")
+        rows.append({"step": step, "arm": machinery, "passed": passed, "rule": decided_by,
+                     "bit_identical": same, "distance": dist, "replicate_distance": rep,
+                     "first_tensor": tensor, "detail": detail})
+    return rows
+
+
+def _identical(per: dict, arm: str) -> bool:
+    mine, twin = per[arm], per[TWIN]
+    ends = all(mine["digests"][k] == twin["digests"][k] for k in twin["digests"] if k.startswith("weight/"))
+    return ends and mine["step_digests"] == twin["step_digests"]
+
+
+def _first_tensor(per: dict, arm: str, layout: list[dict]) -> str | None:
+    for k, (a, b) in enumerate(zip(per[arm]["step_digests"], per[TWIN]["step_digests"], strict=True)):
+        for g, x, y in zip(layout, a, b, strict=True):
+            if x != y:
+                return f"{g['name']} (after step {per[TWIN]['from_step'] + k + 1})"
+    return next((g["name"] for g in layout if per[arm]["digests"][f"weight/{g['name']}"]
+                 != per[TWIN]["digests"][f"weight/{g['name']}"]), None)
+
+
+def _distance(found: dict, i: int, arm: str) -> float:
+    s = found[i, arm, SHIFT_VIEW]
+    if s["distance"] is not None:
+        return s["distance"]
+    return math.inf if s["abs_distance"] > 0 else 0.0
+
+
+def replicate_report(run: Run, records: list[dict], found: dict) -> dict | None:
+    """The twin trained twice in one job: "k / N tensors differ" at each stored step."""
+    rep = run.roles.get("replicate")
+    if rep is None:
+        return None
+    names = [f"weight/{g['name']}" for g in run.layout]
+    rows = []
+    for i, per in enumerate(records):
+        differ = [n for n in names if per[rep]["digests"][n] != per[TWIN]["digests"][n]]
+        rows.append({"step": per[TWIN]["to_step"], "n_differ": len(differ), "n_tensors": len(names),
+                     "bit_identical": _identical(per, rep),
+                     "distance": 0.0 if not differ else _distance(found, i, rep),
+                     "first_tensor": differ[0].removeprefix("weight/") if differ else None})
+    worst = max(rows, key=lambda r: r["n_differ"])
+    deterministic = all(r["bit_identical"] for r in rows)
+    if deterministic:
+        detail = (f"0 / {worst['n_tensors']} tensors differ between the native twin and its replicate at "
+                  "every stored step, and their weights are bit-identical after every step: this kernel path "
+                  "is deterministic for this run")
+    else:
+        first = next(r for r in rows if not r["bit_identical"])
+        detail = (f"{worst['n_differ']} / {worst['n_tensors']} tensors differ between the native twin and "
+                  f"its replicate at worst (step {worst['step']}); they part by step {first['step']} "
+                  f"(first tensor {next((r['first_tensor'] for r in rows if r['first_tensor']), '–')}): this "
+                  "kernel path is nondeterministic, and the replicate measures its within-environment chaos")
+    return {"deterministic": deterministic, "steps": rows, "detail": detail}
+
+
+def loss_rows(run: Run, records: list[dict], losses: list[dict], alpha: float) -> list[dict]:
+    """Per stored step and arm: the mean training loss over the unit's steps (and each step's), the held-out
+    loss ± SE over images, and its paired difference from the twin's ± SE (same images, same draws)."""
+    rows = []
+    for per, tensors in zip(records, losses, strict=True):
+        twin = tensors[TWIN]["heldout_loss"]
+        n = twin.numel()
+        t_crit = float(stats.t.ppf(1 - alpha / 2, n - 1)) if n > 1 else math.nan
+        for arm, t in tensors.items():
+            held, train = t["heldout_loss"], t["train_loss"]
+            diff, se = paired(held, twin)
+            rows.append({"step": per[arm]["to_step"], "arm": arm, "role": _role(run, arm),
+                         "train_loss": float(train.double().mean()) if train.numel() else None,
+                         "train_loss_steps": [float(x) for x in train],
+                         "heldout_loss": float(held.double().mean()),
+                         "heldout_se": float(held.double().std() / math.sqrt(n)) if n > 1 else math.nan,
+                         "heldout_diff": diff, "heldout_diff_se": se,
+                         "heldout_diff_significant": bool(se > 0 and abs(diff) > t_crit * se),
+                         "t_crit": t_crit})
+    return rows
+
+
+def _role(run: Run, arm: str) -> str:
+    return next(r for r, a in run.roles.items() if a == arm)
+
+
+def effect_rows(run: Run, records: list[dict], found: dict, names: list[str]) -> tuple[list, list]:
+    """(floor rows, effect rows) per stored step after the start and estimand."""
+    inter, chaos = run.roles["intervention"], run.roles.get("chaos")
+    floor, effects = [], []
+    for i, per in enumerate(records[1:], start=1):
+        step = per[TWIN]["to_step"]
+        for name in names:
+            c = found.get((i, chaos, name)) if chaos else None
+            e = found[i, inter, name]
+            floor_d = None if c is None else c["distance"]
+            if c is not None:
+                floor.append({"step": step, "estimand": name, "distance": floor_d, "cos": c["cos"],
+                              "norm_ratio": c["norm_ratio"]})
+            above = e["distance"] is not None and floor_d is not None and e["distance"] > run.margin * floor_d
+            effects.append({"step": step, "estimand": name, "cos": e["cos"], "norm_ratio": e["norm_ratio"],
+                            "distance": e["distance"], "floor": floor_d, "margin": run.margin,
+                            "floor_ratio": _ratio(e["distance"], floor_d),
+                            "above_floor": bool(above),
+                            **{f"{role}_distance": found[i, run.roles[role], name]["distance"]
+                               for role in ("machinery", "replicate") if role in run.roles}})
+    return floor, effects
+
+
+def _ratio(distance: float | None, floor: float | None) -> float | None:
+    """The intervention's distance in floors (inf over a zero floor: a chaos arm back on the twin's bits)."""
+    if distance is None or floor is None:
+        return None
+    return distance / floor if floor > 0 else (math.inf if distance > 0 else None)
+
+
+def verdict(effects: list[dict], name: str, margin: float) -> str:
+    """One sentence on the registered first estimand: above the chaos floor, or not told from chaos."""
+    rows = [e for e in effects if e["estimand"] == name]
+    if not rows:
+        return "no training step was stored after the start: nothing to read"
+    last = rows[-1]
+    above = [e["step"] for e in rows if e["above_floor"]]
+    times = "–" if last["floor_ratio"] is None else f"{last['floor_ratio']:.3g}"
+    where = (f"at step {last['step']} its distance from the twin is {last['distance']:.3g}, the chaos floor "
+             f"{last['floor']:.3g} ({times}×; a margin of {margin:g}× is required)")
+    if not above:
+        return (f"the intervention CANNOT be told from chaos ({name}): {where}; a one-ulp wobble moves this "
+                "run as far as the intervention does at every stored step")
+    if last["above_floor"] and len(above) == len(rows):
+        return f"the intervention is ABOVE the chaos floor at every stored step ({name}): {where}"
+    if last["above_floor"]:
+        return f"the intervention is ABOVE the chaos floor from step {above[0]} on ({name}): {where}"
+    return (f"the intervention CANNOT be told from chaos by the end ({name}): {where}; it was above the "
+            f"floor at steps {', '.join(map(str, above))} only")
+
+
+def analyse(run: Run, records: list[dict], losses: list[dict], found: dict, used: dict) -> dict:
+    checks = validity_checks(run, records)
+    gates = gate_rows(run, records, found, used["gate_rule"])
+    if not gates:
+        checks.append(check("has_gate", False, "no machinery arm: nothing vouches for the instrument"))
+    valid = all(c["passed"] for c in checks)
+    ok = valid and all(g["passed"] for g in gates)
+    floor, effects = effect_rows(run, records, found, used["estimands"])
+    firsts = [first_difference(records, arm, run.layout) for arm in run.index.arm_names if arm != TWIN]
+    summary: TrainSummary = {
+        "measure": "train", "run_dir": str(run.index.run_dir.path), "arms": run.index.arm_names,
+        "registered": registered(run.index), "used": used, "valid": valid, "passed": ok,
+        "verdict": (verdict(effects, used["estimands"][0], run.margin) if ok else
+                    "INSTRUMENT BROKEN: a validity check or the machinery gate failed; effects are withheld"),
+        "checks": checks, "gates": gates, "replicate": replicate_report(run, records, found),
+        "first_differing": firsts, "floor": floor if ok else [], "effects": effects if ok else [],
+        "losses": loss_rows(run, records, losses, used["signal_alpha"]) if ok else []}
+    return summary
+
+
+def reduce_train(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None) -> Reduction:
+    """The registered analysis and, when any setting differs, a post-hoc view; every store read once.
+    The registered verdict is recomputed from the stores, never read from summary.json."""
+    reg = registered(RunIndex.load(run_dir))
+    used = {**reg, "estimands": list(estimands or reg["estimands"]),
+            "gate_rule": gate_rule or reg["gate_rule"],
+            "signal_alpha": float(reg["signal_alpha"] if signal_alpha is None else signal_alpha)}
+    names = list(dict.fromkeys([SHIFT_VIEW, *reg["estimands"], *used["estimands"]]))
+    run, records, found, losses = scan(run_dir, names)
+    summary = analyse(run, records, losses, found, reg)
+    if used == reg:
+        return Reduction(run.index, summary)
+    view = analyse(run, records, losses, found, used)
+    name = view_name(reg, used)
+    view["post_hoc"] = {"registered": reg, "used": used, "view_dir": str(run.index.run_dir.view_dir(name)),
+                        "registered_passed": summary["passed"]}
+    return Reduction(run.index, summary, view, name)
+
+
+# ----------------------------------------------------------------------------- two training runs compared
+
+
+def arm_stores(run_dir: Path, arm: str) -> dict[int, TrainStore]:
+    """{stored step: TrainStore} of one arm of a training run, every store checked against run.json."""
+    index = RunIndex.load(run_dir)
+    if index.measure != "train":
+        raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not training")
+    if arm not in index.arm_names:
+        raise StoreError(run_dir, f"has no arm {arm!r} (its arms: {', '.join(index.arm_names)})")
+    return {u["train"]["to_step"]: _store(index, u, arm) for u in index.units}
+
+
+def compare_stores(a: dict[int, TrainStore], b: dict[int, TrainStore]) -> list[dict]:
+    """B against A at every step both stored: how many weights differ (and the first), the relative
+    distance |θ_B − θ_A| / |θ_A − θ_A,start| (A's start: its step-0 store, when it has one), and B's
+    held-out loss minus A's ± paired SE where both read the same images and draws. Refuses (a
+    TwinrunError naming the step) two runs that trained on other samples or noise at a common step."""
+    steps = sorted(set(a) & set(b))
+    if not steps:
+        raise TwinrunError(f"no stored step in common (A: {sorted(a)}, B: {sorted(b)})")
+    start = _weights(a[min(a)]) if min(a) == 0 else None
+    rows = []
+    for step in steps:
+        sa, sb = a[step], b[step]
+        if sa.meta["layout"] != sb.meta["layout"]:
+            raise TwinrunError(f"step {step}: the two sides hold different weights (another model)")
+        if sa.meta["data_digest"] != sb.meta["data_digest"]:
+            raise TwinrunError(f"step {step}: the two runs trained on other samples or noise (data digests "
+                               "differ): they measure different things")
+        wa, wb = _weights(sa), _weights(sb)
+        names = [g["name"] for g in sa.meta["layout"]]
+        differ = [n for n in names if sa.digests[f"weight/{n}"] != sb.digests[f"weight/{n}"]]
+        stats_ = pair_stats(wb, wa, start, names) if start is not None else {"distance": None, "cos": None}
+        same_heldout = sa.meta["heldout_digest"] == sb.meta["heldout_digest"]
+        diff, se = (paired(sb.tensors["heldout_loss"], sa.tensors["heldout_loss"]) if same_heldout
+                    else (None, None))
+        rows.append({"step": step, "n_differ": len(differ), "n_tensors": len(names),
+                     "first_tensor": differ[0] if differ else None,
+                     "max_abs_diff": max((float((wa[n] - wb[n]).abs().max()) for n in differ), default=0.0),
+                     "distance": stats_["distance"] if step > 0 else None, "cos": stats_["cos"],
+                     "heldout_a": float(sa.tensors["heldout_loss"].double().mean()),
+                     "heldout_b": float(sb.tensors["heldout_loss"].double().mean()),
+                     "heldout_diff": diff, "heldout_diff_se": se})
+    return rows
+
+
+def _weights(store: TrainStore) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("weight/"): v for k, v in store.tensors.items() if k.startswith("weight/")}

@@ -1,0 +1,541 @@
+"""Twin training runs, twinrun's second measurement kind (`measure=train`): every arm trains from one
+start checkpoint on the same samples and noise, segment by segment in one process.
+
+    python -m twinrun +experiment=train_scale_lr
+
+Its units are a start unit (step 0) and training segments of `train.segment_steps` steps. Every arm
+advances one segment before any arm starts the next, and each segment boundary stores each arm's
+weights, optimizer state and losses atomically, so a kill leaves all arms at one boundary and a
+resume continues from it bit for bit (`TrainSession.restore`). The arms: the intervention, the native
+twin, the twin's replicate, the machinery arm (the intervention's code at its no-op setting: the
+gate) and the chaos arm (the twin with one weight moved by one ulp: the floor). docs/training.md.
+"""
+
+import copy
+import difflib
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError, safe_open
+
+from twinrun.analysis.estimands import ESTIMANDS, check_estimands, declared_groups
+from twinrun.analysis.train_reduce import reduce_train
+from twinrun.config import TrainConfig, build, typed
+from twinrun.errors import ConfigError, StoreError, TwinrunError
+from twinrun.files import memory_bytes
+from twinrun.interventions import Intervention, attached
+from twinrun.measures import fold_sums as fs
+from twinrun.measures import train_step as ts
+from twinrun.measures.kind import Measure, Plan, resolve_device
+from twinrun.measures.train_streams import Segment, draw_segment, dropout_seed, heldout_draws
+from twinrun.measures.trial import as_model_error, failing_frame, first_line
+from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
+from twinrun.publish.train_report import render_train, write_train_report
+from twinrun.storage.records import UnitEntry
+from twinrun.storage.store import TRAIN_STORE_FORMAT, read_train_store
+
+# What two training runs must share to have trained on the same thing (a comparison's check).
+TRAIN_PROTOCOL_KEYS = ("data", "seed", "train.steps", "train.segment_steps", "train.batch_size",
+                       "train.heldout_images")
+# Where an intervention can act in training; one that overrides none of these acts nowhere.
+TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight")
+
+
+def store_name(unit_index: int, to_step: int) -> str:
+    """The start unit's store, or a segment's: named by the step it holds."""
+    return f"seg{unit_index:03d}_step{to_step:06d}.safetensors" if unit_index else "step000000.safetensors"
+
+
+def unit_label(unit_index: int, from_step: int, to_step: int) -> str:
+    return "start (step 0)" if unit_index == 0 else f"segment {unit_index} (steps {from_step + 1}–{to_step})"
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
+    """The training settings, the intervention and the data, before any compute; each error names the
+    key, the value and the fix. Returns the data ((train images, ids), (held-out images, ids))."""
+    t = cfg.train
+    for key in ("steps", "segment_steps", "batch_size", "heldout_images"):
+        if not isinstance(t[key], int) or t[key] < 1:
+            raise ConfigError(f"train.{key}", t[key], "must be a positive integer")
+    if t.steps % t.segment_steps:
+        raise ConfigError("train.segment_steps", t.segment_steps, f"must divide train.steps={t.steps} (every "
+                          "segment is as long as the others); e.g. "
+                          f"{max(d for d in range(1, t.segment_steps + 1) if t.steps % d == 0)}")
+    if t.chunk_samples == 0 or t.chunk_samples < -1:
+        raise ConfigError("train.chunk_samples", t.chunk_samples, "must be ≥ 1, or -1 for the whole batch")
+    if not (math.isfinite(t.floor_margin) and t.floor_margin >= 1):
+        raise ConfigError("train.floor_margin", t.floor_margin, "must be a finite factor ≥ 1 "
+                          "(docs/training.md)")
+    if t.chaos.ulps == 0:
+        raise ConfigError("train.chaos.ulps", t.chaos.ulps, "must be a nonzero number of ulps (the chaos arm "
+                          "would be the twin); 1 is the default")
+    optimizer = OmegaConf.to_container(t.optimizer, resolve=True) if t.optimizer is not None else None
+    _validate_optimizer(optimizer)
+    _validate_device(t.device)
+    if cfg.reference is not None:
+        raise ConfigError("reference", cfg.reference, "a training run takes no reference: compare two "
+                          "training runs with `python -m twinrun.compare RUN_A RUN_B`")
+    derived = [n for n in cfg.reduce.estimands if n in ESTIMANDS and ESTIMANDS[n].derive is not None]
+    if derived:
+        raise ConfigError("reduce.estimands", list(cfg.reduce.estimands), f"{derived} are views over σ "
+                          "bins of the probe; a training run reads parameter groups: all, cond or "
+                          "reduce.groups")
+    check_training_intervention(intervention)
+    (train_x, train_ids), (held_x, held_ids) = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
+    if t.batch_size > train_x.shape[0]:
+        raise ConfigError("train.batch_size", t.batch_size, f"the training split has only {train_x.shape[0]} "
+                          "images (a step draws without replacement); use at most that")
+    if t.heldout_images > held_x.shape[0]:
+        raise ConfigError("train.heldout_images", t.heldout_images, f"the held-out split has only "
+                          f"{held_x.shape[0]} images; use at most that")
+    for what, ids in (("training", train_ids), ("held-out", held_ids)):
+        if len(set(ids)) != len(ids):
+            raise ConfigError("data._target_", cfg.data.get("_target_"), f"the {what} ids repeat: an id keys "
+                              "a sample's noise, so each must name one image")
+    return (train_x, list(train_ids)), (held_x, list(held_ids))
+
+
+def _validate_optimizer(node) -> None:
+    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+        raise ConfigError("train.optimizer", node, "must be a Hydra node with a _target_ (an optimizer class "
+                          "taking the parameters as `params`), e.g. {_target_: torch.optim.AdamW, lr: 1e-3}")
+    lr = node.get("lr")
+    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ConfigError("train.optimizer.lr", lr, "must be a positive number (the learning rate), "
+                          "e.g. 1e-3")
+
+
+def _validate_device(name: str) -> None:
+    try:
+        device = resolve_device(name)
+    except RuntimeError:
+        raise ConfigError("train.device", name, "not a torch device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("train.device", name, "twinrun trains on cpu or cuda[:N] only (or auto)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", name, "CUDA is not available here; use train.device=cpu")
+
+
+def check_training_intervention(intervention: Intervention) -> None:
+    """Refuse, before compute, an intervention a training run cannot vouch for: without a no-op setting
+    there is no machinery arm, its only gate (no step of training is a no-op of an intervention the way
+    a probe's σ bin can be); one that acts nowhere in training, or sits at its no-op setting, measures
+    nothing."""
+    key = f"intervention({type(intervention).__name__})"
+    settings = {k: v for k, v in vars(intervention).items() if not k.startswith("_")}
+    noop = intervention.noop()
+    if noop is None:
+        raise ConfigError(key, settings, "has no no-op setting (`noop()`): a training run's gate is the "
+                          "machinery arm, the intervention's own code at its no-op setting, which must be "
+                          "bit-identical to the twin at every step; without one nothing vouches for the "
+                          "instrument. Declare a no-op setting, or train with an intervention that has one "
+                          "(scale_lr: factor=1; weight_sigma: power=0)")
+    if not any(getattr(type(intervention), h) is not getattr(Intervention, h) for h in TRAINING_HOOKS):
+        raise ConfigError(key, settings, f"acts nowhere in training (it overrides none of "
+                          f"{', '.join(TRAINING_HOOKS)}): nothing to measure")
+    if all(settings.get(k) == v for k, v in noop.items()):
+        raise ConfigError(key, settings, f"is at its no-op setting {noop}: nothing to measure; choose "
+                          "settings that change something")
+    intervention.check_train()
+
+
+# ----------------------------------------------------------------------------- components
+
+
+@dataclass
+class ArmState:
+    """One arm's training state, held in memory for the whole job: its own model and optimizer."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    intervention: Intervention
+    step: int  # the optimizer step its weights are at
+
+
+def load_start(model: torch.nn.Module, path: str) -> None:
+    """Load the start checkpoint (safetensors, never pickle) into the model, or one line saying how
+    it does not match."""
+    try:
+        with safe_open(str(Path(path).expanduser()), framework="pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError) as err:
+        raise ConfigError("train.start_checkpoint", path, f"is not a readable safetensors file "
+                          f"({first_line(err)})") from None
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    extra = sorted(set(tensors) - set(own))
+    shapes = sorted(n for n in set(own) & set(tensors) if tuple(own[n].shape) != tuple(tensors[n].shape))
+    if missing or extra or shapes:
+        parts = [f"{what} {', '.join(names[:3])}{' …' if len(names) > 3 else ''}" for what, names in
+                 (("lacks", missing), ("has unknown", extra), ("has other shapes for", shapes)) if names]
+        raise ConfigError("train.start_checkpoint", path, f"does not match the model: it {'; '.join(parts)}; "
+                          "give a checkpoint of this model's parameters, named as in model.state_dict()")
+    model.load_state_dict(tensors, strict=True)
+
+
+def build_start(config: dict, t: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """The start model every arm copies: the model's builder, then the start checkpoint if one is named."""
+    model = build(config["model"], "model")
+    if t.start_checkpoint is not None:
+        load_start(model, t.start_checkpoint)
+    return model.to(device).train()
+
+
+def build_optimizer(node: dict, model: torch.nn.Module, intervention: Intervention) -> torch.optim.Optimizer:
+    """The optimizer over the model's trainable parameters, at the arm's learning rate (the intervention's
+    `train_lr` of each group's). One level, as Hydra's instantiate would build it: the class named by
+    `_target_`, called with the parameters and the node's other keys (instantiate's own parsing of the
+    node costs 20 ms, once per arm and once per plan)."""
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        optimizer = hydra.utils.get_class(node["_target_"])(params, **kwargs)
+    except Exception as err:  # noqa: BLE001 — the user's optimizer may raise anything: one line, exit 2
+        raise ConfigError("train.optimizer._target_", node.get("_target_"), f"could not be built: "
+                          f"{type(err).__name__}: {first_line(err)}") from None
+    for group in optimizer.param_groups:
+        group["lr"] = intervention.train_lr(group["lr"])
+    return optimizer
+
+
+def perturb(model: torch.nn.Module, name: str, index: int, ulps: int) -> None:
+    """Move one element of one parameter by `ulps` units in the last place (torch.nextafter)."""
+    param = dict(model.named_parameters())[name]
+    flat = param.detach().view(-1)  # parameters are contiguous: the view writes the parameter itself
+    towards = torch.tensor(math.inf if ulps > 0 else -math.inf, dtype=param.dtype, device=param.device)
+    value = flat[index].clone()
+    for _ in range(abs(ulps)):
+        value = torch.nextafter(value, towards)
+    flat[index] = value
+
+
+def check_chaos(model: torch.nn.Module, c) -> None:
+    """The chaos arm's weight must exist, be floating point and hold the element."""
+    params = dict(model.named_parameters())
+    if c.param not in params:
+        near = difflib.get_close_matches(c.param, list(params), n=3, cutoff=0.5) or list(params)[:3]
+        raise ConfigError("train.chaos.param", c.param, f"no such parameter; did you mean {', '.join(near)}? "
+                          f"(one of the {len(params)} names of model.named_parameters())")
+    param = params[c.param]
+    if not param.is_floating_point() or not param.is_contiguous():
+        raise ConfigError("train.chaos.param", c.param, "must be a contiguous floating-point parameter")
+    if not 0 <= c.index < param.numel():
+        raise ConfigError("train.chaos.index", c.index, f"{c.param} has {param.numel()} elements; use 0 … "
+                          f"{param.numel() - 1}")
+
+
+def weight_layout(model: torch.nn.Module) -> list[dict]:
+    """The stored weights: every parameter, in named_parameters() order, with its shape and whether it
+    belongs to the conditioning pathway (the `cond` estimand, as the probe's layout says)."""
+    names = [n for n, _ in model.named_parameters()]
+    return [{"name": g["name"], "shape": g["shape"], "cond": g["cond"]}
+            for g in fs.layout(model, names, fs.cond_patterns(model))]
+
+
+def model_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def buffer_names(model: torch.nn.Module) -> list[str]:
+    """The persistent buffers (in state_dict but not parameters: e.g. running statistics): stored and
+    restored with the weights, so a resumed arm continues exactly where it stopped."""
+    params = {n for n, _ in model.named_parameters()}
+    return [n for n in model.state_dict() if n not in params]
+
+
+def _plain(value):
+    """A param-group value as JSON (a record only: groups are rebuilt from the config on resume)."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    return str(value)
+
+
+def optimizer_record(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, dict]:
+    """(tensors `optim/<parameter>/<key>`, metadata) of an optimizer's state, keyed by parameter name: any
+    torch optimizer's state (a tensor is stored as a tensor, any other value in the metadata)."""
+    sd = optimizer.state_dict()
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    tensors, scalars = {}, {}
+    for i, per in sd["state"].items():
+        for key, value in per.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{order[i]}/{key}"] = value.detach().cpu()
+            else:
+                scalars.setdefault(order[i], {})[key] = _plain(value)
+    groups = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+    cls = type(optimizer)
+    return tensors, {"class": f"{cls.__module__}.{cls.__qualname__}", "param_groups": groups,
+                     "scalars": scalars}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict,
+                      meta: dict) -> None:
+    """The optimizer's state read back from a store (its param groups are the freshly built ones)."""
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    index_of = {n: i for i, n in enumerate(order)}
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim/"):
+            name, _, field = key.removeprefix("optim/").rpartition("/")
+            state.setdefault(index_of[name], {})[field] = value.clone()  # not a view: the store's bytes go
+    for name, values in meta["optimizer"]["scalars"].items():
+        state.setdefault(index_of[name], {}).update(values)
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan_units(t: TrainConfig) -> list[dict]:
+    """The start unit (every arm's weights before training) and one unit per segment."""
+    k = t.segment_steps
+    bounds = [(0, 0)] + [((i - 1) * k, i * k) for i in range(1, t.steps // k + 1)]
+    return [{"index": i, "label": unit_label(i, a, b), "gate": False, "train": {"from_step": a, "to_step": b},
+             "file": store_name(i, b)} for i, (a, b) in enumerate(bounds)]
+
+
+def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path | None, data: tuple) -> Plan:
+    """Build the start model (on the CPU), check it, the chaos weight and the estimands, run one tiny
+    training step per arm; the run's units."""
+    t = typed(TrainConfig, arms[0].config["train"], "train")
+    model = build_start(arms[0].config, t, torch.device("cpu"))
+    check_chaos(model, t.chaos)
+    layout = weight_layout(model)
+    check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), layout)
+    intervention.check_model(model)
+    state_bytes = smoke_step(model, arms, t, data)
+    units = plan_units(t)
+    return Plan(units=units, store_bytes=check_sizes(t, model, state_bytes, len(arms), len(units), run_dir))
+
+
+def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple) -> int:
+    """One optimizer step of two samples per arm on a copy of the model, eagerly on the CPU: a model or
+    intervention that cannot train is one line before anything is stored. Returns the optimizer
+    state's size in bytes after a step (for the store-size estimate)."""
+    (train_x, _), (held_x, _) = data
+    gen = torch.Generator().manual_seed(20251201)
+    x = train_x[:2]
+    normal, eps = torch.randn(2, generator=gen), torch.randn(x.shape, generator=gen)
+    state_bytes, tried = 0, set()
+    for arm in arms:
+        code = json.dumps(arm.config["intervention"], sort_keys=True)
+        if code in tried:  # the twin's replicate and the chaos arm run the twin's code
+            continue
+        tried.add(code)
+        intervention = build(arm.config["intervention"], "intervention")
+        model = copy.deepcopy(start)
+        optimizer = build_optimizer(arm.config["train"]["optimizer"], model, intervention)
+        try:
+            with attached(intervention, model):
+                ts.train_step(model, optimizer, intervention, x, ts.sigma_of(normal), eps, 2)
+            ts.heldout_losses(model, intervention, held_x[:2], normal, eps, 2)
+        except TwinrunError:
+            raise
+        except Exception as err:  # noqa: BLE001 — user code may raise anything: one line, exit 2
+            raise ConfigError("model._target_", arm.config["model"].get("_target_"), f"arm {arm.name}: a "
+                              f"training step raised {type(err).__name__}: {first_line(err)} (at "
+                              f"{failing_frame(err)}); fix the model or the intervention") from None
+        state_bytes = max(state_bytes, sum(v.nbytes for s in optimizer.state_dict()["state"].values()
+                                           for v in s.values() if isinstance(v, torch.Tensor)))
+    return state_bytes
+
+
+def check_sizes(t: TrainConfig, model: torch.nn.Module, state_bytes: int, n_arms: int, n_units: int,
+                run_dir: Path | None) -> int:
+    """Print the run's store size and the memory its arms hold at once; refuse stores that cannot fit
+    on the run directory's disk. Returns the stores' size in bytes."""
+    weights = sum(v.nbytes for v in model.state_dict().values())
+    n_tensors = len(model.state_dict())
+    per_store = (weights + state_bytes + 4 * (t.segment_steps + t.heldout_images) + 16 * 1024
+                 + 400 * n_tensors + 20 * n_tensors * t.segment_steps)
+    store_bytes = n_arms * n_units * per_store
+    where = Path(run_dir) if run_dir is not None else Path.cwd()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    held = n_arms * (2 * weights + state_bytes)  # each arm's weights, gradients and optimizer state
+    print(f"twinrun: the stores will take about {store_bytes / 1e6:,.1f} MB ({n_arms} arms x {n_units} units "
+          f"of {per_store / 1e6:,.2f} MB); the job holds all {n_arms} arms' models and optimizer states at "
+          f"once ({held / 1e6:,.1f} MB); {free / 1e9:,.1f} GB free at {where}", flush=True)
+    if held > memory_bytes() // 2:
+        raise ConfigError("train.optimizer", t.optimizer.get("_target_"), f"{n_arms} arms' models and "
+                          f"optimizer states ({held / 2**30:.1f} GiB) would take over half this machine's "
+                          "memory; train a smaller model here")
+    resuming = run_dir is not None and (Path(run_dir) / "run.json").exists()
+    if store_bytes > free and not resuming:
+        raise ConfigError("train.segment_steps", t.segment_steps, f"the stores would take "
+                          f"{store_bytes / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free at "
+                          f"{where}; use longer segments (fewer stores) or a run directory with room "
+                          "(hydra.run.dir=...)")
+    return store_bytes
+
+
+# ----------------------------------------------------------------------------- the job's session
+
+
+class TrainSession:
+    """The training run in one job: every arm's model and optimizer on this job's device, the held-out
+    draws (drawn once), and each segment's samples and noise (drawn once, consumed by every arm)."""
+
+    compile_mode = None  # training runs eagerly
+
+    def __init__(self, config: dict, arms: list, device: torch.device):
+        self.t = typed(TrainConfig, config["train"], "train")
+        self.seed, self.device = config["seed"], device
+        (train_x, train_ids), (held_x, held_ids) = build(config["data"], "data")
+        self.train_x, self.train_ids = train_x.to(device), list(train_ids)
+        n_held = self.t.heldout_images
+        self.held_x, self.held_ids = held_x[:n_held].to(device), list(held_ids[:n_held])
+        self.shape = tuple(train_x.shape[1:])
+        normal, eps, self.heldout_digest = heldout_draws(self.seed, self.held_ids, self.shape)
+        self.held_normal, self.held_eps = normal.to(device), eps.to(device)
+        self.chunk = self.t.batch_size if self.t.chunk_samples == -1 else self.t.chunk_samples
+        start = build_start(config, self.t, device)
+        # What is trained, on the record: the start checkpoint as built and both splits' images.
+        ids = torch.tensor(self.train_ids + self.held_ids)
+        self.identity = {"model_sha256": model_sha256(start),
+                         "data_sha256": tensors_sha256([("train", self.train_x), ("heldout", self.held_x),
+                                                        ("ids", ids)])}
+        # Never trained: the sentinel reads the same model at the start and the end of every job.
+        self.sentinel_model = copy.deepcopy(start)
+        self.layout = weight_layout(start)
+        self.arms = {a.name: self._arm(start, a) for a in arms}
+        self.rng_devices = [device.index or 0] if device.type == "cuda" else []
+        self.segment: Segment | None = None
+
+    def _arm(self, start: torch.nn.Module, arm) -> ArmState:
+        model = copy.deepcopy(start)
+        if arm.role == "chaos":  # (its config is the twin's: the role says what differs)
+            c = arm.config["train"]["chaos"]
+            perturb(model, c["param"], c["index"], c["ulps"])
+        intervention = build(arm.config["intervention"], "intervention")
+        return ArmState(model, build_optimizer(arm.config["train"]["optimizer"], model, intervention),
+                        intervention, 0)
+
+    def arithmetic(self) -> dict:
+        # How a step's batch is cut into forward/backward calls changes the summation order.
+        return {"device": self.device.type, "chunk_samples": self.t.chunk_samples}
+
+    def sentinel(self) -> dict:
+        return read_sentinel(self.sentinel_model, self.device, self.shape)
+
+    def restore(self, u: UnitEntry, stores: dict) -> None:
+        """Every arm's weights, buffers and optimizer state as the whole unit `u` stored them."""
+        for arm, (path, sha256) in stores.items():
+            store = read_train_store(path, sha256)
+            if store.meta["arm"] != arm or store.meta["unit_index"] != u["index"]:
+                raise StoreError(path, "belongs to another arm or unit than run.json says")
+            s = self.arms[arm]
+            with torch.no_grad():
+                for name, tensor in s.model.state_dict().items():
+                    key = f"weight/{name}" if f"weight/{name}" in store.tensors else f"buffer/{name}"
+                    tensor.copy_(store.tensors[key])
+            restore_optimizer(s.optimizer, model_names(s.model), store.tensors, store.meta)
+            s.step = u["train"]["to_step"]
+        print(f"twinrun: every arm continues from {u['label']}, read back from its stores", flush=True)
+
+    def begin_unit(self, u: UnitEntry) -> None:
+        # This segment's samples and noise, keyed by (seed, step, sample id): the same for every arm.
+        a, b = u["train"]["from_step"], u["train"]["to_step"]
+        seg = draw_segment(self.seed, list(range(a + 1, b + 1)), self.train_ids, self.t.batch_size,
+                           self.shape)
+        self.segment = Segment(seg.steps, seg.positions.to(self.device), seg.normal.to(self.device),
+                               seg.eps.to(self.device), seg.digest)
+
+    def measure(self, u: UnitEntry, arm: str, stamp: dict) -> tuple[dict, dict]:
+        """Train this arm through the segment, then its held-out loss; the store's tensors and metadata."""
+        s, seg = self.arms[arm], self.segment
+        assert s.step == u["train"]["from_step"], (arm, s.step, u["label"])
+        losses, digests = as_model_error(arm, u, self._train, s, seg)
+        held = as_model_error(arm, u, ts.heldout_losses, s.model, s.intervention, self.held_x,
+                              self.held_normal, self.held_eps, self.chunk)
+        check_finite(arm, u, losses, held, s.model, seg.steps)
+        s.step = u["train"]["to_step"]
+        state = s.model.state_dict()
+        params = model_names(s.model).values()
+        # Views of the arm's own tensors on the CPU (copies from a GPU): the job writes the store before
+        # any arm trains on, so no second copy of the state is ever held.
+        tensors = {f"weight/{n}" if n in params else f"buffer/{n}": v.detach().cpu()
+                   for n, v in state.items()}
+        optim_tensors, optim_meta = optimizer_record(s.optimizer, model_names(s.model))
+        tensors.update(optim_tensors, train_loss=losses, heldout_loss=held)
+        meta = {"arm": arm, "unit_index": u["index"], "from_step": u["train"]["from_step"],
+                "to_step": u["train"]["to_step"], "seed": self.seed, "config_hash": stamp["config_hash"],
+                "layout": self.layout, "optimizer": optim_meta, "data_digest": seg.digest,
+                "heldout_digest": self.heldout_digest, "heldout_ids": self.held_ids, "step_digests": digests,
+                "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
+        return tensors, meta
+
+    def _train(self, s: ArmState, seg: Segment) -> tuple[torch.Tensor, list[list[str]]]:
+        """The segment's steps for one arm: (its loss at each step, its weights' digests after each)."""
+        losses, digests = [], []
+        with attached(s.intervention, s.model):
+            for k, step in enumerate(seg.steps):
+                # Step: this step's samples and noise (drawn once for every arm of the segment).
+                x, sigma = self.train_x[seg.positions[k]], ts.sigma_of(seg.normal[k])
+                # Step: forward, backward and update, a model's own dropout seeded by (seed, step).
+                with torch.random.fork_rng(devices=self.rng_devices):
+                    seed_generators(dropout_seed(self.seed, step), self.rng_devices)
+                    losses.append(ts.train_step(s.model, s.optimizer, s.intervention, x, sigma, seg.eps[k],
+                                                self.chunk))
+                # Step: which bits the weights hold now (the first step an arm leaves the twin's).
+                digests.append(ts.weight_digests(s.model))
+        s.optimizer.zero_grad(set_to_none=True)  # only the arm training now holds gradients
+        return (torch.stack(losses).float().cpu() if losses else torch.zeros(0)), digests
+
+
+def seed_generators(seed: int, cuda_devices: list[int]) -> None:
+    """Seed the CPU generator (and the job's GPU's) only: torch.manual_seed would also wake every other
+    backend's lazy seeding, a millisecond a step here."""
+    torch.random.default_generator.manual_seed(seed)
+    for i in cuda_devices:
+        torch.cuda.default_generators[i].manual_seed(seed)
+
+
+def check_finite(arm: str, u: UnitEntry, losses: torch.Tensor, held: torch.Tensor, model: torch.nn.Module,
+                 steps: list[int]) -> None:
+    """A NaN or inf loss or weight stops the run there, naming the arm, the step and the segment."""
+    bad = (~torch.isfinite(losses)).nonzero()
+    where = f"arm {arm}, {u['label']}"
+    keep = "earlier segments are kept; lower train.optimizer.lr or check the model, then start a new run"
+    if len(bad):
+        raise ts.NonFiniteLoss(f"{where}: the training loss is NaN or inf at step {steps[int(bad[0])]}; "
+                               f"{keep}")
+    finite = bool(torch.isfinite(held).all()) and all(bool(torch.isfinite(p).all())
+                                                       for p in model.parameters())
+    if not finite:
+        raise ts.NonFiniteLoss(f"{where}: the weights are NaN or inf after step {steps[-1] if steps else 0}; "
+                               f"{keep}")
+
+
+TRAIN = Measure(
+    name="train",
+    settings_key="train",
+    unit_noun="segment",
+    validate=validate,
+    plan=plan,
+    protocol_keys=TRAIN_PROTOCOL_KEYS,
+    open_session=TrainSession,
+    device=lambda config: config["train"]["device"],
+    reduce=reduce_train,
+    report=write_train_report,
+    render=render_train,
+    config_keys=("train",),
+    sequential_units=True,
+    replicate_always=True,
+    chaos_arm=True,
+    store_format=TRAIN_STORE_FORMAT,
+)

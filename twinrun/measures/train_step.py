@@ -1,0 +1,93 @@
+"""One arm's training arithmetic: the EDM loss, one optimizer step, the held-out loss, the weights' digests.
+
+The loss is the one `python -m twinrun.train` trained the committed model with (Karras et al. 2022,
+Eq. 2 with Table 1's λ(σ) and log-normal p(σ)), written per sample so that a batch cut into chunks
+sums the same terms. An arm's intervention acts where it declares (twinrun/interventions.py): the
+σ fed to the conditioning pathway, forward hooks, a per-sample loss weight; its learning rate is
+set once, when its optimizer is built.
+"""
+
+import hashlib
+
+import torch
+
+from twinrun.errors import EXIT_GATE, TwinrunError
+from twinrun.interventions import Intervention, attached
+from twinrun.measures.fold_sums import edm_weight
+
+# Log-normal training σ distribution (Karras et al. 2022, Table 1: P_mean, P_std).
+P_MEAN = -1.2
+P_STD = 1.2
+DIGEST_HEX = 16  # hex digits kept of each weight's per-step sha256 (64 bits: no collision in practice)
+
+
+class NonFiniteLoss(TwinrunError):
+    """The training itself failed (a NaN or inf loss or weight): the run stops there (exit 1)."""
+
+    exit_code = EXIT_GATE
+
+
+def sigma_of(normal: torch.Tensor) -> torch.Tensor:
+    """σ = exp(P_mean + P_std·n): the log-normal training noise level of each sample's normal draw."""
+    return torch.exp(P_MEAN + P_STD * normal)
+
+
+def per_sample_loss(model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor,
+                    sigma_cond: torch.Tensor) -> torch.Tensor:
+    """[B]: λ(σ)·mean over pixels of (D(x + σε; σ, σ_cond) − x)², one term per sample."""
+    batch = x.shape[0]
+    sigma_img = sigma.reshape(batch, *([1] * (x.dim() - 1)))
+    denoised = model(x + sigma_img * eps, sigma, sigma_cond)
+    weight = edm_weight(sigma_img, model.sigma_data)
+    return (weight * (denoised - x) ** 2).flatten(1).mean(1)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, intervention: Intervention,
+               x: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor, chunk: int) -> torch.Tensor:
+    """One optimizer step on the batch (x, σ, ε), forward and backward in chunks of ≤ `chunk` samples;
+    the loss is the batch mean of the per-sample losses. Returns it (0-d, detached, on the device)."""
+    batch = x.shape[0]
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=x.device)
+    for lo in range(0, batch, chunk):
+        part = slice(lo, lo + chunk)
+        losses = per_sample_loss(model, x[part], sigma[part], eps[part], intervention.sigma_cond(sigma[part]))
+        weight = intervention.loss_weight(sigma[part], model.sigma_data)
+        if weight is not None:
+            losses = losses * weight
+        loss = losses.sum() / batch
+        loss.backward()
+        total += loss.detach()
+    optimizer.step()
+    return total
+
+
+@torch.no_grad()
+def heldout_losses(model: torch.nn.Module, intervention: Intervention, images: torch.Tensor,
+                   normal: torch.Tensor, eps: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[N] float32 on the CPU: each held-out image's EDM loss under the arm's model as it trains (its
+    hooks and σ_cond; no loss weight, which changes the objective, not the model), on fixed draws."""
+    model.eval()
+    sigma = sigma_of(normal)
+    out = []
+    with attached(intervention, model):
+        for lo in range(0, images.shape[0], chunk):
+            part = slice(lo, lo + chunk)
+            out.append(per_sample_loss(model, images[part], sigma[part], eps[part],
+                                       intervention.sigma_cond(sigma[part])))
+    model.train()
+    return torch.cat(out).float().cpu()
+
+
+def weight_digests(model: torch.nn.Module) -> list[str]:
+    """A sha256 prefix of every parameter's bytes, in named_parameters() order: which tensors two arms
+    share bit for bit after a step, and so the first step at which an arm leaves the twin."""
+    return [hashlib.sha256(_host(p)).hexdigest()[:DIGEST_HEX] for p in model.parameters()]
+
+
+def _host(p: torch.Tensor):
+    """A parameter's bytes on the host: its own memory on the CPU (no copy), a copy from a GPU."""
+    t = p.detach() if p.device.type == "cpu" else p.detach().cpu()
+    if t.dtype == torch.bfloat16 or not t.is_contiguous():  # numpy has no bfloat16: its bytes instead
+        t = t.contiguous().reshape(-1).view(torch.uint8)
+    return t.numpy()

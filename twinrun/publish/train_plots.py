@@ -1,0 +1,95 @@
+"""The plots of a training report: every arm's loss curves (loss.png) and each arm's distance from the
+twin over steps with the chaos floor beside the intervention (distance.png).
+
+Each takes a training summary (plain data) and writes one PNG atomically; nothing here reads a run
+directory.
+"""
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from twinrun.publish.plots import save_figure
+
+# One colour and style per role, the same in both plots.
+ROLE_STYLE = {"intervention": ("C3", "-", "o"), "twin": ("k", "-", ""), "replicate": ("0.6", ":", "x"),
+              "machinery": ("C2", "--", "+"), "chaos": ("C0", "-", "s")}
+
+
+def plot_losses(summary: dict, path: Path) -> Path:
+    """Top: each arm's training loss at every step. Bottom: each arm's held-out loss at every stored step,
+    95% t-interval of its paired difference from the twin's drawn around the twin's value."""
+    fig = Figure(figsize=(6.4, 6.4), dpi=110)
+    ax_train, ax_held = fig.subplots(2, 1, sharex=True)
+    rows = summary["losses"]
+    for arm in summary["arms"]:
+        mine = [r for r in rows if r["arm"] == arm]
+        if not mine:
+            continue
+        color, ls, marker = ROLE_STYLE.get(mine[0]["role"], ("C7", "-", ""))
+        label = f"{arm} ({mine[0]['role']})"
+        width = 3 if mine[0]["role"] == "twin" else 1  # under the arms that match it bit for bit
+        steps = [s for r in mine for s in range(r["step"] - len(r["train_loss_steps"]) + 1, r["step"] + 1)]
+        losses = [x for r in mine for x in r["train_loss_steps"]]
+        ax_train.plot(steps, losses, ls, color=color, lw=width, label=label)
+        ax_held.plot([r["step"] for r in mine], [r["heldout_loss"] for r in mine], ls, color=color,
+                     marker=marker, ms=5, lw=width, label=label)
+    inter = [r for r in rows if r["role"] == "intervention"]
+    if inter:
+        half = np.array([r["t_crit"] * r["heldout_diff_se"] for r in inter])
+        twin = np.array([r["heldout_loss"] - r["heldout_diff"] for r in inter])
+        ax_held.fill_between([r["step"] for r in inter], twin - half, twin + half, color="C3", alpha=0.15,
+                             label="twin ± 95% paired interval of the intervention's difference")
+    ax_train.set_ylabel("training loss (each step's batch)")
+    ax_held.set_ylabel("held-out loss (same images, same draws)")
+    ax_held.set_xlabel("optimizer step")
+    ax_train.set_title("loss of every arm")
+    ax_train.legend(fontsize=7)
+    ax_held.legend(fontsize=7)
+    for ax in (ax_train, ax_held):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, path)
+    return path
+
+
+def plot_distance(summary: dict, path: Path, estimand: str) -> Path:
+    """Each arm's relative distance from the twin, |θ_arm − θ_twin| / |θ_twin − θ_start|, over stored
+    steps (log scale): the intervention beside the chaos floor and the floor times the margin; the
+    machinery arm and the replicate, which must sit at zero on a deterministic path, as marks at the
+    bottom where they are bit-identical."""
+    fig = Figure(figsize=(8.4, 4.4), dpi=110)
+    ax = fig.subplots()
+    effects = [e for e in summary["effects"] if e["estimand"] == estimand]
+    steps = [e["step"] for e in effects]
+    margin = effects[0]["margin"] if effects else 1.0
+    positive = [v for e in effects for v in (e["distance"], e["floor"], e.get("machinery_distance"),
+                                              e.get("replicate_distance")) if v]
+    bottom = min(positive) / 10 if positive else 1e-12
+    series = [("intervention", "distance"), ("chaos", "floor"), ("machinery", "machinery_distance"),
+              ("replicate", "replicate_distance")]
+    for role, key in series:
+        values = [e.get(key) for e in effects]
+        color, ls, marker = ROLE_STYLE[role]
+        if any(values):
+            label = {"chaos": "chaos floor (the chaos arm)"}.get(role, role)
+            shown = [v if v else np.nan for v in values]  # a zero has no place on a log axis: marked below
+            ax.plot(steps, shown, ls, color=color, marker=marker, ms=5, label=label)
+        zeros = [s for s, v in zip(steps, values, strict=True) if v == 0]
+        if zeros:
+            ax.plot(zeros, [bottom] * len(zeros), marker or "v", color=color, ls="none", ms=7,
+                    label=f"{role}: bit-identical to the twin")
+    floor = [e["floor"] * margin if e["floor"] else np.nan for e in effects]
+    if any(np.isfinite(floor)):
+        ax.plot(steps, floor, ":", color="C0", label=f"floor × {margin:g} (above it: above the floor)")
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=bottom / 2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"|θ_arm − θ_twin| / |θ_twin − θ_start|  ({estimand})")
+    ax.set_title("distance from the native twin")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    save_figure(fig, path)
+    return path

@@ -92,3 +92,88 @@ def truth_means(snr: float, sizes, cos_true: float, ratio: float, n_params: int 
     mu_b = np.array([norm_b, 0.0])
     mu_a = ratio * norm_b * np.array([cos_true, np.sqrt(max(1 - cos_true**2, 0.0))])
     return mu_a, mu_b
+
+
+def pairing_grams(rng, images_per_fold, n_draws: int, mu_a, mu_b, image_var, draw_var, rho_image: float,
+                  rho_draw: float, reps: int, paired: bool = True, chunk: int = 200) -> dict:
+    """Fold sums with image and draw noise, explicitly in P = len(mu_a) coordinates, and the blocks of the
+    pairing receipt: {"g_ab", "g_aa", "g_bb", "q_aa", "q_ab", "q_ba", "q_bb", "r_aa", "r_ab", "r_bb"}, each
+    [reps, F, F] (twinrun.pairing.PairingBlocks' fields).
+
+    A sample (image i, draw d) of arm x is μ^x + α^x_i + β^x_id: the image's part α (variance image_var
+    per coordinate, the arms' correlated rho_image: same images) and the draw's β (draw_var, correlated
+    rho_draw when paired, independent when not: the twin's own draws). Fold f sums its images' D draws;
+    H_f = sqrt(k1·k2)·(S_f,1/k1 − S_f,2/k2) over the two halves of the draws."""
+    k1 = n_draws // 2
+    k2 = n_draws - k1
+    m = np.asarray(images_per_fold)
+    n_samples = (m * n_draws).astype(np.float64)
+    mu = np.stack([np.asarray(mu_a, float), np.asarray(mu_b, float)])  # [2, P]
+    sd_img, sd_draw = np.sqrt(np.asarray(image_var, float)), np.sqrt(np.asarray(draw_var, float))
+    out = {k: [] for k in ("g_ab", "g_aa", "g_bb", "q_aa", "q_ab", "q_ba", "q_bb", "r_aa", "r_ab", "r_bb")}
+    for start in range(0, reps, chunk):
+        r = min(chunk, reps - start)
+        shape = (r, len(m), mu.shape[1])
+
+        def pair(rho):  # two arms' standard normals with correlation rho
+            z = rng.standard_normal(shape)
+            return np.stack([z, rho * z + np.sqrt(1 - rho**2) * rng.standard_normal(shape)], axis=1)
+
+        image = pair(rho_image) * (n_draws * np.sqrt(m))[None, None, :, None] * sd_img  # Σ_i D·α_i
+        halves = [pair(rho_draw if paired else 0.0) * np.sqrt(m * k)[None, None, :, None] * sd_draw for k in (k1, k2)]
+        sums = n_samples[None, None, :, None] * mu[None, :, None, :] + image + halves[0] + halves[1]
+        diff = np.sqrt(k1 * k2) * (halves[0] / k1 - halves[1] / k2)  # the images' share cancels
+        gram = lambda x, y: np.einsum("rfp,rgp->rfg", x, y)
+        s, h = {"a": sums[:, 0], "b": sums[:, 1]}, {"a": diff[:, 0], "b": diff[:, 1]}
+        for k in ("ab", "aa", "bb"):
+            out[f"g_{k}"].append(gram(s[k[0]], s[k[1]]))
+        for k in ("aa", "ab", "ba", "bb"):
+            out[f"q_{k}"].append(gram(s[k[0]], h[k[1]]))
+        for k in ("aa", "ab", "bb"):
+            out[f"r_{k}"].append(gram(h[k[0]], h[k[1]]))
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def run_fold_sums(rng, sizes, mu_arm, mu_twin, rho: float, reps: int, bin_corr: float = 0.5, spectrum=None):
+    """[reps, B, 2, F, P] fold sums of a whole run: B bins, arms (intervention, twin), P coordinates.
+
+    mu_arm, mu_twin: [B, P] mean gradients. Per sample the noise has unit variance per coordinate (times
+    `spectrum`, [P], if given), the arms' correlated rho (shared draws and images); bins share the images,
+    so a fold's noise is correlated bin_corr across bins."""
+    n = np.asarray(sizes, dtype=np.float64)
+    mu = np.stack([np.asarray(mu_arm, float), np.asarray(mu_twin, float)], axis=1)  # [B, 2, P]
+    n_bins, _, p = mu.shape
+    scale = np.ones(p) if spectrum is None else np.sqrt(np.asarray(spectrum, float))
+    shape = (reps, 1, 1, len(n), p)
+    common = rng.standard_normal(shape)  # the images, in every bin
+
+    def arms(z_shared):
+        z = np.sqrt(bin_corr) * z_shared + np.sqrt(1 - bin_corr) * rng.standard_normal((reps, n_bins, 1, len(n), p))
+        own = np.sqrt(bin_corr) * rng.standard_normal(shape) + np.sqrt(1 - bin_corr) * rng.standard_normal(
+            (reps, n_bins, 1, len(n), p))
+        return np.concatenate([z, rho * z + np.sqrt(1 - rho**2) * own], axis=2)
+
+    noise = arms(common) * scale
+    return n[None, None, None, :, None] * mu[None, :, :, None, :] + np.sqrt(n)[None, None, None, :, None] * noise
+
+
+def run_effect_rows(sums, sizes, cond_cols: int, alpha: float, gate: int) -> list[list[dict]]:
+    """Per simulated run, its summary rows (σ = bin index) for the estimands all, cond and residual
+    (the twin's mean direction removed, twinrun.estimator.residual_gram), each with effect_p and
+    below_noise: what twinrun.family reads."""
+    from twinrun.estimator import estimate_batch, residual_gram
+
+    reps, n_bins, _, f, _ = sums.shape
+    within = lambda s: np.einsum("rbafp,rbcgp->rbafcg", s, s)
+    views = {"all": within(sums), "cond": within(sums[..., :cond_cols])}
+    cross = np.einsum("rbafp,rcgp->rbafcg", sums, sums[:, :, 1])
+    views["residual"] = np.stack([residual_gram(views["all"][r], cross[r], 1, float(np.sum(sizes)))
+                                  for r in range(reps)])
+    runs = [[] for _ in range(reps)]
+    for name, g in views.items():
+        b = estimate_batch(g[:, :, 0, :, 1], g[:, :, 0, :, 0], g[:, :, 1, :, 1], sizes, sizes, alpha)
+        for r in range(reps):
+            for k in range(n_bins):
+                runs[r].append({"sigma": float(k), "estimand": name, "gate": k == gate,
+                                "effect_p": float(b.fields["effect_p"][r, k]), "below_noise": not b.printed[r, k]})
+    return runs

@@ -105,7 +105,7 @@ def jackknife_se(replicates: np.ndarray) -> np.ndarray:
     return np.sqrt((f - 1) / f * np.sum(centred**2, axis=-1))
 
 
-def _moment_matrix(f: int) -> np.ndarray:
+def moment_matrix(f: int) -> np.ndarray:
     """E[(R, T)] = M · (ζ1, ζ2): R the sum of squares over the row means, T over the fold pairs."""
     return np.array([[(f - 2) ** 2 / (f - 1), (f - 2) / (f - 1)], [(f - 2) * (f - 1), f * (f - 1) / 2 - 1]])
 
@@ -141,7 +141,7 @@ def kernel_moments(kernels: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     jack = 4 * (f - 1) / (f * (f - 2) ** 2) * r_ss  # U_(i) − U_(·) = −2 (r_i − r̄) / (F − 2)
     if f == 3:
         return jack, np.zeros_like(jack)
-    inverse = np.linalg.inv(_moment_matrix(f))
+    inverse = np.linalg.inv(moment_matrix(f))
     return jack, inverse[1, 0] * r_ss + inverse[1, 1] * t_ss
 
 
@@ -451,3 +451,38 @@ def estimate(g_ab: np.ndarray, g_aa: np.ndarray, g_bb: np.ndarray, n_a, n_b, alp
     out.cos_adjusted, out.norm_ratio_adjusted = float(v["cos_adjusted"]), float(v["norm_ratio_adjusted"])
     out.near_boundary = bool(v["near_boundary"])
     return out
+
+
+# ----------------------------------------------------------------------------- the residual view
+
+
+def residual_scales(within: np.ndarray, base: int, n_samples: float) -> np.ndarray:
+    """[B]: the plain norm of the base arm's mean gradient at each bin, sqrt(1ᵀ G 1) / N, from the
+    within-bin blocks [B, A, F, A, F] of the estimand's columns (N: samples per arm and bin)."""
+    return np.sqrt(np.maximum(within[:, base, :, base, :].sum((-2, -1)), 0.0)) / n_samples
+
+
+def residual_gram(within: np.ndarray, cross: np.ndarray, base: int, n_samples: float) -> np.ndarray:
+    """The within-bin Gram blocks [B, A, F, A, F] of the residual view: each bin's mean gradient less the
+    base arm's mean direction over the bins, scaled to that bin's base norm.
+
+    With c_b the base arm's plain mean-gradient norm at bin b (residual_scales) and its mean unit
+    direction over the B bins ū = (1/B) Σ_b' μ^base_b' / c_b', the view of arm a at bin b is
+    μ^a_b − c_b·ū; per fold, R_{b,a,f} = S_{b,a,f} − c_b·M_f with M_f = (1/B) Σ_b' S_{b',base,f} / c_b'.
+    Every fold keeps its own noise (M_f is built from fold f alone), so the debiased estimator reads
+    R like any other view. Its Gram needs, besides the within-bin blocks, every row against every bin's
+    base rows: cross[b, a, f, b', g] = ⟨S_{b,a,f}, S_{b',base,g}⟩ ([B, A, F, B, F]):
+
+        ⟨R_{b,a,f}, R_{b,a',g}⟩ = G_{b,a,f,a',g} − c_b·SM_{b,a,f,g} − c_b·SM_{b,a',g,f} + c_b²·MM_{f,g},
+        SM_{b,a,f,g} = (1/B) Σ_b' cross[b,a,f,b',g] / c_b',  MM_{f,g} = (1/B²) Σ_b',b'' cross[b',base,f,b'',g] / (c_b' c_b'').
+
+    A bin whose base mean is exactly 0 (c_b = 0) adds nothing to ū and keeps its sums as they are."""
+    n_bins = within.shape[0]
+    scale = residual_scales(within, base, n_samples)
+    weight = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0) / n_bins
+    s_m = np.einsum("bafcg,c->bafg", cross, weight)  # ⟨S_{b,a,f}, M_g⟩
+    m_m = np.einsum("cfdg,c,d->fg", cross[:, base], weight, weight)  # ⟨M_f, M_g⟩
+    c = scale[:, None, None, None, None]
+    row_term = s_m[:, :, :, None, :]  # [b, a, f, ·, g] = SM_{b,a,f,g}
+    column_term = np.einsum("bagf->bfag", s_m)[:, None]  # [b, ·, f, a', g] = SM_{b,a',g,f}
+    return within - c * (row_term + column_term) + c**2 * m_m[None, None, :, None, :]

@@ -9,7 +9,7 @@ folds (leave one fold out, from the same Gram matrices), with the cosine's and t
 freed of most of the fold-pair variance the jackknife counts twice (pair_corrected_se).
 
 A cosine and a norm ratio are printed only where both arms pass the test of signal, so their
-intervals are built conditional on that test (selective_interval): Fieller-type pivots, linear in
+intervals are built conditional on that test (selective_intervals): Fieller-type pivots, linear in
 the three inner products, inverted through their distribution truncated to the cases that pass.
 docs/estimator.md states the rules and their calibration.
 """
@@ -54,15 +54,14 @@ class Estimate:
     norm2_b: float
     norm2_b_se: float
     t_crit: float  # t_{F−1} half-width factor of a 95% interval (the symmetric cos ± t·se, for reference)
-    # The printed 95% intervals, conditional on the row being printed (selective_interval); asymmetric.
+    # The printed 95% intervals, conditional on the row being printed (selective_intervals); asymmetric.
     # A side the data do not bound reads -1 or 1 for the cosine, 0 or inf for the ratio. None below noise.
     cos_interval: tuple[float, float] | None = None
     norm_ratio_interval: tuple[float, float] | None = None
-    # The values at which the printed row's selective distribution is centred (median-unbiased given
-    # that the row printed): what cos and norm_ratio become once the pull of the test of signal is removed.
-    cos_adjusted: float | None = None
-    norm_ratio_adjusted: float | None = None
-    near_boundary: bool = False  # printed, but the weaker arm's |μ|² is < BOUNDARY_MARGIN_SE SEs above the threshold
+    # Printed, but the weaker arm's |μ|² is < BOUNDARY_MARGIN_SE SEs above the signal threshold: the test of
+    # signal shaped the intervals, and cos and norm_ratio read as selected (the ratio low, the cosine
+    # towards the noise correlation: docs/estimator.md); show |μ|² ± SE beside the row.
+    near_boundary: bool = False
     # The row's test of "no effect" (μ^a = μ^b over the estimand's columns): the debiased |μ^a − μ^b|² and
     # the one-sided p-value of its t test. Defined for every row, printed or not (twinrun.family).
     diff_norm2: float = 0.0
@@ -324,29 +323,28 @@ LOG_RATIO_LIMIT = 30.0  # |log r| beyond this is "unbounded": the ratio interval
 
 def selective_intervals(x, jack, zeta2, norm_se, threshold, cos, ratio, cos_se, ratio_se, n_folds: int,
                         reps: Replicates | None, level: float = INTERVAL_LEVEL) -> np.ndarray:
-    """(6, n): the cosine's lower end, upper end and median, then the norm ratio's, given that each
-    of the n rows printed. Each end is where selective_cdf of the row's pivot, as the tested value
-    moves, crosses (1 ± level)/2; the median is where it crosses 1/2. The cosine is searched over
-    [−1, 1], the ratio over log r (a side that reaches the limit is unbounded). All six searches per
-    row share one vectorised root finder."""
+    """(4, n): the cosine's lower and upper ends, then the norm ratio's, given that each of the n rows
+    printed. Each end is where selective_cdf of the row's pivot, as the tested value moves, crosses
+    (1 ± level)/2. The cosine is searched over [−1, 1], the ratio over log r (a side that reaches the
+    limit is unbounded: 0 or inf). All four searches per row share one vectorised root finder."""
     tail = (1 - level) / 2
     n = len(cos)
-    is_cos = np.repeat([True, True, True, False, False, False], n)
-    six = lambda a: None if a is None else np.concatenate([a] * 6)
-    target = np.repeat([1 - tail, tail, 0.5, 1 - tail, tail, 0.5], n)
-    start = np.concatenate([np.clip(cos, -1, 1)] * 3 + [np.log(ratio)] * 3)
-    step = np.concatenate([cos_se] * 3 + [ratio_se / ratio] * 3)
+    is_cos = np.repeat([True, True, False, False], n)
+    four = lambda a: None if a is None else np.concatenate([a] * 4)
+    target = np.repeat([1 - tail, tail, 1 - tail, tail], n)
+    start = np.concatenate([np.clip(cos, -1, 1)] * 2 + [np.log(ratio)] * 2)
+    step = np.concatenate([cos_se] * 2 + [ratio_se / ratio] * 2)
     lo = np.where(is_cos, -1.0, -LOG_RATIO_LIMIT)
     hi = np.where(is_cos, 1.0, LOG_RATIO_LIMIT)
-    xs, js, zs, ses = six(x), six(jack), six(zeta2), six(norm_se)
-    rs = None if reps is None else Replicates(*(six(getattr(reps, k)) for k in ("x", "jack", "zeta2", "margin")))
+    xs, js, zs, ses = four(x), four(jack), four(zeta2), four(norm_se)
+    rs = None if reps is None else Replicates(*(four(getattr(reps, k)) for k in ("x", "jack", "zeta2", "margin")))
 
     def fun(theta):
         w = np.where(is_cos[:, None], _cos_weights(theta, xs), _ratio_weights(theta, xs))
         return selective_cdf(xs, js, zs, ses, threshold, w, n_folds, rs)
 
-    roots = _decreasing_root(fun, start, np.where(step > 0, step, 1.0), lo, hi, target).reshape(6, n)
-    roots[3:] = np.exp(np.where(np.abs(roots[3:]) >= LOG_RATIO_LIMIT, np.sign(roots[3:]) * np.inf, roots[3:]))
+    roots = _decreasing_root(fun, start, np.where(step > 0, step, 1.0), lo, hi, target).reshape(4, n)
+    roots[2:] = np.exp(np.where(np.abs(roots[2:]) >= LOG_RATIO_LIMIT, np.sign(roots[2:]) * np.inf, roots[2:]))
     return roots
 
 
@@ -402,9 +400,9 @@ def estimate_batch(g_ab: np.ndarray, g_aa: np.ndarray, g_bb: np.ndarray, n_a, n_
 
 
 def _printed_fields(means, x, norm_se, printed, f: int, alpha: float) -> dict:
-    """cos, ratio, their SEs, selective intervals and adjusted values where printed (NaN elsewhere)."""
+    """cos, ratio, their SEs and selective intervals where printed (NaN elsewhere), and near_boundary."""
     out = {k: np.full(printed.shape, np.nan) for k in ("cos", "se", "norm_ratio", "norm_ratio_se", "cos_lo", "cos_hi",
-                                                        "cos_adjusted", "ratio_lo", "ratio_hi", "norm_ratio_adjusted")}
+                                                        "ratio_lo", "ratio_hi")}
     out["near_boundary"] = np.zeros(printed.shape, dtype=bool)
     if not printed.any():
         return out
@@ -419,12 +417,12 @@ def _printed_fields(means, x, norm_se, printed, f: int, alpha: float) -> dict:
     reps = replicates(m, signal_threshold(f, alpha)) if f >= REPLICATE_MIN_FOLDS else None
     ends = selective_intervals(xp, jack, zeta2, se_p, signal_threshold(f, alpha), cos, ratio, cos_se, ratio_se, f, reps)
     exact = (cos_se == 0) | (ratio_se == 0)  # identical arms, or folds that agree exactly: no interval to speak of
-    ends[:3] = np.where(exact, cos, ends[:3])
-    ends[3:] = np.where(exact, ratio, ends[3:])
+    ends[:2] = np.where(exact, cos, ends[:2])
+    ends[2:] = np.where(exact, ratio, ends[2:])
     margin = (xp[:, 1:] / np.where(se_p > 0, se_p, np.nan)).min(-1) - signal_threshold(f, alpha)
     values = {"cos": cos, "se": cos_se, "norm_ratio": ratio, "norm_ratio_se": ratio_se, "cos_lo": ends[0],
-              "cos_hi": ends[1], "cos_adjusted": ends[2], "ratio_lo": ends[3], "ratio_hi": ends[4],
-              "norm_ratio_adjusted": ends[5], "near_boundary": np.nan_to_num(margin, nan=np.inf) < BOUNDARY_MARGIN_SE}
+              "cos_hi": ends[1], "ratio_lo": ends[2], "ratio_hi": ends[3],
+              "near_boundary": np.nan_to_num(margin, nan=np.inf) < BOUNDARY_MARGIN_SE}
     for k, v in values.items():
         out[k][printed] = v
     return out
@@ -435,7 +433,7 @@ def estimate(g_ab: np.ndarray, g_aa: np.ndarray, g_bb: np.ndarray, n_a, n_b, alp
 
     Both are reported only where each arm's debiased norm² is signal and stays positive with any
     one fold left out; otherwise they are None ("below noise"). Their SEs: pair_corrected_se; their
-    intervals: selective_interval, conditional on that test. The row's test of no effect: effect_test.
+    intervals: selective_intervals, conditional on that test. The row's test of no effect: effect_test.
     """
     b = estimate_batch(*(np.asarray(g, dtype=np.float64)[None] for g in (g_ab, g_aa, g_bb)), n_a, n_b, alpha)
     v = {k: a[0] for k, a in b.fields.items()}
@@ -448,7 +446,6 @@ def estimate(g_ab: np.ndarray, g_aa: np.ndarray, g_bb: np.ndarray, n_a, n_b, alp
     out.cos, out.se, out.norm_ratio, out.norm_ratio_se = (float(v[k]) for k in ("cos", "se", "norm_ratio", "norm_ratio_se"))
     out.cos_interval = (float(v["cos_lo"]), float(v["cos_hi"]))
     out.norm_ratio_interval = (float(v["ratio_lo"]), float(v["ratio_hi"]))
-    out.cos_adjusted, out.norm_ratio_adjusted = float(v["cos_adjusted"]), float(v["norm_ratio_adjusted"])
     out.near_boundary = bool(v["near_boundary"])
     return out
 

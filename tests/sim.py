@@ -115,7 +115,7 @@ def pairing_grams(rng, images_per_fold, n_draws: int, mu_a, mu_b, image_var, dra
         r = min(chunk, reps - start)
         shape = (r, len(m), mu.shape[1])
 
-        def pair(rho):  # two arms' standard normals with correlation rho
+        def pair(rho, shape=shape):  # two arms' standard normals with correlation rho
             z = rng.standard_normal(shape)
             return np.stack([z, rho * z + np.sqrt(1 - rho**2) * rng.standard_normal(shape)], axis=1)
 
@@ -163,7 +163,7 @@ def run_effect_rows(sums, sizes, cond_cols: int, alpha: float, gate: int) -> lis
     below_noise: what twinrun.family reads."""
     from twinrun.estimator import estimate_batch, residual_gram
 
-    reps, n_bins, _, f, _ = sums.shape
+    reps, n_bins = sums.shape[:2]
     within = lambda s: np.einsum("rbafp,rbcgp->rbafcg", s, s)
     views = {"all": within(sums), "cond": within(sums[..., :cond_cols])}
     cross = np.einsum("rbafp,rcgp->rbafcg", sums, sums[:, :, 1])

@@ -234,7 +234,8 @@ def replicates(means: list[np.ndarray], threshold: float) -> Replicates:
     loo = [_without_each_fold(m) for m in means]
     x = np.stack([u_statistic(m) for m in loo], axis=-1)
     jack, zeta2 = kernel_moments(loo)
-    margin = np.stack([x[..., k] - threshold * jackknife_se(leave_one_out_inner(loo[k])) for k in (1, 2)], axis=-1)
+    se = [jackknife_se(leave_one_out_inner(loo[k])) for k in (1, 2)]
+    margin = np.stack([x[..., k] - threshold * s for k, s in zip((1, 2), se)], axis=-1)
     return Replicates(x, jack, zeta2, margin)
 
 
@@ -337,7 +338,7 @@ def selective_intervals(x, jack, zeta2, norm_se, threshold, cos, ratio, cos_se, 
     lo = np.where(is_cos, -1.0, -LOG_RATIO_LIMIT)
     hi = np.where(is_cos, 1.0, LOG_RATIO_LIMIT)
     xs, js, zs, ses = four(x), four(jack), four(zeta2), four(norm_se)
-    rs = None if reps is None else Replicates(*(four(getattr(reps, k)) for k in ("x", "jack", "zeta2", "margin")))
+    rs = None if reps is None else Replicates(*(four(a) for a in (reps.x, reps.jack, reps.zeta2, reps.margin)))
 
     def fun(theta):
         w = np.where(is_cos[:, None], _cos_weights(theta, xs), _ratio_weights(theta, xs))
@@ -394,15 +395,16 @@ def estimate_batch(g_ab: np.ndarray, g_aa: np.ndarray, g_bb: np.ndarray, n_a, n_
         naive = np.where(denom > 0, g_ab.sum((-2, -1)) / denom, np.nan)
     diff, diff_se, effect_p = effect_test(means)
     fields = {"cos_naive": naive, "norm2_a": x[..., 1], "norm2_a_se": norm_se[..., 0], "norm2_b": x[..., 2],
-              "norm2_b_se": norm_se[..., 1], "diff_norm2": diff, "diff_norm2_se": diff_se, "effect_p": effect_p}
+              "norm2_b_se": norm_se[..., 1], "diff_norm2": diff, "diff_norm2_se": diff_se,
+              "effect_p": effect_p}
     fields.update(_printed_fields(means, x, norm_se, printed, f, alpha))
     return Batch(printed, fields)
 
 
 def _printed_fields(means, x, norm_se, printed, f: int, alpha: float) -> dict:
     """cos, ratio, their SEs and selective intervals where printed (NaN elsewhere), and near_boundary."""
-    out = {k: np.full(printed.shape, np.nan) for k in ("cos", "se", "norm_ratio", "norm_ratio_se", "cos_lo", "cos_hi",
-                                                        "ratio_lo", "ratio_hi")}
+    names = ("cos", "se", "norm_ratio", "norm_ratio_se", "cos_lo", "cos_hi", "ratio_lo", "ratio_hi")
+    out = {k: np.full(printed.shape, np.nan) for k in names}
     out["near_boundary"] = np.zeros(printed.shape, dtype=bool)
     if not printed.any():
         return out
@@ -415,8 +417,9 @@ def _printed_fields(means, x, norm_se, printed, f: int, alpha: float) -> dict:
     ratio_w = np.stack([np.zeros_like(aa), ratio / (2 * aa), -ratio / (2 * bb)], axis=-1)
     cos_se, ratio_se = (np.sqrt(corrected_variance(jack, zeta2, w, f)) for w in (cos_w, ratio_w))
     reps = replicates(m, signal_threshold(f, alpha)) if f >= REPLICATE_MIN_FOLDS else None
-    ends = selective_intervals(xp, jack, zeta2, se_p, signal_threshold(f, alpha), cos, ratio, cos_se, ratio_se, f, reps)
-    exact = (cos_se == 0) | (ratio_se == 0)  # identical arms, or folds that agree exactly: no interval to speak of
+    threshold = signal_threshold(f, alpha)
+    ends = selective_intervals(xp, jack, zeta2, se_p, threshold, cos, ratio, cos_se, ratio_se, f, reps)
+    exact = (cos_se == 0) | (ratio_se == 0)  # identical arms, or folds that agree exactly: nothing to bound
     ends[:2] = np.where(exact, cos, ends[:2])
     ends[2:] = np.where(exact, ratio, ends[2:])
     margin = (xp[:, 1:] / np.where(se_p > 0, se_p, np.nan)).min(-1) - signal_threshold(f, alpha)
@@ -439,11 +442,13 @@ def estimate(g_ab: np.ndarray, g_aa: np.ndarray, g_bb: np.ndarray, n_a, n_b, alp
     v = {k: a[0] for k, a in b.fields.items()}
     f = len(n_a)
     out = Estimate(None, None, None, None, float(v["cos_naive"]), float(v["norm2_a"]), float(v["norm2_a_se"]),
-                   float(v["norm2_b"]), float(v["norm2_b_se"]), t_quantile(f), diff_norm2=float(v["diff_norm2"]),
-                   diff_norm2_se=float(v["diff_norm2_se"]), effect_p=float(v["effect_p"]))
+                   float(v["norm2_b"]), float(v["norm2_b_se"]), t_quantile(f),
+                   diff_norm2=float(v["diff_norm2"]), diff_norm2_se=float(v["diff_norm2_se"]),
+                   effect_p=float(v["effect_p"]))
     if not b.printed[0]:
         return out
-    out.cos, out.se, out.norm_ratio, out.norm_ratio_se = (float(v[k]) for k in ("cos", "se", "norm_ratio", "norm_ratio_se"))
+    out.cos, out.se = float(v["cos"]), float(v["se"])
+    out.norm_ratio, out.norm_ratio_se = float(v["norm_ratio"]), float(v["norm_ratio_se"])
     out.cos_interval = (float(v["cos_lo"]), float(v["cos_hi"]))
     out.norm_ratio_interval = (float(v["ratio_lo"]), float(v["ratio_hi"]))
     out.near_boundary = bool(v["near_boundary"])
@@ -471,7 +476,8 @@ def residual_gram(within: np.ndarray, cross: np.ndarray, base: int, n_samples: f
     base rows: cross[b, a, f, b', g] = ⟨S_{b,a,f}, S_{b',base,g}⟩ ([B, A, F, B, F]):
 
         ⟨R_{b,a,f}, R_{b,a',g}⟩ = G_{b,a,f,a',g} − c_b·SM_{b,a,f,g} − c_b·SM_{b,a',g,f} + c_b²·MM_{f,g},
-        SM_{b,a,f,g} = (1/B) Σ_b' cross[b,a,f,b',g] / c_b',  MM_{f,g} = (1/B²) Σ_b',b'' cross[b',base,f,b'',g] / (c_b' c_b'').
+        SM_{b,a,f,g} = (1/B) Σ_b' cross[b,a,f,b',g] / c_b',
+        MM_{f,g} = (1/B²) Σ_b',b'' cross[b',base,f,b'',g] / (c_b' c_b'').
 
     A bin whose base mean is exactly 0 (c_b = 0) adds nothing to ū and keeps its sums as they are."""
     n_bins = within.shape[0]

@@ -60,7 +60,8 @@ class FamilyVerdict:
         return head + f"an effect in {len(self.rejected)} rows ({rows})"
 
 
-def family_verdict(rows: list[dict], level: float = FAMILY_ALPHA, same_hypothesis: dict | None = None) -> FamilyVerdict:
+def family_verdict(rows: list[dict], level: float = FAMILY_ALPHA,
+                   same_hypothesis: dict | None = None) -> FamilyVerdict:
     """Holm over the rows' tests of no effect. rows: summary rows with `sigma`, `estimand`, `gate` and
     `effect_p` (Estimate.effect_p); same_hypothesis: estimand -> the estimand whose hypothesis it shares
     (SAME_HYPOTHESIS by default), used where that estimand's row at the same σ is in the family too."""
@@ -70,7 +71,9 @@ def family_verdict(rows: list[dict], level: float = FAMILY_ALPHA, same_hypothesi
 
     def hypothesis(r) -> tuple:
         base = same.get(r["estimand"])
-        return (r["sigma"], base) if base is not None and (r["sigma"], base) in present else (r["sigma"], r["estimand"])
+        if base is not None and (r["sigma"], base) in present:
+            return r["sigma"], base
+        return r["sigma"], r["estimand"]
 
     p_of = {}
     for r in effects:

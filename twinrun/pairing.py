@@ -6,7 +6,7 @@ unpaired control would share too (same images, same folds), or draws, which only
 sums alone cannot tell the two apart (a fold's image and draw noise add up in its sum), so the probe
 also stores, per fold, the difference between the sums over the two halves of its draws,
 
-    H_f = sqrt(k1·k2) · (S_{f,1}/k1 − S_{f,2}/k2)   (k1 = ⌊D/2⌋, k2 = D − k1 draws per image; S_f,1 − S_f,2 for even D)
+    H_f = sqrt(k1·k2) · (S_{f,1}/k1 − S_{f,2}/k2)      (k1 = ⌊D/2⌋, k2 = D − k1 draws an image)
 
 in which the images' share cancels (every image is in both halves), with the draw noise's covariance of
 the whole sum and uncorrelated with it. Only inner products of H with the sums and with itself are
@@ -55,7 +55,7 @@ class PairingReceipt:
     rho: float  # the arms' noise correlation (image and draw noise together)
     draw_rho: float  # the correlation of their draw noise alone
     draw_share: float  # the draw noise's share of the twin's noise variance
-    gain_cos: float | None  # Var(cos | twin unpaired) / Var(cos as measured); None where the row is below noise
+    gain_cos: float | None  # Var(cos | twin unpaired) / Var(cos as measured); None below noise
     gain_ratio: float | None
     gain_effect: float  # the same for the test of no effect, |μ_a − μ_b|²
 

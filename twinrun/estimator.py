@@ -338,7 +338,9 @@ def selective_intervals(x, jack, zeta2, norm_se, threshold, cos, ratio, cos_se, 
     lo = np.where(is_cos, -1.0, -LOG_RATIO_LIMIT)
     hi = np.where(is_cos, 1.0, LOG_RATIO_LIMIT)
     xs, js, zs, ses = four(x), four(jack), four(zeta2), four(norm_se)
-    rs = None if reps is None else Replicates(*(four(a) for a in (reps.x, reps.jack, reps.zeta2, reps.margin)))
+    rs = None
+    if reps is not None:
+        rs = Replicates(four(reps.x), four(reps.jack), four(reps.zeta2), four(reps.margin))
 
     def fun(theta):
         w = np.where(is_cos[:, None], _cos_weights(theta, xs), _ratio_weights(theta, xs))

@@ -1,7 +1,8 @@
 """Simulated fold Gram matrices with a known truth, for the calibration tests (numpy only, vectorised).
 
 Two arms' per-fold sums S_f = n_f·μ + noise_f over P coordinates. The per-sample noise has total variance P
-(SNR = |μ_twin|² / (P / N) is then the twin's squared mean over the noise the plain mean of N samples carries),
+(SNR = |μ_twin|² / (P / N) is then the twin's squared mean over the noise the plain mean of N samples
+carries),
 the arms' noise correlated by rho as shared draws make it, and optionally
 
 - concentrated in `k` dominant directions that carry `share` of the variance (real gradient noise is);
@@ -69,7 +70,8 @@ def sample_grams(rng, sizes, mu_a, mu_b, rho: float, reps: int, noise: Noise = I
     # aligned, the twin's direction is the first dominant one and only the arm's second coordinate is bulk.
     aligned = noise.aligned and noise.k > 0
     n_explicit = noise.k + (1 if aligned else 2)
-    explicit_var = np.concatenate([np.full(noise.k, noise.dominant_var), np.full(n_explicit - noise.k, noise.bulk_var)])
+    explicit_var = np.concatenate([np.full(noise.k, noise.dominant_var),
+                                   np.full(n_explicit - noise.k, noise.bulk_var)])
     signal_at = [0, noise.k] if aligned else [noise.k, noise.k + 1]
     za = rng.standard_normal((reps, f, n_explicit))
     zb = rho * za + np.sqrt(1 - rho**2) * rng.standard_normal((reps, f, n_explicit))
@@ -120,7 +122,8 @@ def pairing_grams(rng, images_per_fold, n_draws: int, mu_a, mu_b, image_var, dra
             return np.stack([z, rho * z + np.sqrt(1 - rho**2) * rng.standard_normal(shape)], axis=1)
 
         image = pair(rho_image) * (n_draws * np.sqrt(m))[None, None, :, None] * sd_img  # Σ_i D·α_i
-        halves = [pair(rho_draw if paired else 0.0) * np.sqrt(m * k)[None, None, :, None] * sd_draw for k in (k1, k2)]
+        rho_halves = rho_draw if paired else 0.0
+        halves = [pair(rho_halves) * np.sqrt(m * k)[None, None, :, None] * sd_draw for k in (k1, k2)]
         sums = n_samples[None, None, :, None] * mu[None, :, None, :] + image + halves[0] + halves[1]
         diff = np.sqrt(k1 * k2) * (halves[0] / k1 - halves[1] / k2)  # the images' share cancels
         gram = lambda x, y: np.einsum("rfp,rgp->rfg", x, y)
@@ -148,13 +151,15 @@ def run_fold_sums(rng, sizes, mu_arm, mu_twin, rho: float, reps: int, bin_corr: 
     common = rng.standard_normal(shape)  # the images, in every bin
 
     def arms(z_shared):
-        z = np.sqrt(bin_corr) * z_shared + np.sqrt(1 - bin_corr) * rng.standard_normal((reps, n_bins, 1, len(n), p))
+        per_bin = rng.standard_normal((reps, n_bins, 1, len(n), p))
+        z = np.sqrt(bin_corr) * z_shared + np.sqrt(1 - bin_corr) * per_bin
         own = np.sqrt(bin_corr) * rng.standard_normal(shape) + np.sqrt(1 - bin_corr) * rng.standard_normal(
             (reps, n_bins, 1, len(n), p))
         return np.concatenate([z, rho * z + np.sqrt(1 - rho**2) * own], axis=2)
 
     noise = arms(common) * scale
-    return n[None, None, None, :, None] * mu[None, :, :, None, :] + np.sqrt(n)[None, None, None, :, None] * noise
+    fold = n[None, None, None, :, None]
+    return fold * mu[None, :, :, None, :] + np.sqrt(fold) * noise
 
 
 def run_effect_rows(sums, sizes, cond_cols: int, alpha: float, gate: int) -> list[list[dict]]:
@@ -175,5 +180,6 @@ def run_effect_rows(sums, sizes, cond_cols: int, alpha: float, gate: int) -> lis
         for r in range(reps):
             for k in range(n_bins):
                 runs[r].append({"sigma": float(k), "estimand": name, "gate": k == gate,
-                                "effect_p": float(b.fields["effect_p"][r, k]), "below_noise": not b.printed[r, k]})
+                                "effect_p": float(b.fields["effect_p"][r, k]),
+                                "below_noise": not b.printed[r, k]})
     return runs

@@ -94,7 +94,7 @@ def test_debiased_cosine_recovers_truth_and_jackknife_covers_it(cos_true):
         # common random numbers: arm b sees the same noise, as twin arms do
         sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=noise)
         cases.append(grams(sa, sb))
-    batch = estimate_batch(*(np.stack(g) for g in zip(*cases)), sizes, sizes, ALPHA)  # estimate(), 300 times at once
+    batch = estimate_batch(*(np.stack(g) for g in zip(*cases)), sizes, sizes, ALPHA)  # estimate(), 300 times
     v = batch.fields
     assert batch.printed.all()
     # the naive cosine is biased by the (shared) noise; the debiased one is not
@@ -230,7 +230,8 @@ def test_the_batch_and_the_single_estimate_agree():
         assert est.below_noise == (not batch.printed[i])
         assert est.effect_p == pytest.approx(batch.fields["effect_p"][i], rel=1e-12)
         if not est.below_noise:
-            assert est.cos_interval == pytest.approx((batch.fields["cos_lo"][i], batch.fields["cos_hi"][i]), rel=1e-12)
+            ends = (batch.fields["cos_lo"][i], batch.fields["cos_hi"][i])
+            assert est.cos_interval == pytest.approx(ends, rel=1e-12)
             assert est.norm_ratio_interval[1] == pytest.approx(batch.fields["ratio_hi"][i], rel=1e-12)
 
 
@@ -241,15 +242,18 @@ def test_kernel_moments_are_bilinear_and_give_the_pair_corrected_se():
     means = [m @ m.T for m in (0.2 + rng.standard_normal((7, 30)) for _ in range(3))]
     jack, zeta2 = kernel_moments(means)
     for w in (np.array([1.0, 0, 0]), np.array([0.3, -1.2, 2.0])):
-        assert corrected_variance(jack, zeta2, w, 7) == pytest.approx(pair_corrected_se(means, w) ** 2, rel=1e-10)
+        se = pair_corrected_se(means, w)
+        assert corrected_variance(jack, zeta2, w, 7) == pytest.approx(se**2, rel=1e-10)
         v, z = fold_pair_variance(sum(wk * m for wk, m in zip(w, means)))
-        assert w @ jack @ w == pytest.approx(v, rel=1e-10) and max(w @ zeta2 @ w, 0) == pytest.approx(z, rel=1e-10, abs=1e-12)
+        assert w @ jack @ w == pytest.approx(v, rel=1e-10)
+        assert max(w @ zeta2 @ w, 0) == pytest.approx(z, rel=1e-10, abs=1e-12)
 
 
 def test_below_noise_rows_print_no_interval_but_keep_their_test_of_no_effect():
     rng = np.random.default_rng(13)
     sa, noise = fold_sums(rng, np.zeros(100), [5] * 10)
-    sb, _ = fold_sums(rng, np.zeros(100), [5] * 10, shared_noise=0.99 * noise + 0.14 * rng.standard_normal(noise.shape))
+    shared = 0.99 * noise + 0.14 * rng.standard_normal(noise.shape)
+    sb, _ = fold_sums(rng, np.zeros(100), [5] * 10, shared_noise=shared)
     est = estimate(*grams(sa, sb), [5] * 10, [5] * 10, ALPHA)
     assert est.below_noise and est.cos_interval is None and est.norm_ratio_interval is None
     assert not est.near_boundary and 0 < est.effect_p <= 1 and est.diff_norm2_se > 0
@@ -266,7 +270,8 @@ def test_the_test_of_no_effect_holds_its_level_and_finds_an_effect():
         cases = []
         for _ in range(200):
             sa, noise = fold_sums(rng, mu * (1 + grow), sizes)
-            sb, _ = fold_sums(rng, mu, sizes, shared_noise=0.99 * noise + 0.14 * rng.standard_normal(noise.shape))
+            shared = 0.99 * noise + 0.14 * rng.standard_normal(noise.shape)
+            sb, _ = fold_sums(rng, mu, sizes, shared_noise=shared)
             cases.append(grams(sa, sb))
         p = estimate_batch(*(np.stack(g) for g in zip(*cases)), sizes, sizes, ALPHA).fields["effect_p"]
         rejected[grow] = int(np.sum(p <= 0.05))
@@ -276,8 +281,9 @@ def test_the_test_of_no_effect_holds_its_level_and_finds_an_effect():
 def test_far_above_the_threshold_the_interval_is_the_plain_fieller_one():
     """The test of signal shapes only the intervals of rows it could have withheld: more than 4 SEs above
     it the selective interval is the unadjusted one (threshold −∞) to a hundredth of its half-width in
-    every row, and near_boundary is False. (Reading the pull from the replicates of |μ|²/SE instead of the margin shifted such rows by a
-    third of their half-width: that swing is the SE's noise, not the selection.)"""
+    every row, and near_boundary is False. (Reading the pull from the replicates of |μ|²/SE instead of the
+    margin shifted such rows by a third of their half-width: that swing is the SE's noise, not the
+    selection.)"""
     rng = np.random.default_rng(15)
     sizes, folds = [10] * 10, 10
     n = np.asarray(sizes, dtype=np.float64)
@@ -285,7 +291,8 @@ def test_far_above_the_threshold_the_interval_is_the_plain_fieller_one():
     for _ in range(60):
         mu_a, mu_b = two_arms_with_cosine(rng, 0.8, signal_norm=3.0)
         sa, noise = fold_sums(rng, mu_a, sizes)
-        sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=0.9 * noise + 0.44 * rng.standard_normal(noise.shape))
+        shared = 0.9 * noise + 0.44 * rng.standard_normal(noise.shape)
+        sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=shared)
         cases.append(grams(sa, sb))
     g = [np.stack(x) for x in zip(*cases)]
     v = estimate_batch(*g, sizes, sizes, ALPHA).fields
@@ -313,7 +320,8 @@ def test_near_the_threshold_the_row_is_marked_and_its_interval_widened():
     for _ in range(400):
         mu_a, mu_b = two_arms_with_cosine(rng, 0.5, signal_norm=0.25)
         sa, noise = fold_sums(rng, mu_a, sizes)
-        sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=0.9 * noise + 0.44 * rng.standard_normal(noise.shape))
+        shared = 0.9 * noise + 0.44 * rng.standard_normal(noise.shape)
+        sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=shared)
         est = estimate(*grams(sa, sb), sizes, sizes, ALPHA)
         if est.near_boundary:
             break
@@ -325,7 +333,7 @@ def test_near_the_threshold_the_row_is_marked_and_its_interval_widened():
 
 
 def test_the_residual_gram_is_the_gram_of_the_documented_view():
-    """R_{b,a,f} = S_{b,a,f} − c_b·M_f with c_b the base's plain mean norm and M_f = mean_b' S_{b',base,f}/c_b'."""
+    """R_{b,a,f} = S_{b,a,f} − c_b·M_f, c_b the base's plain mean norm, M_f = mean_b' S_{b',base,f}/c_b'."""
     rng = np.random.default_rng(17)
     bins, arms, folds, params, n_samples, base = 4, 3, 5, 30, 50.0, 1
     s = rng.standard_normal((bins, arms, folds, params)) + 2 * rng.standard_normal((bins, 1, 1, params))
@@ -333,8 +341,8 @@ def test_the_residual_gram_is_the_gram_of_the_documented_view():
     cross = np.einsum("bafp,cgp->bafcg", s, s[:, base])
     c = np.linalg.norm(s[:, base].sum(1), axis=-1) / n_samples
     r = s - c[:, None, None, None] * (s[:, base] / c[:, None, None]).mean(0)
-    np.testing.assert_allclose(residual_gram(within, cross, base, n_samples), np.einsum("bafp,bcgp->bafcg", r, r),
-                               rtol=1e-10, atol=1e-9)
+    want = np.einsum("bafp,bcgp->bafcg", r, r)
+    np.testing.assert_allclose(residual_gram(within, cross, base, n_samples), want, rtol=1e-10, atol=1e-9)
 
 
 def test_the_residual_gives_every_bin_one_vote_in_the_mean_direction():

@@ -22,7 +22,8 @@ def _rows(p_all, p_cond, p_residual, gate_p=0.0):
     rows = []
     for k, (a, c, r) in enumerate(zip(p_all, p_cond, p_residual)):
         for name, p in (("all", a), ("cond", c), ("residual", r)):
-            rows.append({"sigma": 0.1 * (k + 1), "estimand": name, "gate": k == GATE, "effect_p": gate_p if k == GATE else p})
+            rows.append({"sigma": 0.1 * (k + 1), "estimand": name, "gate": k == GATE,
+                         "effect_p": gate_p if k == GATE else p})
     return rows
 
 
@@ -85,5 +86,6 @@ def test_family_wise_error_on_the_grid(folds, rho, noise):
     spectrum = None if noise == "isotropic" else FEW
     for snr in (0.0, 1.0):
         effects, printed = family_error_rate(folds, rho, spectrum, 2000, seed=folds + int(100 * rho), snr=snr)
-        print(f"family-wise: {noise} F={folds} rho={rho} snr={snr}: effect {effects}/2000, printed {printed}/2000")
+        print(f"family-wise: {noise} F={folds} rho={rho} snr={snr}: effect {effects}/2000, "
+              f"printed {printed}/2000")
         assert effects / 2000 <= 0.05, (snr, effects)

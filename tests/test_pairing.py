@@ -28,8 +28,8 @@ def measured_and_predicted(image_var, draw_var, rho, folds=10, images=6, draws=4
     mu_a, mu_b, n = design(snr, image_var, draw_var, m, draws)
     runs = {}
     for paired in (True, False):
-        g = pairing_grams(np.random.default_rng(seed + paired), m, draws, mu_a, mu_b, image_var, draw_var, rho, rho,
-                          reps, paired)
+        g = pairing_grams(np.random.default_rng(seed + paired), m, draws, mu_a, mu_b, image_var, draw_var, rho,
+                          rho, reps, paired)
         runs[paired] = g, estimate_batch(g["g_ab"], g["g_aa"], g["g_bb"], n, n, 0.05)
     (g, paired), (_, unpaired) = runs[True], runs[False]
     both = paired.printed & unpaired.printed
@@ -39,14 +39,16 @@ def measured_and_predicted(image_var, draw_var, rho, folds=10, images=6, draws=4
     out = {}
     for field, gain in (("cos", "gain_cos"), ("norm_ratio", "gain_ratio"), ("diff_norm2", "gain_effect")):
         truth = np.var(unpaired.fields[field][both]) / np.var(paired.fields[field][both])
-        out[field] = truth, float(np.median([getattr(r, gain) for r in receipts if getattr(r, gain) is not None]))
+        gains = [getattr(r, gain) for r in receipts if getattr(r, gain) is not None]
+        out[field] = truth, float(np.median(gains))
     return out, receipts
 
 
 def assert_within(out, tolerance=0.2):
     print("pairing: " + ", ".join(f"{k} truth {t:.3f} receipt {p:.3f}" for k, (t, p) in out.items()))
     for field, (truth, predicted) in out.items():
-        assert abs(predicted / truth - 1) <= tolerance, f"{field}: unpaired/paired variance {truth:.3f}, receipt {predicted:.3f}"
+        assert abs(predicted / truth - 1) <= tolerance, \
+            f"{field}: unpaired/paired variance {truth:.3f}, receipt {predicted:.3f}"
 
 
 def test_the_gain_predicts_actually_unpaired_draws():
@@ -91,8 +93,8 @@ def test_a_row_below_noise_has_a_receipt_for_its_test_of_no_effect_only():
 @pytest.mark.parametrize("folds", [5, 10, 20])
 def test_the_gain_on_the_grid(image_var, draw_var, rho, folds):
     snr = 10.0 if folds == 5 else 3.0  # five folds: every case prints only from about SNR 10
-    out, _ = measured_and_predicted(np.full(P, image_var), np.full(P, draw_var), rho, folds=folds, snr=snr, reps=2000,
-                                    seed=folds)
+    out, _ = measured_and_predicted(np.full(P, image_var), np.full(P, draw_var), rho, folds=folds, snr=snr,
+                                    reps=2000, seed=folds)
     assert_within(out)
 
 

@@ -239,7 +239,7 @@ def replicates(means: list[np.ndarray], threshold: float) -> Replicates:
     return Replicates(x, jack, zeta2, margin)
 
 
-def selection_slopes(x, jack, zeta2, weights, sd, n_folds: int, reps: Replicates | None, threshold: float):
+def selection_slopes(jack, weights, sd, n_folds: int, reps: Replicates | None):
     """(..., 2): how much each arm's margin over the test of signal, |μ|² − threshold·SE(|μ|²), moves
     per unit of the studentised pivot t = wᵀx / sd.
 
@@ -274,7 +274,7 @@ def selective_cdf(x: np.ndarray, jack: np.ndarray, zeta2: np.ndarray, norm_se: n
     folds)."""
     sd = np.sqrt(np.maximum(corrected_variance(jack, zeta2, weights, n_folds), 1e-300))
     t_obs = np.einsum("...k,...k->...", weights, x) / sd
-    slopes = selection_slopes(x, jack, zeta2, weights, sd, n_folds, reps, threshold)
+    slopes = selection_slopes(jack, weights, sd, n_folds, reps)
     lo, hi = np.full_like(t_obs, -np.inf), np.full_like(t_obs, np.inf)
     for k in (0, 1):
         margin = x[..., k + 1] - threshold * norm_se[..., k]  # ≥ 0: the row printed

@@ -8,12 +8,22 @@ import pytest
 from conftest import run_twinrun
 
 from twinrun.analysis.estimator import (
+    corrected_variance,
     debiased_inner,
     estimate,
+    estimate_batch,
+    fold_means_gram,
     fold_pair_variance,
     jackknife_se,
+    kernel_moments,
     leave_one_out_inner,
     pair_corrected_se,
+    replicates,
+    residual_gram,
+    selective_intervals,
+    signal_threshold,
+    t_quantile,
+    u_statistic,
 )
 
 ALPHA = 0.05
@@ -51,6 +61,8 @@ def test_identical_arms_give_cosine_exactly_one():
     est = estimate(g, g, g, [4] * 10, [4] * 10, ALPHA)
     assert est.cos == 1.0 and est.norm_ratio == 1.0
     assert est.se == 0.0 and est.norm_ratio_se == 0.0
+    assert est.cos_interval == (1.0, 1.0) and est.norm_ratio_interval == (1.0, 1.0)
+    assert est.diff_norm2 == 0.0 and est.effect_p == 1.0  # no effect, exactly
 
 
 def test_debiased_inner_product_is_unbiased_where_the_naive_one_is_not():
@@ -76,20 +88,23 @@ def test_debiased_cosine_recovers_truth_and_jackknife_covers_it(cos_true):
     rng = np.random.default_rng(int(cos_true * 100))
     mu_a, mu_b = two_arms_with_cosine(rng, cos_true)
     sizes = [10] * 20
-    cos, naive, covered, n = [], [], 0, 300
+    n = 300
+    cases = []
     for _ in range(n):
         sa, noise = fold_sums(rng, mu_a, sizes)
         # common random numbers: arm b sees the same noise, as twin arms do
         sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=noise)
-        est = estimate(*grams(sa, sb), sizes, sizes, ALPHA)
-        assert est.cos is not None and est.se is not None
-        cos.append(est.cos)
-        naive.append(est.cos_naive)
-        covered += abs(est.cos - cos_true) <= est.t_crit * est.se
-    assert np.mean(cos) == pytest.approx(cos_true, abs=0.02)
+        cases.append(grams(sa, sb))
+    batch = estimate_batch(*(np.stack(g) for g in zip(*cases)), sizes, sizes, ALPHA)  # estimate(), 300 times
+    v = batch.fields
+    assert batch.printed.all()
     # the naive cosine is biased by the (shared) noise; the debiased one is not
-    assert abs(np.mean(naive) - cos_true) > 2 * abs(np.mean(cos) - cos_true)
+    assert np.mean(v["cos"]) == pytest.approx(cos_true, abs=0.02)
+    assert abs(np.mean(v["cos_naive"]) - cos_true) > 2 * abs(np.mean(v["cos"]) - cos_true)
+    covered = np.sum(np.abs(v["cos"] - cos_true) <= t_quantile(20) * v["se"])
     assert covered / n >= 0.88, f"jackknife 95% interval covered the truth {covered}/{n} times"
+    printed_covered = np.sum((v["cos_lo"] <= cos_true) & (cos_true <= v["cos_hi"]))
+    assert printed_covered / n >= 0.88, f"the printed interval covered the truth {printed_covered}/{n} times"
 
 
 def test_pure_noise_is_reported_below_noise_not_as_a_number():
@@ -100,8 +115,8 @@ def test_pure_noise_is_reported_below_noise_not_as_a_number():
     below = positive_but_insignificant = 0
     for _ in range(200):
         sa, noise = fold_sums(rng, np.zeros(100), sizes)
-        sb, _ = fold_sums(rng, np.zeros(100), sizes,
-                          shared_noise=0.99 * noise + 0.14 * rng.standard_normal(noise.shape))
+        shared = 0.99 * noise + 0.14 * rng.standard_normal(noise.shape)
+        sb, _ = fold_sums(rng, np.zeros(100), sizes, shared_noise=shared)
         est = estimate(*grams(sa, sb), sizes, sizes, ALPHA)
         if est.below_noise:
             below += 1
@@ -126,8 +141,8 @@ def test_leave_one_out_and_jackknife_match_a_brute_force_recomputation():
         brute.append(debiased_inner((sa @ sa.T)[np.ix_(keep, keep)], sizes[keep], sizes[keep]))
     np.testing.assert_allclose(leave_one_out_inner(g), brute, rtol=1e-12)
     reps = np.asarray(brute)
-    assert jackknife_se(reps) == pytest.approx(np.sqrt((len(reps) - 1) / len(reps)
-                                                       * ((reps - reps.mean()) ** 2).sum()))
+    f = len(reps)
+    assert jackknife_se(reps) == pytest.approx(np.sqrt((f - 1) / f * ((reps - reps.mean()) ** 2).sum()))
 
 
 def test_unequal_folds_are_weighted_by_their_size():
@@ -136,17 +151,15 @@ def test_unequal_folds_are_weighted_by_their_size():
     rng = np.random.default_rng(4)
     mu_a, mu_b = two_arms_with_cosine(rng, 0.5, signal_norm=3.0)
     sizes = [3, 5, 8, 4, 6, 7, 2, 5]
-    cos, norm2, ratio = [], [], []
+    cases = []
     for _ in range(300):
         sa, _ = fold_sums(rng, mu_a, sizes, noise_std=0.5)
         sb, _ = fold_sums(rng, 0.5 * mu_b, sizes, noise_std=0.5)
-        est = estimate(*grams(sa, sb), sizes, sizes, ALPHA)
-        cos.append(est.cos)
-        norm2.append(est.norm2_a)
-        ratio.append(est.norm_ratio)
-    assert np.mean(cos) == pytest.approx(0.5, abs=0.03)
-    assert np.mean(norm2) == pytest.approx(9.0, rel=0.03)
-    assert np.mean(ratio) == pytest.approx(2.0, rel=0.03)
+        cases.append(grams(sa, sb))
+    v = estimate_batch(*(np.stack(g) for g in zip(*cases)), sizes, sizes, ALPHA).fields
+    assert np.mean(v["cos"]) == pytest.approx(0.5, abs=0.03)
+    assert np.mean(v["norm2_a"]) == pytest.approx(9.0, rel=0.03)
+    assert np.mean(v["norm_ratio"]) == pytest.approx(2.0, rel=0.03)
 
 
 def test_fold_pair_variance_recovers_the_known_hoeffding_parts():
@@ -204,3 +217,147 @@ def test_the_default_run_is_readable(tmp_path):
     effects = [e for e in summary["effects"] if not e["gate"]]
     assert effects and not [(e["sigma"], e["estimand"]) for e in effects if e["below_noise"]]
     assert max(e["se"] for e in effects) <= 0.1
+
+
+def test_the_batch_and_the_single_estimate_agree():
+    rng = np.random.default_rng(11)
+    mu_a, mu_b = two_arms_with_cosine(rng, 0.7, signal_norm=1.0)
+    sizes = [3, 5, 8, 4, 6, 7, 2, 5]
+    cases = []
+    for _ in range(4):
+        sa, noise = fold_sums(rng, mu_a, sizes)
+        sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=0.9 * noise + 0.4 * rng.standard_normal(noise.shape))
+        cases.append(grams(sa, sb))
+    batch = estimate_batch(*(np.stack(g) for g in zip(*cases)), sizes, sizes, ALPHA)
+    for i, g in enumerate(cases):
+        est = estimate(*g, sizes, sizes, ALPHA)
+        assert est.below_noise == (not batch.printed[i])
+        assert est.effect_p == pytest.approx(batch.fields["effect_p"][i], rel=1e-12)
+        if not est.below_noise:
+            ends = (batch.fields["cos_lo"][i], batch.fields["cos_hi"][i])
+            assert est.cos_interval == pytest.approx(ends, rel=1e-12)
+            assert est.norm_ratio_interval[1] == pytest.approx(batch.fields["ratio_hi"][i], rel=1e-12)
+
+
+def test_kernel_moments_are_bilinear_and_give_the_pair_corrected_se():
+    """One pass gives the variance of every linear combination of (ab, aa, bb): for any weights,
+    corrected_variance equals pair_corrected_se² of the combined kernel."""
+    rng = np.random.default_rng(12)
+    means = [m @ m.T for m in (0.2 + rng.standard_normal((7, 30)) for _ in range(3))]
+    jack, zeta2 = kernel_moments(means)
+    for w in (np.array([1.0, 0, 0]), np.array([0.3, -1.2, 2.0])):
+        se = pair_corrected_se(means, w)
+        assert corrected_variance(jack, zeta2, w, 7) == pytest.approx(se**2, rel=1e-10)
+        v, z = fold_pair_variance(sum(wk * m for wk, m in zip(w, means)))
+        assert w @ jack @ w == pytest.approx(v, rel=1e-10)
+        assert max(w @ zeta2 @ w, 0) == pytest.approx(z, rel=1e-10, abs=1e-12)
+
+
+def test_below_noise_rows_print_no_interval_but_keep_their_test_of_no_effect():
+    rng = np.random.default_rng(13)
+    sa, noise = fold_sums(rng, np.zeros(100), [5] * 10)
+    shared = 0.99 * noise + 0.14 * rng.standard_normal(noise.shape)
+    sb, _ = fold_sums(rng, np.zeros(100), [5] * 10, shared_noise=shared)
+    est = estimate(*grams(sa, sb), [5] * 10, [5] * 10, ALPHA)
+    assert est.below_noise and est.cos_interval is None and est.norm_ratio_interval is None
+    assert not est.near_boundary and 0 < est.effect_p <= 1 and est.diff_norm2_se > 0
+
+
+def test_the_test_of_no_effect_holds_its_level_and_finds_an_effect():
+    """μ_a = μ_b with shared draws: p ≤ 0.05 in at most 5% of cases (the jackknife is conservative here);
+    the arm 20% longer: found nearly always."""
+    rng = np.random.default_rng(14)
+    mu = two_arms_with_cosine(rng, 1.0, signal_norm=1.0)[0]
+    sizes = [10] * 10
+    rejected = {}
+    for grow in (0.0, 0.2):
+        cases = []
+        for _ in range(200):
+            sa, noise = fold_sums(rng, mu * (1 + grow), sizes)
+            shared = 0.99 * noise + 0.14 * rng.standard_normal(noise.shape)
+            sb, _ = fold_sums(rng, mu, sizes, shared_noise=shared)
+            cases.append(grams(sa, sb))
+        p = estimate_batch(*(np.stack(g) for g in zip(*cases)), sizes, sizes, ALPHA).fields["effect_p"]
+        rejected[grow] = int(np.sum(p <= 0.05))
+    assert rejected[0.0] <= 10 and rejected[0.2] >= 190, rejected
+
+
+def test_far_above_the_threshold_the_interval_is_the_plain_fieller_one():
+    """The test of signal shapes only the intervals of rows it could have withheld: more than 4 SEs above
+    it the selective interval is the unadjusted one (threshold −∞) to a hundredth of its half-width in
+    every row, and near_boundary is False. (Reading the pull from the replicates of |μ|²/SE instead of the
+    margin shifted such rows by a third of their half-width: that swing is the SE's noise, not the
+    selection.)"""
+    rng = np.random.default_rng(15)
+    sizes, folds = [10] * 10, 10
+    n = np.asarray(sizes, dtype=np.float64)
+    cases = []
+    for _ in range(60):
+        mu_a, mu_b = two_arms_with_cosine(rng, 0.8, signal_norm=3.0)
+        sa, noise = fold_sums(rng, mu_a, sizes)
+        shared = 0.9 * noise + 0.44 * rng.standard_normal(noise.shape)
+        sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=shared)
+        cases.append(grams(sa, sb))
+    g = [np.stack(x) for x in zip(*cases)]
+    v = estimate_batch(*g, sizes, sizes, ALPHA).fields
+    means = [fold_means_gram(x, n, n) for x in g]
+    x = np.stack([u_statistic(m) for m in means], -1)
+    se = np.stack([v["norm2_a_se"], v["norm2_b_se"]], -1)
+    c = signal_threshold(folds, ALPHA)
+    far = (x[:, 1:] / se).min(-1) - c > 4
+    assert far.sum() >= 30
+    jack, zeta2 = kernel_moments([m[far] for m in means])
+    rest = (v["cos"][far], v["norm_ratio"][far], v["se"][far], v["norm_ratio_se"][far], folds,
+            replicates([m[far] for m in means], c))
+    chosen = selective_intervals(x[far], jack, zeta2, se[far], c, *rest)
+    plain = selective_intervals(x[far], jack, zeta2, se[far], -1e12, *rest)
+    half_width = np.repeat([(plain[1] - plain[0]) / 2, (plain[3] - plain[2]) / 2], 2, axis=0)
+    assert np.max(np.abs(chosen - plain) / half_width) < 0.01
+    assert not v["near_boundary"][far].any()
+
+
+def test_near_the_threshold_the_row_is_marked_and_its_interval_widened():
+    """A twin barely above the test of signal: near_boundary, and the interval accounts for the selection
+    (it differs from the plain one)."""
+    rng = np.random.default_rng(16)
+    sizes = [10] * 10
+    for _ in range(400):
+        mu_a, mu_b = two_arms_with_cosine(rng, 0.5, signal_norm=0.25)
+        sa, noise = fold_sums(rng, mu_a, sizes)
+        shared = 0.9 * noise + 0.44 * rng.standard_normal(noise.shape)
+        sb, _ = fold_sums(rng, mu_b, sizes, shared_noise=shared)
+        est = estimate(*grams(sa, sb), sizes, sizes, ALPHA)
+        if est.near_boundary:
+            break
+    assert est.near_boundary and not est.below_noise
+    margin = min(est.norm2_a / est.norm2_a_se, est.norm2_b / est.norm2_b_se) - signal_threshold(10, ALPHA)
+    assert 0 <= margin < 3
+    lo, hi = est.norm_ratio_interval
+    assert 0 <= lo <= hi and -1 <= est.cos_interval[0] <= est.cos_interval[1] <= 1
+
+
+def test_the_residual_gram_is_the_gram_of_the_documented_view():
+    """R_{b,a,f} = S_{b,a,f} − c_b·M_f, c_b the base's plain mean norm, M_f = mean_b' S_{b',base,f}/c_b'."""
+    rng = np.random.default_rng(17)
+    bins, arms, folds, params, n_samples, base = 4, 3, 5, 30, 50.0, 1
+    s = rng.standard_normal((bins, arms, folds, params)) + 2 * rng.standard_normal((bins, 1, 1, params))
+    within = np.einsum("bafp,bcgp->bafcg", s, s)
+    cross = np.einsum("bafp,cgp->bafcg", s, s[:, base])
+    c = np.linalg.norm(s[:, base].sum(1), axis=-1) / n_samples
+    r = s - c[:, None, None, None] * (s[:, base] / c[:, None, None]).mean(0)
+    want = np.einsum("bafp,bcgp->bafcg", r, r)
+    np.testing.assert_allclose(residual_gram(within, cross, base, n_samples), want, rtol=1e-10, atol=1e-9)
+
+
+def test_the_residual_gives_every_bin_one_vote_in_the_mean_direction():
+    """A bin 100× larger than the others no longer drags every residual: scaling one bin's sums (both arms)
+    leaves the other bins' residual views as they were."""
+    rng = np.random.default_rng(18)
+    s = rng.standard_normal((3, 2, 4, 20)) + rng.standard_normal((3, 1, 1, 20))
+    views = []
+    for big in (1.0, 100.0):
+        t = s.copy()
+        t[0] *= big
+        within, cross = np.einsum("bafp,bcgp->bafcg", t, t), np.einsum("bafp,cgp->bafcg", t, t[:, 1])
+        views.append(residual_gram(within, cross, 1, 40.0))
+    np.testing.assert_allclose(views[0][1:], views[1][1:], rtol=1e-9)

@@ -1,0 +1,105 @@
+"""The pairing receipt against actually unpaired draws: the twin measured with its own draws (same images,
+same folds), many times, gives the variance the receipt must predict from one paired run's blocks."""
+
+import numpy as np
+import pytest
+from sim import pairing_grams
+
+from twinrun.analysis.estimator import estimate_batch
+from twinrun.analysis.pairing import PairingBlocks, pairing_receipt
+
+P = 200
+FEW = np.where(np.arange(P) < 3, 60.0, 0.1)
+
+
+def design(snr, image_var, draw_var, images, draws):
+    """(mu_a, mu_b, fold sample counts): true cosine 0.8, norm ratio 1.3, the twin at `snr`."""
+    n = np.asarray(images) * draws
+    mu_b = np.zeros(P)
+    mu_b[-1] = np.sqrt(snr * np.sum(image_var + draw_var) / n.sum())
+    mu_a = np.zeros(P)
+    mu_a[-1], mu_a[-2] = 1.3 * 0.8 * mu_b[-1], 1.3 * 0.6 * mu_b[-1]
+    return mu_a, mu_b, n
+
+
+def measured_and_predicted(image_var, draw_var, rho, folds=10, images=6, draws=4, snr=3.0, reps=1000, seed=0):
+    """{estimate: (true variance ratio unpaired/paired, median of the receipts' gains)} and the receipts."""
+    m = [images] * folds
+    mu_a, mu_b, n = design(snr, image_var, draw_var, m, draws)
+    runs = {}
+    for paired in (True, False):
+        g = pairing_grams(np.random.default_rng(seed + paired), m, draws, mu_a, mu_b, image_var, draw_var,
+                          rho, rho, reps, paired)
+        runs[paired] = g, estimate_batch(g["g_ab"], g["g_aa"], g["g_bb"], n, n, 0.05)
+    (g, paired), (_, unpaired) = runs[True], runs[False]
+    both = paired.printed & unpaired.printed
+    assert both.mean() > 0.95, "the validation reads the variance where every case prints"
+    receipts = [pairing_receipt(PairingBlocks(**{k: v[i] for k, v in g.items()}), n, bool(paired.printed[i]))
+                for i in range(reps)]
+    out = {}
+    for field, gain in (("cos", "gain_cos"), ("norm_ratio", "gain_ratio"), ("diff_norm2", "gain_effect")):
+        truth = np.var(unpaired.fields[field][both]) / np.var(paired.fields[field][both])
+        gains = [getattr(r, gain) for r in receipts if getattr(r, gain) is not None]
+        out[field] = truth, float(np.median(gains))
+    return out, receipts
+
+
+def assert_within(out, tolerance=0.2):
+    print("pairing: " + ", ".join(f"{k} truth {t:.3f} receipt {p:.3f}" for k, (t, p) in out.items()))
+    for field, (truth, predicted) in out.items():
+        assert abs(predicted / truth - 1) <= tolerance, \
+            f"{field}: unpaired/paired variance {truth:.3f}, receipt {predicted:.3f}"
+
+
+def test_the_gain_predicts_actually_unpaired_draws():
+    """Half the noise variance of a fold sum from draws (draw variance 4× the image's, 4 draws an image):
+    unpairing multiplies the cosine's variance by about 3, the no-effect test's by about 100."""
+    out, receipts = measured_and_predicted(np.full(P, 0.25), np.ones(P), rho=0.99)
+    assert_within(out)
+    assert out["cos"][0] > 2 and out["diff_norm2"][0] > 50
+    assert np.median([r.rho for r in receipts]) == pytest.approx(0.99, abs=0.003)
+    assert np.median([r.draw_share for r in receipts]) == pytest.approx(0.5, abs=0.03)
+
+
+def test_where_images_carry_the_noise_the_twin_buys_little():
+    """The default protocol's case: the draws' share small, the gain near 1, and the receipt says so."""
+    out, receipts = measured_and_predicted(np.ones(P), np.full(P, 0.1), rho=0.99)
+    assert_within(out)
+    assert out["cos"][0] < 1.3 and np.median([r.draw_share for r in receipts]) < 0.05
+
+
+def test_no_draw_noise_means_nothing_to_unpair():
+    """Draws that add nothing (H = 0 in every fold: odd draw counts too, the images cancel) give gain 1."""
+    m = [5] * 6
+    mu_a, mu_b, n = design(3.0, np.ones(P), np.zeros(P), m, 3)
+    g = pairing_grams(np.random.default_rng(4), m, 3, mu_a, mu_b, np.ones(P), np.zeros(P), 0.99, 0.99, 3)
+    assert all(np.abs(g[k]).max() < 1e-9 for k in g if k[0] in "qr")
+    receipt = pairing_receipt(PairingBlocks(**{k: v[0] for k, v in g.items()}), n, True)
+    assert receipt.gain_cos == pytest.approx(1.0) and receipt.gain_effect == pytest.approx(1.0)
+    assert receipt.draw_share == 0.0
+
+
+def test_a_row_below_noise_has_a_receipt_for_its_test_of_no_effect_only():
+    m = [6] * 5
+    mu_a, mu_b, n = design(0.0, np.ones(P), np.ones(P), m, 4)
+    g = pairing_grams(np.random.default_rng(5), m, 4, mu_a, mu_b, np.ones(P), np.ones(P), 0.99, 0.99, 1)
+    receipt = pairing_receipt(PairingBlocks(**{k: v[0] for k, v in g.items()}), n, False)
+    assert receipt.gain_cos is None and receipt.gain_ratio is None and np.isfinite(receipt.gain_effect)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("image_var,draw_var", [(0.1, 1.0), (1.0, 1.0), (1.0, 0.1)])
+@pytest.mark.parametrize("rho", [0.9, 0.99])
+@pytest.mark.parametrize("folds", [5, 10, 20])
+def test_the_gain_on_the_grid(image_var, draw_var, rho, folds):
+    snr = 10.0 if folds == 5 else 3.0  # five folds: every case prints only from about SNR 10
+    out, _ = measured_and_predicted(np.full(P, image_var), np.full(P, draw_var), rho, folds=folds, snr=snr,
+                                    reps=2000, seed=folds)
+    assert_within(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draws", [2, 3, 8])
+def test_the_gain_with_noise_in_a_few_directions_and_other_draw_counts(draws):
+    out, _ = measured_and_predicted(FEW, FEW, 0.99, draws=draws, snr=30.0, reps=2000, seed=draws)
+    assert_within(out)

@@ -27,8 +27,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from twinrun.config import TwinrunConfig, expand_sweep, register_configs
-from twinrun.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, ConfigError, Interrupted, TwinrunError, fail
-from twinrun.job import raise_on_sigterm
+from twinrun.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    ConfigError,
+    Interrupted,
+    TwinrunError,
+    fail,
+    raise_on_signals,
+)
 from twinrun.pipeline import Point, check_launcher, run_point, submit_sweep
 from twinrun.plan import plan_run
 from twinrun.publish.sweep import write_sweep_summary
@@ -93,6 +101,9 @@ def _task(cfg: DictConfig) -> Point:
         refuse_unknown_additions(list(hc.overrides.task), set(hc.runtime.choices))
         with tee_output(run_dir / f"{hc.job.name}.log"):
             point = run_point(cfg, run_dir, reproduce_command(), sweeping)
+    except Interrupted:
+        discard_unplanned(run_dir)  # cut short while planning: nothing stays; once planned, it resumes
+        raise
     except TwinrunError as err:
         discard_unplanned(run_dir)
         if not sweeping:
@@ -312,7 +323,7 @@ def main() -> None:
     if not OmegaConf.has_resolver("twinrun.config_groups"):
         OmegaConf.register_new_resolver("twinrun.config_groups", _config_groups)
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
-    raise_on_sigterm()
+    raise_on_signals()
     held = _HeldStderr()
     _state["held_stderr"] = held
     try:
@@ -320,6 +331,8 @@ def main() -> None:
             app()
     except KeyboardInterrupt:
         fail(Interrupted(EXIT_INTERRUPTED))
+    except Interrupted as err:
+        fail(err)
     except SystemExit as exc:
         # Hydra reports a config it cannot compose (typo'd key, bad type, unknown option) in several
         # lines with exit 1, which twinrun reserves for a failed gate: one line, bad input.

@@ -18,7 +18,15 @@ from twinrun.analysis.checks import arm_stores, close, load_run, registered, sca
 from twinrun.analysis.estimands import SHIFT_VIEW
 from twinrun.analysis.references import cross_estimates, protocol_mismatch, reference_report
 from twinrun.config import STORE_IDENTITY_KEYS, ReduceConfig
-from twinrun.errors import EXIT_OK, EXIT_REFUSED, StoreError, TwinrunError, fail
+from twinrun.errors import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    Interrupted,
+    StoreError,
+    TwinrunError,
+    fail,
+    raise_on_signals,
+)
 from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.publish.render import pm
 from twinrun.storage.rundir import ARMS_DIR, RunDir
@@ -121,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true",
                    help="compute across kernel paths; every number marked INVALID")
     args = p.parse_args(argv)
+    raise_on_signals()
     a, b = {}, {}
     try:
         run_a, a = resolve(args.a, args.arm)
@@ -145,7 +154,7 @@ def main(argv=None) -> int:
             return EXIT_REFUSED
         elif label is None:
             label = f"INVALID: {_difference(measured, fields)}"
-    except TwinrunError as err:
+    except (TwinrunError, Interrupted) as err:
         fail(err)
     finally:
         close(a)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
+from twinrun.errors import EXIT_GATE, EXIT_OK, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
 from twinrun.files import memory_bytes, open_regular
 from twinrun.storage.store import OLD_STORE_FORMAT, STORE_FORMAT, StoreReader
 
@@ -104,9 +104,10 @@ def main(argv=None) -> int:
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     args = p.parse_args(argv)
+    raise_on_signals()
     try:
         d = diff_tensors(load_tensors(args.a), load_tensors(args.b))
-    except TwinrunError as err:
+    except (TwinrunError, Interrupted) as err:
         fail(err)
     print(render(d))
     return EXIT_OK if d.n_differ == 0 else EXIT_GATE

@@ -10,16 +10,14 @@ finished units are kept. What a unit holds is the measurement kind's (twinrun/me
 
 import hashlib
 import json
-import signal
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
 
-from twinrun.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, Interrupted, KernelPathRefused, TwinrunError
+from twinrun.errors import EXIT_INTERRUPTED, Interrupted, KernelPathRefused, TwinrunError
 from twinrun.files import write_json
 from twinrun.measures import measure_of
 from twinrun.measures.kind import Session, resolve_device
@@ -44,7 +42,7 @@ def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None) -> 
     with run_lock(rd.lock, _unit_locks(rd, units), shared=units is not None):
         if units is None:  # with units, another element may be writing: its temp files are not stale
             for stale in rd.tmp_files():  # a write cut short by a kill: never read
-                stale.unlink()
+                stale.unlink(missing_ok=True)
         index = RunIndex.load(rd)
         try:
             return _measure(index, load_arms(index, trusted), units)
@@ -65,16 +63,6 @@ def _unit_locks(rd: RunDir, units: list[int] | None) -> list[Path]:
     except TwinrunError:
         pass  # a damaged run.json is refused by whoever reads it next, with its own message
     return [rd.unit_lock(i) for i in sorted(found)]
-
-
-def raise_on_sigterm() -> None:
-    """In an entry point's main thread: SIGTERM (kill, scancel) ends the run as "interrupted", exit 143."""
-
-    def _raise(signum, frame):
-        raise Interrupted(EXIT_TERMINATED)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise)
 
 
 def _measure(index: RunIndex, arms: list, units: list[int] | None) -> RunRecord:

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinrun.errors import EXIT_OK, EXIT_USAGE, StoreError, fail
+from twinrun.errors import EXIT_OK, EXIT_USAGE, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
 from twinrun.launchers.record import describe, job_state, progress
 from twinrun.storage.lock import holder_alive, read_holder
 from twinrun.storage.rundir import RunDir, RunIndex
@@ -45,8 +45,9 @@ def verified_progress(run_dir: Path) -> dict:
 def _verified(index: RunIndex, u: dict, arm: str, damaged: list) -> bool:
     if index.store_entry(u, arm)["status"] != "done":
         return False
+    entry = index.store_entry(u, arm)
     try:
-        verify_store(index.store_path(u, arm), index.store_entry(u, arm)["sha256"])
+        verify_store(index.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
     except StoreError as err:
         damaged.append(str(err))
         return False
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
                                      description="Show where a twinrun run (or each run of a sweep) stands.")
     parser.add_argument("path", type=Path, help="a run directory, or a sweep directory")
     args = parser.parse_args(argv)
+    raise_on_signals()
     try:
         runs = find_runs(args.path)
         damaged = False
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
             prog = verified_progress(run_dir)
             print(describe(run_dir, prog, job_state(prog["launch"])))
             damaged |= bool(prog["damaged"])
-    except StoreError as err:
+    except (TwinrunError, Interrupted) as err:
         fail(err)
     return EXIT_USAGE if damaged else EXIT_OK
 

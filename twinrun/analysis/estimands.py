@@ -100,7 +100,8 @@ def check_groups(groups) -> None:
 
 
 def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduce.estimands") -> None:
-    """Refuse, as one line naming the key, an unknown estimand or a group that selects no probed parameter.
+    """Refuse, as one line naming the key, an unknown estimand or a group that selects no probed parameter
+    (every group declared, listed among `names` or not: it is registered with the run either way).
 
     layout None: the names only (the parameters are not known yet)."""
     check_groups(groups)
@@ -111,7 +112,7 @@ def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduc
                           'one is a group: reduce.groups={NAME:["PATTERN", ...]})')
     if layout is None:
         return
-    for name in (n for n in names if n in groups):
+    for name in groups:
         if not any(known[name].selects(entry) for entry in layout):
             raise ConfigError(f"reduce.groups.{name}", list(groups[name]), "matches no probed parameter "
                               f"(parameters look like {', '.join(e['name'] for e in layout[:3])}); fix the "

@@ -198,8 +198,9 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     n_stores = len(arms) * len(grid) + (0 if replicated else len(gates))
     store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
     trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+    payload = 4 * p.n_folds * sum(g["numel"] for g in c.layout)  # float32 [numel, n_folds] per parameter
     units = [{"index": i, "label": bin_label(i, s), "gate": s in gates, "probe": {"sigma": s},
-              "file": store_name(i, s)} for i, s in enumerate(grid)]
+              "file": store_name(i, s), "payload_bytes": payload} for i, s in enumerate(grid)]
     return Plan(units=units, store_bytes=store_bytes)
 
 

@@ -19,8 +19,10 @@ import typing
 from pathlib import Path
 from typing import Annotated, Literal, NotRequired, TypedDict
 
+from twinrun.config import GATE_RULES, SIGNAL_ALPHA_TEXT, signal_alpha_ok
 from twinrun.errors import StoreError
 from twinrun.files import SAFE_NAME, safe_name
+from twinrun.provenance.record import kernel_path_sha256
 
 RUN_FORMAT = "twinrun-run/2"  # units keyed by measurement kind
 OLD_RUN_FORMATS = ("twinrun-run/1",)  # σ bins only: refused (measure again), never migrated
@@ -61,6 +63,9 @@ class StoreEntry(TypedDict):
     sha256: NotRequired[HexDigest | None]  # of the whole file; present once done
     kernel_path_sha256: NotRequired[HexDigest | None]  # the kernel path it was measured on
     identity_sha256: NotRequired[HexDigest | None]  # what it measured: the model as built and the data
+    # Its tensors' bytes, known at plan time from the run's protocol (layout x folds): a reader checks a
+    # store's header against it before reading any payload (absent in run.json written before it was).
+    payload_bytes: NotRequired[Annotated[int, "non-negative"]]
     # why it failed (each array element of a split run records its own; run.json's `failure` is the latest)
     failure: NotRequired[Failure | None]
 
@@ -73,6 +78,8 @@ class ProbeUnit(TypedDict):
 
 # Each measurement kind's own unit fields, under the kind's name in every unit.
 UNIT_FIELDS: dict[str, type] = {"probe": ProbeUnit}
+# A kind's unit field that runs strictly upward through `units` (the probe's σ grid: each σ once, in order).
+INCREASING: dict[str, str] = {"probe": "sigma"}
 
 
 class UnitEntry(TypedDict):
@@ -86,8 +93,8 @@ class Registered(TypedDict):
     """The analysis registered at plan time (`reduce` with other settings is a post-hoc view)."""
 
     estimands: list[str]  # names from the registry (twinrun/analysis/estimands.py)
-    gate_rule: str
-    signal_alpha: Annotated[float, "positive"]  # in (0, 1)
+    gate_rule: str  # one of config.GATE_RULES
+    signal_alpha: Annotated[float, "positive"]  # in config.SIGNAL_ALPHA_RANGE, as reduce.signal_alpha is
 
 
 class JobRecord(TypedDict):
@@ -207,6 +214,10 @@ class ProbeStoreMeta(TypedDict):
     n_images: int
     n_draws: int
     fold_sizes: list[int]
+    # Each probed image's id in the data set (it keys the image's draws) and the run's seed: the job always
+    # writes them; the reducer holds them to the run's config and to each other (twinrun.analysis.checks).
+    image_ids: NotRequired[list[int]]
+    seed: NotRequired[int]
     draws_digest: str
     config_hash: str
     # The model as built, every parameter and buffer (provenance.record.model_sha256), and the probed
@@ -332,6 +343,8 @@ def _check_mark(c: Checker, value, field: str, mark: str) -> None:
         c.fail(field, f"{show(value)} is not a hex digest")
     elif mark == "positive" and not (math.isfinite(value) and value > 0):
         c.fail(field, f"{show(value)} must be finite and > 0")
+    elif mark == "non-negative" and value < 0:
+        c.fail(field, f"{show(value)} must be ≥ 0")
     elif mark == "safe name":
         safe_name(value, field, c.path)
 
@@ -361,6 +374,7 @@ def validate_run(path: Path, run: dict) -> RunRecord:
         c.fail("units", "empty: a run has at least one unit")
     for i, u in enumerate(run["units"]):
         _validate_unit(c, u, i, names, kind)
+    _validate_order(c, run["units"], kind)
     for i, job in enumerate(run.get("jobs", [])):
         if job["index"] != i:
             c.fail(f"jobs[{i}].index", f"{job['index']!r} must equal its position {i}")
@@ -371,8 +385,25 @@ def _validate_registered(c: Checker, reg: Registered) -> None:
     estimands = reg["estimands"]
     if not estimands or not all(isinstance(e, str) and SAFE_NAME.fullmatch(e) for e in estimands):
         c.fail("registered.estimands", f"{show(estimands)} must be a non-empty list of names")
-    if not 0 < reg["signal_alpha"] < 1:
-        c.fail("registered.signal_alpha", f"{reg['signal_alpha']!r} must be in (0, 1)")
+    # Held to the rules of the config that registered them (reduce.*): an α of 0.75 would print a cosine
+    # where the registered test reads "below noise"; an unknown rule would act as another one.
+    if not signal_alpha_ok(reg["signal_alpha"]):
+        c.fail("registered.signal_alpha", f"{reg['signal_alpha']!r} must be {SIGNAL_ALPHA_TEXT}, as "
+               "reduce.signal_alpha is")
+    if reg["gate_rule"] not in GATE_RULES:
+        c.fail("registered.gate_rule", f"{show(reg['gate_rule'])} is not one of {', '.join(GATE_RULES)}")
+
+
+def _validate_order(c: Checker, units: list[UnitEntry], kind: str) -> None:
+    """The kind's ordered field strictly increases unit by unit (a σ grid: each σ once, in order)."""
+    key = INCREASING.get(kind)
+    if key is None:
+        return
+    for i in range(1, len(units)):
+        before, value = units[i - 1][kind][key], units[i][kind][key]
+        if not value > before:
+            c.fail(f"units[{i}].{kind}.{key}", f"{value!r} is not above units[{i - 1}]'s {before!r}: the "
+                   f"{key} of the units increase strictly, each once")
 
 
 def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str) -> None:
@@ -414,4 +445,20 @@ def validate_store_meta(path: Path, meta: dict) -> ProbeStoreMeta:
     names = [g["name"] for g in meta["layout"]]
     if len(set(names)) != len(names):
         c.fail("metadata.layout", "parameter names repeat: each names one tensor of the store")
+    _validate_kernel_path(c, meta)
     return meta
+
+
+def _validate_kernel_path(c: Checker, meta: ProbeStoreMeta) -> None:
+    """The kernel-path object is what its digest says (the digest alone is what run.json, the straddling
+    rule and the checks compare: an object rewritten under the old digest would pass them all)."""
+    recorded = (meta.get("env") or {}).get("kernel_path_sha256")
+    if meta.get("kernel_path") is None or recorded is None:
+        return
+    try:
+        actual = kernel_path_sha256({"kernel_path": meta["kernel_path"]})
+    except (TypeError, ValueError):  # keys JSON cannot sort, values it cannot encode
+        actual = None
+    if actual != recorded:
+        c.fail("metadata.kernel_path", f"does not hash to its digest env.kernel_path_sha256 "
+               f"({show(recorded)})")

@@ -93,6 +93,34 @@ def atomic_write(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def refuse_links(paths) -> None:
+    """A StoreError for the first of `paths` that is a symlink or a file with another name elsewhere (a hard
+    link): code that writes it in place (Hydra's records, a log opened for appending) would write through it
+    into a file outside the directory. Absent paths pass."""
+    for path in map(Path, paths):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise StoreError(path, f"cannot be inspected ({err.strerror})") from None
+        if stat.S_ISLNK(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else f"a hard link ({st.st_nlink} names)"
+            raise StoreError(path, f"is {kind}: refusing to write through it into a file elsewhere; "
+                             "remove it and run again")
+
+
+def make_dir(path: Path) -> Path:
+    """`path` and its parents as directories (those present are kept), or one StoreError saying why not (a
+    read-only file system, a name too long, a file in the way)."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StoreError(path, f"cannot create this directory ({err.strerror or err}); finished stores are "
+                         "kept: make room or fix the permissions and run again") from None
+    return Path(path)
+
+
 def write_json(path: Path, obj) -> str:
     return atomic_write(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 

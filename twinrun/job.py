@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from twinrun.errors import EXIT_INTERRUPTED, Interrupted, KernelPathRefused, TwinrunError
-from twinrun.files import write_json
+from twinrun.files import make_dir, write_json
 from twinrun.measures import measure_of
 from twinrun.measures.kind import Session, resolve_device
 from twinrun.measures.trial import failure_record, to_model_error
@@ -192,7 +192,7 @@ def refuse_changed_identity(index: RunIndex, identity: str, todo: list[UnitEntry
 def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict) -> JobRecord:
     """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/."""
     rd = index.run_dir
-    rd.env_dir.mkdir(exist_ok=True)
+    make_dir(rd.env_dir)
     sha = kernel_path_sha256(fp)
     if not rd.kernel_path_env(sha).is_file():
         write_json(rd.kernel_path_env(sha), fp)

@@ -28,7 +28,7 @@ from twinrun.config import (
     signal_alpha_ok,
 )
 from twinrun.errors import ConfigError, StoreError
-from twinrun.files import atomic_write, write_json
+from twinrun.files import atomic_write, make_dir, write_json
 from twinrun.interventions import check_protocol
 from twinrun.measures import measure_of
 from twinrun.measures.kind import Measure
@@ -178,9 +178,9 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     if rd.is_run():
         return _resume_plan(rd, run)
     if any(GATE_REPLICATE in u["stores"] for u in run["units"]):
-        rd.arm_dir(GATE_REPLICATE).mkdir(parents=True, exist_ok=True)
+        make_dir(rd.arm_dir(GATE_REPLICATE))
     for arm in arms:
-        rd.arm_dir(arm.name).mkdir(parents=True, exist_ok=True)
+        make_dir(rd.arm_dir(arm.name))
         atomic_write(rd.arm_config(arm.name), yaml.safe_dump(arm.config, sort_keys=False).encode())
     write_json(rd.config_diff_json, diff)
     return RunIndex.create(rd, run).doc

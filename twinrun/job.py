@@ -101,8 +101,9 @@ def measure_units(
         if todo:  # a job with no unit to measure commits the run to nothing, so refuses nothing
             refuse(index.whole_kernel_paths(), sha)
     except KernelPathRefused as err:
-        if units is not None:  # an array element: recorded at its unit, so the waiting launcher says exit 3
-            index.mark_failed(todo[0], next(iter(todo[0]["stores"])), failure_record(err))
+        # recorded at the first unit it would have measured, so a launcher waiting on the job (a whole-run
+        # job or an array element alike) reads the refusal and exits 3, not 2
+        index.mark_failed(todo[0], next(iter(todo[0]["stores"])), failure_record(err))
         raise
     identity = identity_sha256(session.identity)
     refuse_changed_identity(index, identity, todo)

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from twinrun.errors import EXIT_OK, EXIT_USAGE, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
-from twinrun.launchers.record import describe, job_state, progress
+from twinrun.launchers.record import describe, element_states, job_state, progress
+from twinrun.launchers.slurm import ACTIVE
 from twinrun.storage.lock import holder_alive, read_holder
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.store import verify_store
@@ -65,9 +66,21 @@ def _live_status(index: RunIndex, launch: dict | None) -> str:
     if alive and all(a is None for a in alive):  # held from another host: the scheduler tells the rest
         return "running (on another host)"
     state = job_state(launch) if launch is not None else None
+    gone = _stopped_elements(index, launch)
     if any(alive) or (state is not None and state.split()[0] in ("RUNNING", "PENDING")):
+        if gone:  # an element interrupted beside others that still measure: its units wait for a resume
+            return (f"running; unit {', '.join(map(str, gone))} interrupted (its job is gone: resume the run "
+                    "once the others end)")
         return "running"
     return "interrupted (its process is gone; resume with `python -m twinrun.resume RUN_DIR`)"
+
+
+def _stopped_elements(index: RunIndex, launch: dict | None) -> list[int]:
+    """The units of array elements that ended (not active in the scheduler) with their units not whole."""
+    each = element_states(launch) if launch is not None else None
+    whole = {u["index"] for u in index.whole_units()}
+    return sorted({i for units, state in each or [] if state.split()[0] not in ACTIVE
+                   for i in (units if isinstance(units, list) else []) if i not in whole})
 
 
 def _verdict(rd: RunDir) -> str | None:

@@ -18,6 +18,7 @@ from twinrun.analysis.scan import scan
 from twinrun.arms import config_diff, for_compute
 from twinrun.config import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS
 from twinrun.errors import TwinrunError
+from twinrun.files import ensure_descriptors
 from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.storage.rundir import RunDir
 from twinrun.storage.store import StoreReader
@@ -191,5 +192,6 @@ def _against_reference(index, readers: dict, ref: dict, inter: str | None, alpha
 
 
 def _reopen(index, readers: dict, arm: str) -> dict:
-    return {b.sigma: StoreReader(r.path, r.expected_sha256)
+    ensure_descriptors(len(index.units), f"reading {arm}'s stores of {index.run_dir.path} again")
+    return {b.sigma: StoreReader(r.path, r.expected_sha256, r.payload_bytes)
             for b in bins_of(index) for r in [readers[arm, b.index]]}

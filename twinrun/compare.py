@@ -135,6 +135,9 @@ def main(argv=None) -> int:
         run_a, a = resolve(args.a, args.arm)
         run_b, b = resolve(args.b, args.arm)
         a, b = common_bins(a, b, args.a, args.b)
+        if len(a) == 1:
+            print("twinrun compare: one bin: the residual view (each bin minus the mean over bins) is zero "
+                  "there, so it is not shown", file=sys.stderr)
         bad = protocol_mismatch(a, b)
         if bad:
             raise TwinrunError(f"{args.a} and {args.b} were measured under different protocols "

@@ -40,6 +40,8 @@ def cross_scan(sides: dict[str, dict], pairs: list[tuple[str, str]], names: list
     sigmas = sorted(next(iter(sides.values())))
     layout = next(iter(sides.values()))[sigmas[0]].meta["layout"]
     names = [n for n in (names or ESTIMANDS) if n in available(layout)]
+    if len(sigmas) < 2:  # a derived view removes the mean over bins: of one bin it is zero, its cosine nan
+        names = [n for n in names if n not in ESTIMANDS or ESTIMANDS[n].derive is None]
     readers = {(label, i): stores[s] for label, stores in sides.items() for i, s in enumerate(sigmas)}
     bases = list(dict.fromkeys(base for _, base in pairs))
     return scan(readers, list(sides), len(sigmas), names, None, bases, pairs, chunk_params), sigmas, names

@@ -12,6 +12,7 @@ gate, stores) and, under the key of the run's measurement kind, that kind's own 
 (`"probe": {"sigma": 0.5}`); UNIT_FIELDS lists each kind's.
 """
 
+import functools
 import math
 import re
 import types
@@ -285,39 +286,67 @@ def check_typed(c: Checker, obj, schema: type, field: str):
     """`obj` checked against a TypedDict, field by field (extra keys allowed)."""
     if not isinstance(obj, dict):
         c.fail(field or "(document)", f"{show(obj)} is not an object")
-    hints = typing.get_type_hints(schema, include_extras=True)
-    for key, hint in hints.items():
-        _check_field(c, obj, key, f"{field}.{key}" if field else key, hint, key in schema.__required_keys__)
+    for key, spec, required in _fields(schema):
+        _check_field(c, obj, key, f"{field}.{key}" if field else key, spec, required)
     return obj
 
 
-def _check_field(c: Checker, obj: dict, key: str, field: str, hint, required: bool) -> None:
+class _Spec(typing.NamedTuple):
+    """What a field's type hint asks, worked out once per hint (run.json is checked on every update: the
+    typing module's introspection, repeated per unit, was most of the cost)."""
+
+    nullable: bool
+    marks: tuple
+    choices: tuple | None  # a Literal's
+    types: tuple  # the Python types the value may have
+    items: "_Spec | None"  # a list's or dict's elements
+    origin: type | None  # list, dict or None
+    schema: type | None  # a TypedDict's
+
+
+@functools.cache
+def _fields(schema: type) -> tuple:
+    hints = typing.get_type_hints(schema, include_extras=True)
+    return tuple((key, _spec(hint), key in schema.__required_keys__) for key, hint in hints.items())
+
+
+@functools.cache
+def _spec(hint) -> _Spec:
     hint, nullable = _without_none(hint)
     base, marks = (hint.__origin__, hint.__metadata__) if typing.get_origin(hint) is Annotated else (hint, ())
     origin = typing.get_origin(base)
-    if key not in obj and not (required and not nullable):
-        return
     if origin is Literal:
-        c.one_of(obj, key, field, typing.get_args(base))
+        return _Spec(nullable, (), typing.get_args(base), (str,), None, None, None)
+    items = (_spec(typing.get_args(base)[0]) if origin is list
+             else _spec(typing.get_args(base)[1]) if origin is dict else None)
+    return _Spec(nullable, tuple(marks), None, _python_types(base), items,
+                 origin if origin in (list, dict) else None, base if typing.is_typeddict(base) else None)
+
+
+def _check_field(c: Checker, obj: dict, key: str, field: str, spec: _Spec, required: bool) -> None:
+    if key not in obj and not (required and not spec.nullable):
         return
-    value = c.get(obj, key, field, _python_types(base), optional=nullable)
+    if spec.choices is not None:
+        c.one_of(obj, key, field, spec.choices)
+        return
+    value = c.get(obj, key, field, spec.types, optional=spec.nullable)
     if value is None:
         return
-    for mark in marks:
+    for mark in spec.marks:
         _check_mark(c, value, field, mark)
-    if origin is list:
+    if spec.origin is list:
         for i, item in enumerate(value):
-            _check_item(c, item, f"{field}[{i}]", typing.get_args(base)[0])
-    elif origin is dict:
+            _check_item(c, item, f"{field}[{i}]", spec.items)
+    elif spec.origin is dict:
         for k, item in value.items():
-            _check_item(c, item, f"{field}.{k}", typing.get_args(base)[1])
-    elif typing.is_typeddict(base):
-        check_typed(c, value, base, field)
+            _check_item(c, item, f"{field}.{k}", spec.items)
+    elif spec.schema is not None:
+        check_typed(c, value, spec.schema, field)
 
 
-def _check_item(c: Checker, item, field: str, hint) -> None:
+def _check_item(c: Checker, item, field: str, spec: _Spec) -> None:
     """One element of a list or dict field, checked as a field of its own."""
-    _check_field(c, {"item": item}, "item", field, hint, True)
+    _check_field(c, {"item": item}, "item", field, spec, True)
 
 
 def _without_none(hint):

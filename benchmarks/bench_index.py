@@ -36,9 +36,9 @@ def run_doc(n_units: int) -> dict:
                          "probe": {"sigma": 0.01 * (i + 1)}, "file": store_name(i, 0.01 * (i + 1)),
                          "payload_bytes": 3_942_720}, ARMS) for i in range(n_units)]
     arms = [{"name": a.name, "role": a.role, "config_hash": f"{k + 1:016x}"} for k, a in enumerate(ARMS)]
+    registered = {"estimands": ["all"], "gate_rule": "replicate", "signal_alpha": 0.05}
     return {"format": RUN_FORMAT, "measure": "probe", "status": "running", "command": None, "reference": None,
-            "arms": arms, "registered": {"estimands": ["all"], "gate_rule": "replicate", "signal_alpha": 0.05},
-            "units": units}
+            "arms": arms, "registered": registered, "units": units}
 
 
 def time_updates(root: Path, n_units: int, n_updates: int) -> dict:
@@ -86,11 +86,11 @@ def main() -> None:
         for n in sizes:
             r = time_updates(Path(tmp), n, updates)
             rows.append(r)
-            whole_run_h = r["update_s"] * n * (len(ARMS) + 1) / 3600  # ~ one update per store of the run
-            print(f"  {n:>7,} units  run.json {r['bytes'] / 1e6:8.2f} MB  one update "
-                  f"{r['update_s'] * 1e3:9.1f} ms (read {r['read_s'] * 1e3:.1f}, validate {r['validate_s'] * 1e3:.1f}, write "
-                  f"{r['write_s'] * 1e3:.1f} ms)  all {n * (len(ARMS) + 1):,} updates of a run: "
-                  f"{whole_run_h:,.2f} h", flush=True)
+            n_updates = n * (len(ARMS) + 1)  # about one update per store of the run
+            ms = {k: r[k] * 1e3 for k in ("update_s", "read_s", "validate_s", "write_s")}
+            print(f"  {n:>7,} units  run.json {r['bytes'] / 1e6:8.2f} MB  one update {ms['update_s']:9.1f} "
+                  f"ms (read {ms['read_s']:.1f}, validate {ms['validate_s']:.1f}, write {ms['write_s']:.1f}) "
+                  f"its {n_updates:,} updates: {r['update_s'] * n_updates / 3600:,.2f} h", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -14,11 +14,13 @@ from typing import NamedTuple
 import torch
 
 from twinrun import arms as arms_mod
+from twinrun import data as data_mod
 from twinrun.analysis.estimands import check_estimands, check_groups
 from twinrun.analysis.scan import Scan, scan
 from twinrun.config import (
     STORE_IDENTITY_KEYS,
     STORE_PROTOCOL_KEYS,
+    DigitsDataConfig,
     ProbeConfig,
     ReduceConfig,
     config_hash,
@@ -27,6 +29,7 @@ from twinrun.config import (
 from twinrun.errors import StoreError, TwinrunError
 from twinrun.files import ensure_descriptors
 from twinrun.interventions import rebuild
+from twinrun.provenance.record import tensors_sha256
 from twinrun.storage.records import GATE_REPLICATE
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.store import StoreReader
@@ -171,8 +174,27 @@ def cross_check(index: RunIndex, configs: dict, readers: dict) -> None:
                                  f"its config is {noop} at σ={b.sigma:g}; the file is damaged or was edited "
                                  "by hand")
     first = readers[TWIN, 0].meta
+    probed = _probed_data(twin_cfg)
     for (arm, i), reader in readers.items():
         _check_store(reader, configs.get(arm, twin_cfg), interventions[arm], sigmas[i], first)
+        for key, value in (probed or {}).items():
+            if reader.meta.get(key) != value:
+                raise StoreError(reader.path, f"metadata field {key}: {str(reader.meta.get(key))[:60]} is "
+                                 f"not {str(value)[:60]}, what its config's data set holds: damaged, forged")
+
+
+def _probed_data(config: dict) -> dict | None:
+    """The probed images' ids and digest as the job records them, recomputed from the config's data when it
+    is twinrun's own data set (its builder is twinrun's: reading a run directory runs nobody else's code);
+    None for a data builder of the user's."""
+    node = config.get("data") or {}
+    if node != {"_target_": DigitsDataConfig._target_}:
+        return None
+    n_images = typed(ProbeConfig, config["probe"], "probe").n_images
+    images, ids = data_mod.load_heldout_images()
+    ids = [int(i) for i in ids[:n_images]]
+    return {"image_ids": ids,
+            "data_sha256": tensors_sha256([("images", images[:n_images]), ("image_ids", torch.tensor(ids))])}
 
 
 def _intervention(index: RunIndex, arm: str, config: dict):

@@ -144,7 +144,8 @@ def _check_registered(index: RunIndex, layout: list[dict]) -> None:
     are held to at plan time, against the stores' parameters."""
     groups = index.registered.get("groups") or {}
     try:
-        check_estimands(index.registered["estimands"], groups, layout, "registered.estimands")
+        check_estimands(index.registered["estimands"], groups, layout, "registered.estimands",
+                        "registered.groups")
     except TwinrunError as err:
         raise StoreError(index.run_dir.run_json, f"field {err}; the file is damaged or was edited by hand") \
             from None

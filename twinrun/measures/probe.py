@@ -206,7 +206,7 @@ def estimate_cost(cfg: DictConfig, c: "Components", method: str, sigma: float, n
     peak = sum(parts.values())
     mem_gb = cfg.launcher.get("mem_gb")
     limit, whose = ((int(mem_gb * 2**30), f"launcher.mem_gb={mem_gb:g}") if mem_gb
-                    else (memory_bytes(), "this machine's"))
+                    else (memory_bytes(), "this machine"))
     device = resolve_device(p.device).type
     timed = (f"one probe call of {images} images x {n_draws} draws took {seconds * 1e3:,.1f} ms here (cpu, "
              f"{torch.get_num_threads()} threads, {method}"
@@ -214,14 +214,14 @@ def estimate_cost(cfg: DictConfig, c: "Components", method: str, sigma: float, n
     memory = ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in parts.items())
     print(f"twinrun: estimate: {n_stores} stores x {samples:,} samples, {timed} → about {total_s:,.0f} s "
           f"of measuring ({total_s / 3600:,.2f} h) plus start-up; peak host memory about "
-          f"{peak / 2**30:,.2f} GiB ({memory} GiB) of {whose} {limit / 2**30:,.1f} GiB", flush=True)
+          f"{peak / 2**30:,.2f} GiB ({memory} GiB), of the {limit / 2**30:,.1f} GiB of {whose}", flush=True)
     if peak > limit:
         worst = max(parts, key=parts.get)
         key = MEMORY_KEYS[worst]
         raise ConfigError(key, OmegaConf.select(cfg, key) if key != "model" else cfg.model.get("_target_"),
                           f"the job would need about {peak / 2**30:,.1f} GiB of host memory ({worst}: "
-                          f"{parts[worst] / 2**30:,.1f} GiB), more than {whose} {limit / 2**30:,.1f} GiB; "
-                          "use fewer draws, images, folds or probed parameters")
+                          f"{parts[worst] / 2**30:,.1f} GiB), more than the {limit / 2**30:,.1f} GiB of "
+                          f"{whose}; use fewer draws, images, folds or probed parameters")
 
 
 # ----------------------------------------------------------------------------- components

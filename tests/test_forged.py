@@ -60,7 +60,7 @@ def forge_store(run: Path, arm: str, unit: int, **fields) -> Path:
     path = run / "arms" / arm / doc["units"][unit]["stores"][arm]["file"]
     with open(path, "rb") as f:
         meta = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
-    meta.update({k: json.dumps(v) for k, v in fields.items()})
+    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()})
     data = safetensors.torch.save(safetensors.torch.load_file(path), metadata=meta)
     path.write_bytes(data)
     doc["units"][unit]["stores"][arm]["sha256"] = hashlib.sha256(data).hexdigest()
@@ -73,7 +73,14 @@ def store_meta(run: Path, arm: str, unit: int) -> dict:
     path = run / "arms" / arm / doc["units"][unit]["stores"][arm]["file"]
     with open(path, "rb") as f:
         meta = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
-    return {k: json.loads(v) for k, v in meta.items() if k != "format"}
+    return {k: _decoded(v) for k, v in meta.items() if k != "format"}
+
+
+def _decoded(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:  # a plain string (write_store keeps strings as they are)
+        return value
 
 
 # ----------------------------------------------------------------------------- stores rewritten consistently

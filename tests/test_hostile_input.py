@@ -232,3 +232,21 @@ def test_hydras_failure_to_make_the_run_directory_is_one_line_naming_the_key(mon
     assert line.startswith(f"hydra.run.dir: cannot create {long} (File name too long)") and "\n" not in line
     assert "check the key" not in line  # not Hydra's hint about config keys
 
+
+
+def test_the_reducer_raises_its_descriptor_limit_or_refuses_in_one_line(tmp_path):
+    import resource
+
+    from twinrun.files import ensure_descriptors
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # a `ulimit -n 256` shell
+        ensure_descriptors(1000, "reading 1000 stores")
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 1000
+        if hard != resource.RLIM_INFINITY:
+            with pytest.raises(StoreError, match=r"reading .* stores: needs \d+ open files, more than this "
+                                                  rf"process may open \(ulimit -n: hard limit {hard}\)"):
+                ensure_descriptors(hard, f"reading {hard} stores")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

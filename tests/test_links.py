@@ -168,14 +168,27 @@ def test_hard_links_at_every_name_a_resume_writes_leave_the_files_outside_untouc
 def test_symlinks_at_every_name_a_resume_writes_leave_the_files_outside_untouched(written, tiny_run, tmp_path,
                                                                                   capsys):
     run = _resumable(tiny_run, tmp_path / "run")
-    # stores and the directories a store is read through resolve outside: refused, as test_untrusted shows
-    names = [n for n in written if not n.startswith((*LOCKS, "arms/"))]
+    # (stores, env/ records and locks are paths a symlink would take outside: refused, tested below)
+    names = [n for n in written if not n.startswith((*LOCKS, "arms/", "env/"))]
     victims = _plant(run, names, tmp_path / "outside", "symlink")
     mtimes = {v: v.stat().st_mtime_ns for v in victims}
     code, err = _resume(run, capsys)
     assert code == 0, err
     _untouched(victims, mtimes)
     assert not any((run / n).is_symlink() for n in names)
+
+
+@pytest.mark.slow
+def test_a_symlink_where_a_resume_writes_a_store_or_a_job_record_is_refused(written, tiny_run, tmp_path,
+                                                                            capsys):
+    for prefix in ("arms/native/bin02", "env/job"):
+        run = _resumable(tiny_run, tmp_path / prefix.replace("/", "_") / "run")
+        victims = _plant(run, [n for n in written if n.startswith(prefix)], tmp_path / "outside", "symlink")
+        mtimes = {v: v.stat().st_mtime_ns for v in victims}
+        code, err = _resume(run, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "resolves outside the run directory" in err, err
+        _untouched(victims, mtimes)
 
 
 @pytest.mark.slow

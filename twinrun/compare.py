@@ -10,6 +10,11 @@ from the stores now, today's twin reproduces it), it refuses with exit 3 and lis
 fingerprint fields; `--force` prints the numbers anyway, every one marked INVALID, and exits 3.
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path

@@ -5,6 +5,11 @@ whole: the check that tells "bit-identical" from merely "close". Exit 0 when bit
 1 when they differ, 2 for bad input (missing path, not safetensors, mismatched names or shapes).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import os
 import sys

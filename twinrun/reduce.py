@@ -8,6 +8,11 @@ effects withheld; a post-hoc view never turns a registered failure into 0); 2 ba
 (missing, damaged or foreign stores).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path

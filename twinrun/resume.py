@@ -8,6 +8,11 @@ with --trust (or rerun the original command, with its --config-dir, and `hydra.r
 Exit codes as `python -m twinrun` (docs/exit-codes.md).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path

@@ -5,6 +5,11 @@ even on a cluster without accounting; the scheduler's state of the job named in 
 (written at submission) is added when the launcher's scheduler answers (twinrun.launchers.record).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path

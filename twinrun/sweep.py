@@ -6,6 +6,11 @@ with --resume) and rewrites the summary (twinrun/publish/sweep.py says what it h
 `python -m twinrun`, the worst over the points (docs/exit-codes.md).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path

@@ -33,6 +33,7 @@ META = {"arm": "native", "bin_index": 0, "sigma": 0.5, "sigma_cond": 0.5, "n_ima
 
 HOSTILE_JSON = {
     "a 5,000-digit integer": ('{"format": ' + "9" * 5000 + "}", "digits"),
+    "a 100-digit integer": ('{"format": ' + "9" * 100 + "}", "digits"),
     "100k levels deep": ("[" * 100_000 + "]" * 100_000, "nested deeper than 64 levels"),
     "900 levels deep (Python parses it; printing it would recurse)": ('{"a": ' + "[" * 900 + "]" * 900 + "}",
                                                                        "nested deeper than 64 levels"),

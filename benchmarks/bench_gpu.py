@@ -4,6 +4,8 @@
                                                          # P = 7.6 M / 16-token DiT; < 8 min on an H100/H200
     python benchmarks/bench_gpu.py --device cpu --cpu-sizes --reps 3   # the CPU-sized variant
     python benchmarks/bench_gpu.py --json out.json       # also write the figures as JSON
+    python benchmarks/bench_gpu.py --smoke               # a toy DiT on the CPU, eager, one repetition
+                                                         # (a test runs it; compiling is not smoked)
 
 Protocol of issue 13: 40 images x 12 draws, 10 folds, float32 (determinism on: TF32 off, deterministic
 algorithms). Per size and mode it times, interleaved repetition by repetition, the plain batched
@@ -42,6 +44,8 @@ CPU_SIZES = {  # the same token counts at sizes a shared 2-core CPU finishes in 
     "cpu_16tok": ({"img_resolution": 8, "img_channels": 1, "patch_size": 2, "width": 64, "depth": 4,
                    "heads": 4, "mlp_ratio": 2}, 40, 6),
 }
+SMOKE_SIZES = {"smoke_16tok": ({"img_resolution": 8, "img_channels": 1, "patch_size": 2, "width": 16,
+                                "depth": 1, "heads": 2, "mlp_ratio": 2}, 4, 2)}
 
 
 def build(arch: dict, device: torch.device) -> DiTDenoiser:
@@ -152,11 +156,16 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,default", help="eager and/or torch.compile modes")
     ap.add_argument("--compile-cache-dir", default=None, help="default: a fresh temporary directory")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="a toy DiT on the CPU, eager, 8 images x 2 draws")
     args = ap.parse_args()
+    if args.smoke:  # every step at toy size, so the script cannot rot between GPU sessions
+        global N_IMAGES, N_DRAWS, N_FOLDS
+        N_IMAGES, N_DRAWS, N_FOLDS = 8, 2, 4
+        args.device, args.reps, args.modes, args.sizes = "cpu", 1, "eager", None
     cache = args.compile_cache_dir or tempfile.mkdtemp(prefix="twinrun-bench-compile-")
     apply_determinism(True, cache)  # first, before CUDA work and torch.compile: TF32 off, caches moved
     device = torch.device(args.device)
-    sizes = CPU_SIZES if args.cpu_sizes else SIZES
+    sizes = SMOKE_SIZES if args.smoke else CPU_SIZES if args.cpu_sizes else SIZES
     chosen = args.sizes.split(",") if args.sizes else list(sizes)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {hardware}, "

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_probe.py [--threads 2] [--reps 5] [--chunks] [--no-e2e]
     python benchmarks/bench_probe.py --width 128 --depth 4 [--folds 40] --speed-only   # P ≈ 10⁶
+    python benchmarks/bench_probe.py --smoke     # every section at toy sizes, one repetition (a test runs it)
 
 Prints: the per-sample loop, twinrun's probe and the plain batched backward (the floor: it gives only
 the overall mean gradient, not fold sums) with the ratios between them; the pair/arm ratio; peak RSS
@@ -40,6 +41,18 @@ from twinrun.model import DEFAULT_ARCH, DEFAULT_WEIGHTS_PATH, DiTDenoiser, load_
 N_IMAGES, N_DRAWS, N_FOLDS = 40, 12, 10  # the first default probe (today: conf/probe/default.yaml)
 SIGMA, SIGMA_PIN, SEED = 0.5, 1.2, 0  # a bin of the default grid; σ_pin off the gate, so the arms differ
 RSS_DRAWS = (12, 48, 192)
+CHUNK_DRAWS = (12, 48)  # draws of the chunk sweep
+# (images, draws) per call of the chunk sweep
+CHUNK_SETTINGS = [(-1, -1), (-1, 12), (-1, 6), (-1, 3), (20, 12), (8, 12), (4, 12)]
+RSS_CHUNKS = ((40, 12), (40, 6), (40, 3))
+JOB_REPS = 2  # repetitions of the job section per --reps
+MATMUL_N = 2048
+RUN_OVERRIDES = ["+experiment=pin_sigma"]  # the job and end-to-end sections: the default run
+# --smoke: every section at toy sizes, so the benchmark cannot rot between full runs (figures meaningless).
+SMOKE = {"N_IMAGES": 8, "N_DRAWS": 2, "N_FOLDS": 4, "RSS_DRAWS": (2, 4), "CHUNK_DRAWS": (2,), "JOB_REPS": 1,
+         "CHUNK_SETTINGS": [(-1, -1), (4, 12)], "RSS_CHUNKS": ((40, 6),),
+         "MATMUL_N": 256, "RUN_OVERRIDES": ["+experiment=pin_sigma", "probe.n_images=8", "probe.n_draws=2",
+                                            "probe.n_folds=4", "sigma_grid.sigmas=[0.2,0.5,1.2]"]}
 _SYNC = {"fn": lambda: None}  # torch.cuda.synchronize when timing on a GPU (--device cuda)
 
 
@@ -60,7 +73,8 @@ def load_model(arch: dict | None = None) -> tuple[torch.nn.Module, str]:
     return model.eval(), "random init, perturbed"
 
 
-def setup(n_draws: int = N_DRAWS, n_folds: int = N_FOLDS, model=None):
+def setup(n_draws: int | None = None, n_folds: int | None = None, model=None):
+    n_draws, n_folds = n_draws or N_DRAWS, n_folds or N_FOLDS  # (read at call time: --smoke changes them)
     model = model or load_model()[0]
     images_all, ids_all = load_heldout_images()
     images, ids = images_all[:N_IMAGES], ids_all[:N_IMAGES]
@@ -194,8 +208,9 @@ def peak_memory(args, chunks: tuple = ()) -> list[dict]:
     rows = []
     extra = ["--chunk-images", str(chunks[0]), "--chunk-draws", str(chunks[1])] if chunks else []
     for d in RSS_DRAWS:
-        out = subprocess.run([sys.executable, __file__, "--rss-child", str(d), *extra], capture_output=True,
-                             text=True, check=True, env={**os.environ, "BENCH_THREADS": str(args.threads)})
+        out = subprocess.run([sys.executable, __file__, "--rss-child", str(d), *extra, *_smoke(args)],
+                             capture_output=True, text=True, check=True,
+                             env={**os.environ, "BENCH_THREADS": str(args.threads)})
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return rows
 
@@ -214,7 +229,7 @@ def job_child(reps: int) -> None:
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+experiment=pin_sigma"])
+        cfg = compose(config_name="config", overrides=RUN_OVERRIDES)
     with tempfile.TemporaryDirectory(prefix="twinrun-bench-") as tmp:
         template = Path(tmp) / "template"
         plan_run(cfg, template)
@@ -239,13 +254,19 @@ def job_child(reps: int) -> None:
 
 
 def job_pair_vs_arm(args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--job-child", str(2 * args.reps)], capture_output=True,
-                         text=True, check=True, env={**os.environ, "BENCH_THREADS": str(args.threads)})
+    out = subprocess.run([sys.executable, __file__, "--job-child", str(JOB_REPS * args.reps), *_smoke(args)],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "BENCH_THREADS": str(args.threads)})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def matmul_throughput(n: int = 2048, reps: int = 5) -> float:
+def _smoke(args) -> list[str]:
+    return ["--smoke"] if args.smoke else []
+
+
+def matmul_throughput(n: int | None = None, reps: int = 5) -> float:
     """FLOP/s of a large float32 matmul on this machine, best of reps."""
+    n = n or MATMUL_N
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(reps))
@@ -269,9 +290,9 @@ def probe_flops(model, names, images, eps, fold_of_image) -> int:
 
 def chunk_sweep(args, model, names, images, ids, eps, fold_of_image) -> list[dict]:
     """Time per bin and per sample at several chunk shapes (12 and 48 draws), interleaved."""
-    settings = [(-1, -1), (-1, 12), (-1, 6), (-1, 3), (20, 12), (8, 12), (4, 12)]
+    settings = CHUNK_SETTINGS
     rows = []
-    for d in (12, 48):
+    for d in CHUNK_DRAWS:
         e = draws.noise(SEED, SIGMA, ids, d, tuple(images.shape[1:]))
         fns = {s: (lambda s=s, e=e: twinrun_probe(model, names, images, e, fold_of_image, chunk_images=s[0],
                                                   chunk_draws=s[1])) for s in settings}
@@ -290,8 +311,8 @@ def end_to_end() -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="twinrun-bench-"))
     run_dir = tmp / "run"
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "twinrun", "+experiment=pin_sigma",
-                           f"hydra.run.dir={run_dir}"], cwd=tmp, capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "twinrun", *RUN_OVERRIDES, f"hydra.run.dir={run_dir}"],
+                          cwd=tmp, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - t
     size = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
     bins = [line for line in proc.stdout.splitlines() if line.startswith("bin ")]
@@ -321,7 +342,11 @@ def main() -> None:
     ap.add_argument("--chunk-images", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--chunk-draws", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--job-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="every section at toy sizes, one repetition")
     args = ap.parse_args()
+    if args.smoke:
+        globals().update(SMOKE)
+        args.reps, args.folds, args.chunks = 1, min(args.folds, SMOKE["N_FOLDS"]), True
     if args.rss_child is not None:
         chunks = {} if args.chunk_images is None else {"chunk_images": args.chunk_images,
                                                         "chunk_draws": args.chunk_draws}
@@ -395,7 +420,7 @@ def main() -> None:
                   f"{r['probe_s'] * 1e3:8.1f} ms  over floor {r['over_floor']:.2f}")
         print("peak RSS by chunk (fresh process, one probe call; MB at " + ", ".join(map(str, RSS_DRAWS))
               + " draws):")
-        for chunks in ((40, 12), (40, 6), (40, 3)):
+        for chunks in RSS_CHUNKS:
             rows = peak_memory(args, chunks)
             print(f"  chunk {chunks[0]} images x {chunks[1]} draws: "
                   + ", ".join(f"{r['peak_mb']:.0f}" for r in rows)

@@ -1,6 +1,7 @@
 """Reducer memory and reads at size: P = 10⁷ parameters, 32 stores (2 arms x 16 bins), F = 10 (12.8 GB).
 
     python benchmarks/bench_reduce.py [--params 10000000] [--folds 10] [--threads 2] [--keep DIR]
+    python benchmarks/bench_reduce.py --smoke     # P = 10⁴, 4 bins, F = 4, every step (a test runs it)
 
 Plans and measures a real (tiny) 16-bin run with twinrun's own plan_run/run_job, so run.json, the
 arm configs and the provenance are genuine; then rewrites every store with write_store (of the fold
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from twinrun.files import read_json
+from twinrun.files import read_json, write_json
 from twinrun.measures.probe import fold_tensors
 from twinrun.provenance.record import straddling_rule
 from twinrun.storage.rundir import RunDir, RunIndex
@@ -36,6 +37,7 @@ from twinrun.storage.store import read_store, write_store
 
 SIGMAS = [0.02, 0.03, 0.05, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0, 5.0, 8.0]  # 16 bins
 GATE = 0.5
+SMOKE_SIGMAS = [0.1, 0.5, 1.0, 2.0]  # --smoke: 4 bins (the gate among them), P = 10⁴, F = 4
 
 
 def synthetic_layout(n_params: int) -> list[dict]:
@@ -51,7 +53,7 @@ def synthetic_layout(n_params: int) -> list[dict]:
     return out
 
 
-def make_run(root: Path, n_folds: int) -> Path:
+def make_run(root: Path, n_folds: int, sigmas: list[float]) -> Path:
     """A genuine 16-bin run of the default model (F images, one draw), measured by twinrun itself."""
     from hydra import compose, initialize_config_dir
 
@@ -61,7 +63,7 @@ def make_run(root: Path, n_folds: int) -> Path:
     from twinrun.plan import plan_run
 
     register_configs()
-    overrides = ["+experiment=pin_sigma", f"sigma_grid.sigmas=[{','.join(map(str, SIGMAS))}]",
+    overrides = ["+experiment=pin_sigma", f"sigma_grid.sigmas=[{','.join(map(str, sigmas))}]",
                  f"intervention.sigma_pin={GATE}", f"probe.n_images={n_folds}", f"probe.n_folds={n_folds}",
                  "probe.n_draws=1", "reduce.groups={block0:[blocks.0.*]}",
                  "reduce.estimands=[all,cond,residual,block0]"]
@@ -98,6 +100,13 @@ def rewrite_stores(run_dir: Path, n_params: int) -> list[Path]:
             refuse = straddling_rule(rd.path, rd.kernel_path_env, read_json(rd.kernel_path_env(kernel_path)))
             index.mark_done(u, arm, sha, kernel_path, refuse)
             paths.append(path)
+    # The stores now hold another layout than the one planned: run.json's sizes follow (a reader checks each
+    # store's header against them before reading its payload).
+    doc = read_json(rd.run_json)
+    for u in doc["units"]:
+        for entry in u["stores"].values():
+            entry["payload_bytes"] = 4 * len(meta["fold_sizes"]) * n_params
+    write_json(rd.run_json, doc)
     return paths
 
 
@@ -184,7 +193,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--keep", type=Path, help="build the run here and keep it (default: a temp dir, removed)")
     ap.add_argument("--reduce-only", type=Path, help=argparse.SUPPRESS)  # the child process
+    ap.add_argument("--smoke", action="store_true", help="P = 10⁴, 4 bins, F = 4: every step, in seconds")
     args = ap.parse_args()
+    sigmas = SMOKE_SIGMAS if args.smoke else SIGMAS
+    if args.smoke:
+        args.params, args.folds = 10_000, 4
     torch.set_num_threads(args.threads)
     if args.reduce_only:
         print(json.dumps(reduce_in_child(args.reduce_only)))
@@ -196,10 +209,10 @@ def main() -> None:
         print("self-check: streaming pass vs a whole-matrix numpy Gram, max relative diff "
               f"{self_check(root / 'check'):.1e}")
         t = time.perf_counter()
-        run_dir = make_run(root, args.folds)
+        run_dir = make_run(root, args.folds, sigmas)
         stores = rewrite_stores(run_dir, args.params)
         on_disk = sum(p.stat().st_size for p in stores)
-        print(f"stores: {len(stores)} (2 arms x {len(SIGMAS)} bins + the gate replicate), F={args.folds}, "
+        print(f"stores: {len(stores)} (2 arms x {len(sigmas)} bins + the gate replicate), F={args.folds}, "
               f"P={args.params:,}: {on_disk / 1e9:.2f} GB on disk, {on_disk / len(stores) / 1e6:.0f} MB each "
               f"(built in {time.perf_counter() - t:.0f} s)")
         evict(stores)

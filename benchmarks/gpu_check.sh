@@ -4,7 +4,8 @@
 # 1. sentinel: identical across two processes, and moved by TF32 (fp32 matmul precision "high");
 # 2. replicate bit-identity of the native twin with determinism on and off (probe on the GPU);
 # 3. the probe benchmark's speed section at a larger model on the GPU.
-# Written into $OUT; a summary is printed at the end. DEVICE=cpu runs the same flow on a CPU.
+# Written into $OUT; a summary is printed at the end. DEVICE=cpu runs the same flow on a CPU; SMOKE=1 at toy
+# sizes (tests/test_benchmarks.py runs DEVICE=cpu SMOKE=1, so the script cannot rot between GPU sessions).
 set -u
 out=${OUT:-gpu_check}
 dev=${DEVICE:-cuda}
@@ -21,6 +22,11 @@ sentinel sentinel_b.json highest
 sentinel sentinel_tf32.json high
 
 tiny=(probe.n_images=40 probe.n_draws=12 "probe.device=$dev" arms.replicate=true)
+if [ -n "${SMOKE:-}" ]; then
+  tiny=(probe.n_images=8 probe.n_draws=2 probe.n_folds=4 "sigma_grid.sigmas=[0.2,0.5,1.2]" "probe.device=$dev"
+        arms.replicate=true)
+  BENCH_ARGS=${BENCH_ARGS:---smoke}
+fi
 $py -m twinrun +experiment=pin_sigma "${tiny[@]}" determinism.enabled=true "hydra.run.dir=$out/det_on" > "$out/det_on.log" 2>&1
 $py -m twinrun +experiment=pin_sigma "${tiny[@]}" determinism.enabled=false "hydra.run.dir=$out/det_off" > "$out/det_off.log" 2>&1
 

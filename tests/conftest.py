@@ -93,3 +93,12 @@ def measured(run_dir):
         meta = {k: v for k, v in store.meta.items() if k != "env"}
         out[path.relative_to(run_dir).as_posix()] = (store.sums.numpy().tobytes(), meta)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """One finished tiny run of the default experiment, shared by the session; copy it before changing it."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={root / 'run'}"], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "run"

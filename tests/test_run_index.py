@@ -178,7 +178,7 @@ def test_the_first_update_keeps_the_document_in_memory(tmp_path):
 def test_an_element_hashes_only_its_own_units_stores(tmp_path, monkeypatch):
     read = []
 
-    def verify_store(path, sha256):
+    def verify_store(path, sha256, **checks):
         read.append(path.name)
         raise StoreError(path, "missing")
 

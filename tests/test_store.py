@@ -184,7 +184,7 @@ def test_a_read_only_file_system_is_one_named_error(tmp_path, monkeypatch):
     def erofs(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr("builtins.open", erofs)
+    monkeypatch.setattr(os, "open", erofs)  # atomic_write creates its temporary file with os.open (O_EXCL)
     monkeypatch.setattr(Path, "unlink", erofs)  # the cleanup of the temporary file fails the same way
     with pytest.raises(StoreError, match="x.json: cannot write .Read-only file system"):
         write_json(tmp_path / "x.json", {"a": 1})
@@ -213,6 +213,14 @@ def test_a_store_of_nan_never_yields_a_number(tmp_path):
 def test_a_store_larger_than_its_header_says_is_refused_before_reading(tmp_path):
     path, _, _ = real_store(tmp_path)
     with open(path, "ab") as f:
-        f.truncate(path.stat().st_size + (1 << 30))  # 1 GiB of sparse padding
+        f.write(b"\0" * 4096)  # written padding
     with pytest.raises(StoreError, match="header describes"):
+        read_store(path)
+
+
+def test_a_sparse_store_is_refused_before_reading(tmp_path):
+    path, _, _ = real_store(tmp_path)
+    with open(path, "ab") as f:
+        f.truncate(path.stat().st_size + (1 << 30))  # 1 GiB of hole: reads as zeros, costs no disk
+    with pytest.raises(StoreError, match="a sparse file"):
         read_store(path)

@@ -11,8 +11,10 @@ import contextlib
 import functools
 import io
 import os
+import re
 import secrets
 import shlex
+import stat
 import sys
 import traceback
 from pathlib import Path
@@ -27,8 +29,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from twinrun.config import TwinrunConfig, expand_sweep, register_configs
-from twinrun.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, ConfigError, Interrupted, TwinrunError, fail
-from twinrun.job import raise_on_sigterm
+from twinrun.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    ConfigError,
+    Interrupted,
+    TwinrunError,
+    fail,
+    raise_on_signals,
+)
+from twinrun.files import refuse_links
 from twinrun.pipeline import Point, check_launcher, run_point, submit_sweep
 from twinrun.plan import plan_run
 from twinrun.publish.sweep import write_sweep_summary
@@ -93,6 +104,9 @@ def _task(cfg: DictConfig) -> Point:
         refuse_unknown_additions(list(hc.overrides.task), set(hc.runtime.choices))
         with tee_output(run_dir / f"{hc.job.name}.log"):
             point = run_point(cfg, run_dir, reproduce_command(), sweeping)
+    except Interrupted:
+        discard_unplanned(run_dir)  # cut short while planning: nothing stays; once planned, it resumes
+        raise
     except TwinrunError as err:
         discard_unplanned(run_dir)
         if not sweeping:
@@ -125,14 +139,32 @@ def _loud(method):
     return wrapper
 
 
+# What Hydra writes into a run directory before the task starts, each opened in place (following links).
+HYDRA_RECORDS = (".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+
+
 class SweepCallback(Callback):
     """One sweep (`python -m twinrun -m ...`), held by Hydra for its duration: every point validated
     before the first runs; the points a submitit launcher defers go out as one job array at the end;
-    then the sweep summary, and the process exits with the worst point's code."""
+    then the sweep summary, and the process exits with the worst point's code. For a single run, it
+    checks the run directory before Hydra writes into it."""
 
     def __init__(self) -> None:
         self.codes: list[int] = []
         self.deferred: list[Point] = []
+
+    @_loud
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        """An existing run directory (resumed by the original command) is a stranger's: Hydra would write its
+        records and the job log through a link planted at their names, so one is refused first."""
+        run_dir = Path(str(config.hydra.run.dir))
+        if not os.path.isdir(run_dir):
+            return  # a new directory: Hydra makes it (a name it cannot make is one line, `_cannot_create`)
+        try:
+            refuse_links([run_dir / name for name in (*HYDRA_RECORDS, f"{config.hydra.job.name}.log")])
+        except TwinrunError as err:
+            _release_stderr()
+            fail(err)
 
     @_loud
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
@@ -190,10 +222,16 @@ def refuse_unknown_additions(overrides: list[str], groups: set[str]) -> None:
 def tee_output(log: Path):
     """What this process prints also goes to the run's log file (Hydra's job log, else empty)."""
     try:
-        f = open(log, "a", encoding="utf-8")  # noqa: SIM115 (closed below, after the streams are restored)
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError:
-        yield  # no log beats no run; the run directory's own errors come later, named
+        yield  # no log beats no run (a link at its name is never written through); errors come later, named
         return
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link: its other name is outside the run
+        os.close(fd)
+        yield
+        return
+    f = os.fdopen(fd, "a", encoding="utf-8")
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(streams[0], f), _Tee(streams[1], f)
     try:
@@ -299,10 +337,25 @@ class _HeldStderr:
 
     def one_line(self) -> str:
         text = self.buffer.getvalue().partition("Config search path:")[0]
+        cannot = self._cannot_create(text)
+        if cannot is not None:
+            return cannot
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         kept = [ln for ln in lines if not ln.startswith(self.NOISE)]
         hint = "check the key against `python -m twinrun --cfg job`; `--help` lists the config groups"
         return f"{'; '.join(kept) or 'Hydra could not compose the config'} (hint: {hint})"
+
+    @staticmethod
+    def _cannot_create(text: str) -> str | None:
+        """Hydra failing to make the run (or sweep) directory: the directory and why, as one line, instead
+        of its flattened traceback and a hint about config keys that has nothing to do with it."""
+        found = re.findall(r"^\w*Error: \[Errno \d+\] ([^:\n]+): '([^'\n]*)'$", text, re.MULTILINE)
+        if "in mkdir" not in text or not found:
+            return None
+        why, path = found[-1]  # the innermost: the first directory of the path that cannot be made
+        key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(sys.argv[1:]) else "hydra.run.dir"
+        return (f"{key}: cannot create {path} ({why}); choose a directory whose parent you can write, "
+                f"each name at most 255 bytes ({key}=...)")
 
 
 def main() -> None:
@@ -312,7 +365,7 @@ def main() -> None:
     if not OmegaConf.has_resolver("twinrun.config_groups"):
         OmegaConf.register_new_resolver("twinrun.config_groups", _config_groups)
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
-    raise_on_sigterm()
+    raise_on_signals()
     held = _HeldStderr()
     _state["held_stderr"] = held
     try:
@@ -320,6 +373,8 @@ def main() -> None:
             app()
     except KeyboardInterrupt:
         fail(Interrupted(EXIT_INTERRUPTED))
+    except Interrupted as err:
+        fail(err)
     except SystemExit as exc:
         # Hydra reports a config it cannot compose (typo'd key, bad type, unknown option) in several
         # lines with exit 1, which twinrun reserves for a failed gate: one line, bad input.

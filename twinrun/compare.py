@@ -14,6 +14,11 @@ from the stores now, today's twin reproduces it), it refuses with exit 3 and lis
 fingerprint fields; `--force` prints the numbers anyway, every one marked INVALID, and exits 3.
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path
@@ -24,7 +29,15 @@ from twinrun.analysis.references import cross_estimates, protocol_mismatch, refe
 from twinrun.analysis.train_reduce import arm_stores as train_arm_stores
 from twinrun.analysis.train_reduce import compare_stores
 from twinrun.config import STORE_IDENTITY_KEYS, ReduceConfig
-from twinrun.errors import EXIT_OK, EXIT_REFUSED, StoreError, TwinrunError, fail
+from twinrun.errors import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    Interrupted,
+    StoreError,
+    TwinrunError,
+    fail,
+    raise_on_signals,
+)
 from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.publish.render import pm
 from twinrun.storage.rundir import ARMS_DIR, RunDir, RunIndex
@@ -172,6 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true",
                    help="compute across kernel paths; every number marked INVALID")
     args = p.parse_args(argv)
+    raise_on_signals()
     a, b = {}, {}
     try:
         ta, tb = train_side(args.a, args.arm), train_side(args.b, args.arm)
@@ -180,6 +194,9 @@ def main(argv=None) -> int:
         run_a, a = resolve(args.a, args.arm)
         run_b, b = resolve(args.b, args.arm)
         a, b = common_bins(a, b, args.a, args.b)
+        if len(a) == 1:
+            print("twinrun compare: one bin: the residual view (each bin minus the mean over bins) is zero "
+                  "there, so it is not shown", file=sys.stderr)
         bad = protocol_mismatch(a, b)
         if bad:
             raise TwinrunError(f"{args.a} and {args.b} were measured under different protocols "
@@ -199,7 +216,7 @@ def main(argv=None) -> int:
             return EXIT_REFUSED
         elif label is None:
             label = f"INVALID: {_difference(measured, fields)}"
-    except TwinrunError as err:
+    except (TwinrunError, Interrupted) as err:
         fail(err)
     finally:
         close(a)

@@ -4,6 +4,8 @@ Every dataclass here is registered in Hydra's ConfigStore by `register_configs()
 entry points, never at import). The YAML files in conf/ select and fill these schemas.
 """
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +138,19 @@ class SigmaGridConfig:
     sigmas: list = field(default_factory=lambda: [0.05, 0.1, 0.2, 0.35, 0.5, 0.8, 1.2, 2.0])
 
 
+# The rules of the registered analysis, held when a config is planned (twinrun.plan) and again when
+# run.json reads it back (twinrun.storage.records): the no-op gate rules the reducer knows
+# (twinrun.analysis.gates) and the open interval of the test of signal's level.
+GATE_RULES = ("replicate", "bit_identical")
+SIGNAL_ALPHA_RANGE = (0.0, 0.5)  # exclusive: α ≥ 0.5 would call a norm² below its SE a signal
+SIGNAL_ALPHA_TEXT = f"in ({SIGNAL_ALPHA_RANGE[0]:g}, {SIGNAL_ALPHA_RANGE[1]:g})"
+
+
+def signal_alpha_ok(alpha) -> bool:
+    low, high = SIGNAL_ALPHA_RANGE
+    return isinstance(alpha, int | float) and not isinstance(alpha, bool) and low < alpha < high
+
+
 @dataclass
 class ReduceConfig:
     # Registered at plan time (run.json "registered"): `python -m twinrun.reduce` with other
@@ -249,6 +264,12 @@ STORE_PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
 # What was measured, as each store records it: every store of a run must agree on these, and a
 # reference whose differ is dead for that reason (the model's or the data's), not the environment's.
 STORE_IDENTITY_KEYS = ("model_sha256", "data_sha256")
+
+
+def config_hash(config: dict) -> str:
+    """An arm's resolved config as run.json records it (planning writes it; the job and the reducer check
+    each config.yaml against it)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _at(config: dict, dotted: str):

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from twinrun.errors import TwinrunError
+
 # The digits set stores pixel intensities as integers 0..16; dividing by half of that maps them to [0, 2].
 DIGITS_PIXEL_HALF_RANGE = 8.0
 # The last images form the held-out split the probe draws from; the model never trains on them.
@@ -21,8 +23,14 @@ def _digits_csv() -> Path:
     more CPU than the whole default probe of a small grid)."""
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("the default data set ships with scikit-learn: pip install scikit-learn")
-    return Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+        raise TwinrunError("the default data set ships with scikit-learn: pip install scikit-learn (or point "
+                           "data._target_ at a builder of your own, docs/bring-your-own.md)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():  # a file of scikit-learn's own layout, which a release may move
+        raise TwinrunError(f"scikit-learn's bundled digits file is not at {path} (this scikit-learn keeps it "
+                           "elsewhere): install one that ships it there (constraints.txt pins one), or point "
+                           "data._target_ at a builder of your own (docs/bring-your-own.md)")
+    return path
 
 
 @cache

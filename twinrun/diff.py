@@ -5,6 +5,11 @@ whole: the check that tells "bit-identical" from merely "close". Exit 0 when bit
 1 when they differ, 2 for bad input (missing path, not safetensors, mismatched names or shapes).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import os
 import sys
@@ -14,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from twinrun.errors import EXIT_GATE, EXIT_OK, StoreError, TwinrunError, fail
+from twinrun.errors import EXIT_GATE, EXIT_OK, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
 from twinrun.files import memory_bytes, open_regular
 from twinrun.storage.store import (
     OLD_STORE_FORMAT,
@@ -113,9 +118,10 @@ def main(argv=None) -> int:
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     args = p.parse_args(argv)
+    raise_on_signals()
     try:
         d = diff_tensors(load_tensors(args.a), load_tensors(args.b))
-    except TwinrunError as err:
+    except (TwinrunError, Interrupted) as err:
         fail(err)
     print(render(d))
     return EXIT_OK if d.n_differ == 0 else EXIT_GATE

@@ -1,6 +1,8 @@
 """User-facing errors and the exit codes every twinrun command shares."""
 
+import signal
 import sys
+import threading
 
 EXIT_OK = 0  # every validity check and gate passed
 EXIT_GATE = 1  # a validity check or a no-op gate failed: the instrument is broken, effects withheld
@@ -23,15 +25,49 @@ class ModelError(TwinrunError):
     exit_code = EXIT_MODEL
 
 
-class Interrupted(TwinrunError):
+class Interrupted(BaseException):
     """SIGINT or SIGTERM arrived: run.json records "interrupted"; resuming continues from the finished
-    bins."""
+    bins.
 
-    def __init__(self, exit_code: int):
+    A BaseException, like KeyboardInterrupt, not a TwinrunError: the broad `except Exception` around user
+    code (a builder, the trial, a model) and every `except TwinrunError` that turns a point's error into
+    its exit code must let it through, or a signal would be swallowed or become exit 2 or 4."""
+
+    def __init__(self, exit_code: int, detail: str = "finished bins are kept: resume with "
+                 "`python -m twinrun.resume RUN_DIR`"):
         name = "SIGINT" if exit_code == EXIT_INTERRUPTED else "SIGTERM"
-        super().__init__(f"interrupted by {name}; finished bins are kept: resume with "
-                         "`python -m twinrun.resume RUN_DIR`")
+        super().__init__(f"interrupted by {name}; {detail}")
         self.exit_code = exit_code
+
+
+SIGNAL_EXIT = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
+
+
+def raise_on_signals() -> None:
+    """In an entry point's main thread: SIGINT and SIGTERM raise Interrupted (exit 130 / 143) wherever the
+    main thread is. Python runs the handler at its next bytecode, so the wait is the C call it is in (one
+    probe chunk, one read of the reducer's pass); docs/exit-codes.md gives the measured bound."""
+
+    def _raise(signum, frame):
+        raise Interrupted(SIGNAL_EXIT[signum])
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in SIGNAL_EXIT:
+            signal.signal(signum, _raise)
+
+
+def exit_on_signals() -> None:
+    """Before an entry point's heavy imports (torch, Hydra: seconds): a signal then ends the process at
+    once, one line and exit 130 / 143, not a KeyboardInterrupt traceback from inside an import. The
+    entry point replaces these with `raise_on_signals` once it runs."""
+
+    def _exit(signum, frame):
+        print(f"twinrun: error: {Interrupted(SIGNAL_EXIT[signum], 'nothing was started')}", file=sys.stderr)
+        raise SystemExit(SIGNAL_EXIT[signum])
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in SIGNAL_EXIT:
+            signal.signal(signum, _exit)
 
 
 class ConfigError(TwinrunError):
@@ -61,7 +97,7 @@ class StoreError(TwinrunError):
         self.path = path
 
 
-def fail(err: TwinrunError) -> "NoReturn":  # noqa: F821
+def fail(err: TwinrunError | Interrupted) -> "NoReturn":  # noqa: F821
     """Print the one-line error and exit with its code."""
     print(f"twinrun: error: {err}", file=sys.stderr)
     raise SystemExit(err.exit_code)

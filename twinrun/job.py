@@ -10,17 +10,15 @@ finished units are kept. What a unit holds is the measurement kind's (twinrun/me
 
 import hashlib
 import json
-import signal
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
 
-from twinrun.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, Interrupted, KernelPathRefused, TwinrunError
-from twinrun.files import write_json
+from twinrun.errors import EXIT_INTERRUPTED, Interrupted, KernelPathRefused, TwinrunError
+from twinrun.files import make_dir, write_json
 from twinrun.measures.kind import Session, resolve_device
 from twinrun.measures.registry import measure_of
 from twinrun.measures.trial import failure_record, to_model_error
@@ -44,7 +42,7 @@ def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None) -> 
     with run_lock(rd.lock, _unit_locks(rd, units), shared=units is not None):
         if units is None:  # with units, another element may be writing: its temp files are not stale
             for stale in rd.tmp_files():  # a write cut short by a kill: never read
-                stale.unlink()
+                stale.unlink(missing_ok=True)
         index = RunIndex.load(rd)
         try:
             return _measure(index, load_arms(index, trusted), units)
@@ -65,16 +63,6 @@ def _unit_locks(rd: RunDir, units: list[int] | None) -> list[Path]:
     except TwinrunError:
         pass  # a damaged run.json is refused by whoever reads it next, with its own message
     return [rd.unit_lock(i) for i in sorted(found)]
-
-
-def raise_on_sigterm() -> None:
-    """In an entry point's main thread: SIGTERM (kill, scancel) ends the run as "interrupted", exit 143."""
-
-    def _raise(signum, frame):
-        raise Interrupted(EXIT_TERMINATED)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise)
 
 
 def _measure(index: RunIndex, arms: list, units: list[int] | None) -> RunRecord:
@@ -120,8 +108,9 @@ def measure_units(
         if todo:  # a job with no unit to measure commits the run to nothing, so refuses nothing
             refuse(index.whole_kernel_paths(), sha)
     except KernelPathRefused as err:
-        if units is not None:  # an array element: recorded at its unit, so the waiting launcher says exit 3
-            index.mark_failed(todo[0], next(iter(todo[0]["stores"])), failure_record(err))
+        # recorded at the first unit it would have measured, so a launcher waiting on the job (a whole-run
+        # job or an array element alike) reads the refusal and exits 3, not 2
+        index.mark_failed(todo[0], next(iter(todo[0]["stores"])), failure_record(err))
         raise
     identity = identity_sha256(session.identity)
     refuse_changed_identity(index, identity, todo)
@@ -217,7 +206,7 @@ def refuse_changed_identity(index: RunIndex, identity: str, todo: list[UnitEntry
 def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict) -> JobRecord:
     """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/."""
     rd = index.run_dir
-    rd.env_dir.mkdir(exist_ok=True)
+    make_dir(rd.env_dir)
     sha = kernel_path_sha256(fp)
     if not rd.kernel_path_env(sha).is_file():
         write_json(rd.kernel_path_env(sha), fp)

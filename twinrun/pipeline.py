@@ -82,9 +82,17 @@ def resume_run(rd: RunDir, local: bool, trusted: list[str]) -> int:
     """Measure what is missing (here, or by resubmitting a SLURM run), then reduce; the exit code."""
     launcher = None if local else submitted_launcher(rd)
     if launcher is not None:
+        # launch.json's settings are held to the rules a config's are (split=bins with a compiled probe)
+        launchers.check(launcher, _probe_compile(rd))
         return submit_and_collect([rd.path], launcher, rd.path, trusted)
     run_job(rd.path, trusted)
     return reduce_and_publish(rd.path)
+
+
+def _probe_compile(rd: RunDir):
+    """The run's probe.compile, read from its twin's config (the launcher rules depend on it)."""
+    index = RunIndex.load(rd)
+    return (rd.read_arm_config(index.arm("twin")["name"]).get("probe") or {}).get("compile")
 
 
 def submit_sweep(points: list[Point], sweep_dir: Path) -> int:

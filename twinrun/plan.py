@@ -9,35 +9,39 @@ The trust policy lives here too: a run directory is data, so the job instantiate
 twinrun ships or the user vouched for (`load_arms`).
 """
 
-import hashlib
-import json
+import functools
 import os
+import tempfile
 from pathlib import Path
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from twinrun.analysis.estimands import check_estimands, declared_groups
-from twinrun.analysis.gates import GATE_RULES
 from twinrun.arms import Arm, derive_arms
-from twinrun.config import build, protocol_differences
+from twinrun.config import (
+    GATE_RULES,
+    SIGNAL_ALPHA_TEXT,
+    build,
+    config_hash,
+    protocol_differences,
+    signal_alpha_ok,
+)
 from twinrun.errors import ConfigError, StoreError
-from twinrun.files import atomic_write, write_json
+from twinrun.files import atomic_write, make_dir, write_json
+from twinrun.interventions import check_protocol
 from twinrun.measures.kind import Measure
 from twinrun.measures.registry import MEASURES, measure_of
 from twinrun.provenance.determinism import MATMUL_PRECISIONS
 from twinrun.storage.records import GATE_REPLICATE, RUN_FORMAT, RunRecord
 from twinrun.storage.rundir import RunDir, RunIndex
+from twinrun.storage.store import verify_store
 
 # The builders a run directory may name without the user vouching for them: twinrun's own
 # model, data and interventions. Anything else must come from a config the user composed (its
 # `_target_`s are passed in as `trusted`) or a module named on the command line.
 # torch.optim's classes take parameters and numbers only: the built-in training experiment's AdamW.
 BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions", "torch.optim")
-
-
-def config_hash(config: dict) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- validation
@@ -58,8 +62,8 @@ def validate_reduce(r: DictConfig) -> None:
     check_estimands(list(r.estimands), declared_groups(r), None)
     if r.gate_rule not in GATE_RULES:
         raise ConfigError("reduce.gate_rule", r.gate_rule, f"choose one of {', '.join(GATE_RULES)}")
-    if not 0 < r.signal_alpha < 0.5:
-        raise ConfigError("reduce.signal_alpha", r.signal_alpha, "must be in (0, 0.5), e.g. 0.05")
+    if not signal_alpha_ok(r.signal_alpha):
+        raise ConfigError("reduce.signal_alpha", r.signal_alpha, f"must be {SIGNAL_ALPHA_TEXT}, e.g. 0.05")
 
 
 def check_paths(cfg: DictConfig, run_dir: Path | None) -> None:
@@ -73,28 +77,42 @@ def check_paths(cfg: DictConfig, run_dir: Path | None) -> None:
                               "is not valid UTF-8; choose a directory name of UTF-8 characters") from None
     cache = cfg.determinism.compile_cache_dir
     if cache is not None:
-        path = Path(cache).expanduser()
-        probe_dir = next((q for q in (path, *path.parents) if q.exists()), None)
-        if probe_dir is None or not probe_dir.is_dir() or not os.access(probe_dir, os.W_OK | os.X_OK):
+        try:
+            _try_writing(Path(cache).expanduser())
+        except OSError as err:
             raise ConfigError("determinism.compile_cache_dir", cache,
-                              "cannot be created or written here; choose a writable directory (or null for "
-                              "~/.cache/twinrun/compile)")
+                              f"cannot be created or written here ({err.strerror or err}); choose a writable "
+                              "directory (or null for ~/.cache/twinrun/compile)") from None
 
 
-def check_reference(reference: str | None, mine: dict, kind: Measure) -> str | None:
-    """A reference must be an earlier run directory with a native twin measured under the same
-    protocol as this run (`mine`: the twin's resolved config); checked before any compute."""
+def _try_writing(path: Path) -> None:
+    """Create the directory (the job would) and a file in it, then remove the file: `os.access` trusts
+    root, for whom /proc/x or a read-only mount still "allows" writing. An OSError says why not."""
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+        pass
+
+
+def check_reference(reference: str | None, mine: dict, kind: Measure,
+                    run_dir: Path | None = None) -> str | None:
+    """A reference must be an earlier run directory (not this one) whose native twin was measured, every
+    unit of it, under the same protocol as this run (`mine`: the twin's resolved config), its stores
+    intact; checked before any compute, or the run would measure everything and read it "unusable"."""
     if reference is None:
         return None
     path = Path(reference).expanduser().resolve()
     if path.parent.name == "arms":  # given an arm directory itself
         path = path.parent.parent
+    if run_dir is not None and path == Path(run_dir).resolve():
+        raise ConfigError("reference", reference, "is this run's own directory: a run cannot vouch for "
+                          "itself; name an earlier run directory")
     try:
         index = RunIndex.load(path)
         theirs = index.run_dir.read_arm_config(index.arm("twin")["name"])
+        _measured_twin(index)
     except StoreError as err:
-        raise ConfigError("reference", reference, "must be an earlier, intact twinrun "
-                          f"run directory ({err})") from None
+        raise ConfigError("reference", reference, "must be an earlier, intact twinrun run directory whose "
+                          f"native twin is measured ({err})") from None
     if index.measure != kind.name:
         raise ConfigError("reference", reference, f"measured {index.measure}, this run measures {kind.name}")
     differ = protocol_differences(theirs, mine, kind.protocol_keys)
@@ -103,6 +121,25 @@ def check_reference(reference: str | None, mine: dict, kind: Measure) -> str | N
                           "differ); a reference must share data, grid, seed, images, draws, folds and "
                           "probed parameters")
     return str(path)
+
+
+def _measured_twin(index: RunIndex) -> None:
+    """Every unit's twin store recorded done and verifying on disk (a StoreError naming the first that is
+    not)."""
+    twin = index.arm("twin")["name"]
+    for u in index.units:
+        entry = u["stores"][twin]
+        if entry["status"] != "done":
+            raise StoreError(index.store_path(u, twin), f"{u['label']} of its twin is {entry['status']}: "
+                             "resume that run first")
+        _verified(index.store_path(u, twin), entry["sha256"], entry.get("payload_bytes"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _verified(path: Path, sha256: str, payload_bytes: int | None) -> None:
+    """One store read through every check, once per process for one recorded digest (every point of a
+    sweep names the same reference; a failure raises and is not cached)."""
+    verify_store(path, sha256, payload_bytes=payload_bytes)
 
 
 # ----------------------------------------------------------------------------- plan
@@ -116,6 +153,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     """
     kind = measure_of(cfg.measure)
     intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
+    check_protocol(intervention, cfg.intervention.get("_target_"))
     validated = kind.validate(cfg, intervention)
     validate_common(cfg)
     replicate = bool(cfg.arms.replicate) or kind.replicate_always
@@ -128,7 +166,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
         "measure": kind.name,
         "status": "planned",
         "command": command,
-        "reference": check_reference(cfg.reference, arms[1].config, kind),
+        "reference": check_reference(cfg.reference, arms[1].config, kind, run_dir),
         "arms": [{"name": a.name, "role": a.role, "config_hash": config_hash(a.config)} for a in arms],
         # The analysis registered before any compute; `reduce` with other settings is a post-hoc view.
         "registered": {"estimands": list(cfg.reduce.estimands), "gate_rule": cfg.reduce.gate_rule,
@@ -142,9 +180,9 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     if rd.is_run():
         return _resume_plan(rd, run)
     if any(GATE_REPLICATE in u["stores"] for u in run["units"]):
-        rd.arm_dir(GATE_REPLICATE).mkdir(parents=True, exist_ok=True)
+        make_dir(rd.arm_dir(GATE_REPLICATE))
     for arm in arms:
-        rd.arm_dir(arm.name).mkdir(parents=True, exist_ok=True)
+        make_dir(rd.arm_dir(arm.name))
         atomic_write(rd.arm_config(arm.name), yaml.safe_dump(arm.config, sort_keys=False).encode())
     write_json(rd.config_diff_json, diff)
     return RunIndex.create(rd, run).doc
@@ -161,10 +199,12 @@ def unit_entry(u: dict, arms: list[Arm]) -> dict:
     measured again at every gate unit (unless arms.replicate already does so in every unit): without
     it a gate that is not bit-identical could not tell a nondeterministic kernel path from an
     intervention that is not a no-op (twinrun/analysis/gates.py)."""
-    own = {k: v for k, v in u.items() if k != "file"}
-    stores = {a.name: {"file": u["file"], "status": "pending"} for a in arms}
+    own = {k: v for k, v in u.items() if k not in ("file", "payload_bytes")}
+    # what each store's tensors hold, from the protocol: a reader checks the header against it first
+    size = {"payload_bytes": u["payload_bytes"]} if "payload_bytes" in u else {}
+    stores = {a.name: {"file": u["file"], "status": "pending", **size} for a in arms}
     if u["gate"] and all(a.name != GATE_REPLICATE for a in arms):
-        stores[GATE_REPLICATE] = {"file": u["file"], "status": "pending"}
+        stores[GATE_REPLICATE] = {"file": u["file"], "status": "pending", **size}
     return {**own, "stores": stores}
 
 

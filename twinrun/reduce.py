@@ -8,13 +8,18 @@ effects withheld; a post-hoc view never turns a registered failure into 0); 2 ba
 (missing, damaged or foreign stores).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path
 
 from twinrun.analysis.estimands import ESTIMANDS
-from twinrun.analysis.gates import GATE_RULES
-from twinrun.errors import TwinrunError, fail
+from twinrun.config import GATE_RULES, SIGNAL_ALPHA_TEXT, signal_alpha_ok
+from twinrun.errors import Interrupted, TwinrunError, fail, raise_on_signals
 from twinrun.pipeline import reduce_and_publish
 from twinrun.storage.rundir import RunDir
 
@@ -38,13 +43,14 @@ def main(argv=None) -> int:
     p.add_argument("--signal-alpha", type=float, help="level of the test of signal, in (0, 0.5) (post-hoc "
                    "if not the registered one)")
     args = p.parse_args(argv)
+    raise_on_signals()
     try:
         estimands = parse_estimands(args.estimands)
-        if args.signal_alpha is not None and not 0 < args.signal_alpha < 0.5:
-            raise TwinrunError(f"--signal-alpha={args.signal_alpha}: must be in (0, 0.5), e.g. 0.05")
+        if args.signal_alpha is not None and not signal_alpha_ok(args.signal_alpha):
+            raise TwinrunError(f"--signal-alpha={args.signal_alpha}: must be {SIGNAL_ALPHA_TEXT}, e.g. 0.05")
         return reduce_and_publish(RunDir(args.run_dir).require().path, estimands, args.gate_rule,
                                   args.signal_alpha)
-    except TwinrunError as err:
+    except (TwinrunError, Interrupted) as err:
         fail(err)
 
 

@@ -8,12 +8,16 @@ with --trust (or rerun the original command, with its --config-dir, and `hydra.r
 Exit codes as `python -m twinrun` (docs/exit-codes.md).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path
 
-from twinrun.errors import EXIT_INTERRUPTED, Interrupted, TwinrunError, fail
-from twinrun.job import raise_on_sigterm
+from twinrun.errors import EXIT_INTERRUPTED, Interrupted, TwinrunError, fail, raise_on_signals
 from twinrun.pipeline import reduce_sweep, resume_run
 from twinrun.storage.rundir import RunDir
 from twinrun.storage.sweepdir import SweepDir
@@ -27,14 +31,14 @@ def main(argv=None) -> int:
     p.add_argument("--local", action="store_true",
                    help="measure in this process even if the run was submitted")
     args = p.parse_args(argv)
-    raise_on_sigterm()
+    raise_on_signals()
     try:
         if not RunDir(args.run_dir).is_run() and SweepDir(args.run_dir).multirun_yaml.exists():  # a sweep
             return reduce_sweep(args.run_dir, True, args.local, args.trust)
         return resume_run(RunDir(args.run_dir).require(), args.local, args.trust)
     except KeyboardInterrupt:
         fail(Interrupted(EXIT_INTERRUPTED))
-    except TwinrunError as err:
+    except (TwinrunError, Interrupted) as err:
         fail(err)
 
 

@@ -5,12 +5,18 @@ even on a cluster without accounting; the scheduler's state of the job named in 
 (written at submission) is added when the launcher's scheduler answers (twinrun.launchers.record).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path
 
-from twinrun.errors import EXIT_OK, EXIT_USAGE, StoreError, fail
-from twinrun.launchers.record import describe, job_state, progress
+from twinrun.errors import EXIT_OK, EXIT_USAGE, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
+from twinrun.launchers.record import describe, element_states, job_state, progress
+from twinrun.launchers.slurm import ACTIVE
 from twinrun.storage.lock import holder_alive, read_holder
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.store import verify_store
@@ -45,8 +51,9 @@ def verified_progress(run_dir: Path) -> dict:
 def _verified(index: RunIndex, u: dict, arm: str, damaged: list) -> bool:
     if index.store_entry(u, arm)["status"] != "done":
         return False
+    entry = index.store_entry(u, arm)
     try:
-        verify_store(index.store_path(u, arm), index.store_entry(u, arm)["sha256"])
+        verify_store(index.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
     except StoreError as err:
         damaged.append(str(err))
         return False
@@ -64,9 +71,21 @@ def _live_status(index: RunIndex, launch: dict | None) -> str:
     if alive and all(a is None for a in alive):  # held from another host: the scheduler tells the rest
         return "running (on another host)"
     state = job_state(launch) if launch is not None else None
+    gone = _stopped_elements(index, launch)
     if any(alive) or (state is not None and state.split()[0] in ("RUNNING", "PENDING")):
+        if gone:  # an element interrupted beside others that still measure: its units wait for a resume
+            return (f"running; unit {', '.join(map(str, gone))} interrupted (its job is gone: resume the run "
+                    "once the others end)")
         return "running"
     return "interrupted (its process is gone; resume with `python -m twinrun.resume RUN_DIR`)"
+
+
+def _stopped_elements(index: RunIndex, launch: dict | None) -> list[int]:
+    """The units of array elements that ended (not active in the scheduler) with their units not whole."""
+    each = element_states(launch) if launch is not None else None
+    whole = {u["index"] for u in index.whole_units()}
+    return sorted({i for units, state in each or [] if state.split()[0] not in ACTIVE
+                   for i in (units if isinstance(units, list) else []) if i not in whole})
 
 
 def _verdict(rd: RunDir) -> str | None:
@@ -83,6 +102,7 @@ def main(argv=None) -> int:
                                      description="Show where a twinrun run (or each run of a sweep) stands.")
     parser.add_argument("path", type=Path, help="a run directory, or a sweep directory")
     args = parser.parse_args(argv)
+    raise_on_signals()
     try:
         runs = find_runs(args.path)
         damaged = False
@@ -90,7 +110,7 @@ def main(argv=None) -> int:
             prog = verified_progress(run_dir)
             print(describe(run_dir, prog, job_state(prog["launch"])))
             damaged |= bool(prog["damaged"])
-    except StoreError as err:
+    except (TwinrunError, Interrupted) as err:
         fail(err)
     return EXIT_USAGE if damaged else EXIT_OK
 

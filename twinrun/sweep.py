@@ -6,12 +6,16 @@ with --resume) and rewrites the summary (twinrun/publish/sweep.py says what it h
 `python -m twinrun`, the worst over the points (docs/exit-codes.md).
 """
 
+from twinrun.errors import exit_on_signals
+
+if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
+    exit_on_signals()
+
 import argparse
 import sys
 from pathlib import Path
 
-from twinrun.errors import EXIT_INTERRUPTED, Interrupted, StoreError, TwinrunError, fail
-from twinrun.job import raise_on_sigterm
+from twinrun.errors import EXIT_INTERRUPTED, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
 from twinrun.pipeline import reduce_sweep
 from twinrun.storage.sweepdir import SweepDir
 
@@ -25,14 +29,14 @@ def main(argv=None) -> int:
     p.add_argument("--trust", action="append", default=[], metavar="MODULE",
                    help="a module whose builders the points' configs may name; repeatable")
     args = p.parse_args(argv)
-    raise_on_sigterm()
+    raise_on_signals()
     try:
         if not SweepDir(args.sweep_dir).is_sweep():
             raise StoreError(args.sweep_dir, "not a twinrun sweep directory (no numbered run directories)")
         return reduce_sweep(args.sweep_dir, args.resume, args.local, args.trust)
     except KeyboardInterrupt:
         fail(Interrupted(EXIT_INTERRUPTED))
-    except TwinrunError as err:
+    except (TwinrunError, Interrupted) as err:
         fail(err)
 
 

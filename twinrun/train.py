@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from twinrun.data import heldout_indices, load_digits_images, sigma_data_of, train_indices
+from twinrun.errors import TwinrunError, fail
 from twinrun.measures.fold_sums import edm_weight
 from twinrun.measures.train_step import P_MEAN, P_STD
 from twinrun.model import DEFAULT_ARCH, DEFAULT_WEIGHTS_PATH, DiTDenoiser, save_pretrained
@@ -176,4 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TwinrunError as err:  # e.g. the digits file missing from scikit-learn: one line, exit 2
+        fail(err)

@@ -1,18 +1,35 @@
 """Loading a probe run for the reducer, and the validity checks that come before any verdict.
 
 `load_run` is the one place the reducer side reads run.json and the stores it lists; everything
-read is checked (format, sha256, arm, bin, config hash) and any problem is a StoreError naming
-the path (exit 2), never a number.
+read is checked (format, sha256, arm, bin, config hash) and cross-checked against what the run says
+it measured (each arm's config.yaml, hash-checked; σ, σ_cond, seed, images and sizes of every store;
+each unit's gate flag), and any problem is a StoreError naming the file and the field (exit 2), never
+a number.
 """
 
+import math
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from twinrun import arms as arms_mod
-from twinrun.analysis.estimands import check_groups
+from twinrun import data as data_mod
+from twinrun.analysis.estimands import check_estimands, check_groups
 from twinrun.analysis.scan import Scan, scan
-from twinrun.config import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS, ReduceConfig
+from twinrun.config import (
+    STORE_IDENTITY_KEYS,
+    STORE_PROTOCOL_KEYS,
+    DigitsDataConfig,
+    ProbeConfig,
+    ReduceConfig,
+    config_hash,
+    typed,
+)
 from twinrun.errors import StoreError, TwinrunError
+from twinrun.files import ensure_descriptors
+from twinrun.interventions import rebuild
+from twinrun.provenance.record import tensors_sha256
 from twinrun.storage.records import GATE_REPLICATE
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.store import StoreReader
@@ -50,7 +67,7 @@ def registered(index: RunIndex) -> dict:
 
 
 def _wanted(index: RunIndex) -> dict:
-    """{(arm, bin index): (path, sha256, config hash)} of every store the reducer needs."""
+    """{(arm, bin index): (path, sha256, config hash, payload bytes)} of every store the reducer needs."""
     wanted = {}
     hashes = {a["name"]: a.get("config_hash") for a in index.arms}
     for b in bins_of(index):
@@ -62,7 +79,8 @@ def _wanted(index: RunIndex) -> dict:
             if entry["status"] != "done":
                 raise StoreError(path, f"bin {b.index} (σ={b.sigma:g}) of arm {name} is "
                                  f"{entry['status']}: resume the run, then reduce")
-            wanted[name, b.index] = (path, entry.get("sha256"), hashes.get(name, hashes.get(TWIN)))
+            wanted[name, b.index] = (path, entry.get("sha256"), hashes.get(name, hashes.get(TWIN)),
+                                     entry.get("payload_bytes"))
     return wanted
 
 
@@ -74,25 +92,149 @@ def load_run(run_dir: Path) -> tuple[RunIndex, dict]:
     every tensor's digest and each file's sha256 from run.json.
     """
     index = RunIndex.load(run_dir)  # validates run.json field by field
+    run_json = index.run_dir.run_json
     if index.measure != "probe":
-        raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not the σ probe "
-                         "this reducer reads")
+        raise StoreError(run_json, f"measures {index.measure}, not the σ probe this reducer reads")
+    if index.reference is not None and Path(index.reference).resolve() == index.run_dir.path.resolve():
+        raise StoreError(run_json, f"field reference: {index.reference!r} is this run itself, which cannot "
+                         "vouch for itself; the file is damaged or was edited by hand")
     try:
         check_groups(index.registered.get("groups") or {})
     except TwinrunError as err:
-        raise StoreError(index.run_dir.run_json, f"field registered.groups: {err}") from None
+        raise StoreError(run_json, f"field registered.groups: {err}") from None
+    configs = arm_configs(index)
+    wanted = _wanted(index)
+    ensure_descriptors(len(wanted), f"reading the {len(wanted)} stores of {index.run_dir.path}")
     readers = {}
     try:
-        for key, (path, sha, config_hash) in _wanted(index).items():
-            readers[key] = reader = StoreReader(path, sha)
+        for key, (path, sha, config_hash, payload) in wanted.items():
+            readers[key] = reader = StoreReader(path, sha, payload)
             if reader.meta["config_hash"] != config_hash:
                 raise StoreError(path, "config hash differs from run.json's: a store from another run")
             if reader.meta["arm"] != key[0] or reader.meta["bin_index"] != key[1]:
                 raise StoreError(path, "store belongs to another arm or bin than run.json says")
+            kernel_path = index.store_entry(index.units[key[1]], key[0]).get("kernel_path_sha256")
+            if kernel_path != (reader.meta.get("env") or {}).get("kernel_path_sha256"):
+                raise StoreError(path, "metadata field env.kernel_path_sha256 is not the kernel path "
+                                 f"run.json records for it ({kernel_path}): damaged or forged")
+        cross_check(index, configs, readers)
+        _check_registered(index, readers[TWIN, 0].meta["layout"])
     except BaseException:
         close(readers)
         raise
     return index, readers
+
+
+def arm_configs(index: RunIndex) -> dict[str, dict]:
+    """{arm: its config.yaml}, each the config run.json hashed (the reducer reads σ grid, seed, probe and
+    intervention from them: an edited one is exit 2 naming the file, never a verdict)."""
+    configs = {}
+    for entry in index.arms:
+        path = index.run_dir.arm_config(entry["name"])
+        configs[entry["name"]] = config = index.run_dir.read_arm_config(entry["name"])
+        if config_hash(config) != entry["config_hash"]:
+            raise StoreError(path, f"does not match the config_hash {entry['config_hash']} run.json records "
+                             "for it (edited after planning?); restore it, or measure again into a new run "
+                             "directory")
+    return configs
+
+
+def _check_registered(index: RunIndex, layout: list[dict]) -> None:
+    """run.json's registered estimands and groups, held to the rules reduce.estimands and reduce.groups
+    are held to at plan time, against the stores' parameters."""
+    groups = index.registered.get("groups") or {}
+    try:
+        check_estimands(index.registered["estimands"], groups, layout, "registered.estimands",
+                        "registered.groups")
+    except TwinrunError as err:
+        raise StoreError(index.run_dir.run_json, f"field {err}; the file is damaged or was edited by hand") \
+            from None
+
+
+def cross_check(index: RunIndex, configs: dict, readers: dict) -> None:
+    """Everything a verdict depends on, held against what the run says it measured (a StoreError naming the
+    file and the field): run.json's σ grid against the configs'; every store's σ, seed, images, draws and
+    folds against its arm's config and the twin's first store; σ_cond against the arm's intervention at
+    that bin, and each unit's gate flag against the intervention's gate bins, where the intervention can
+    be rebuilt without running code from the run directory (`rebuild`: twinrun's own, or imported here)."""
+    twin_cfg, run_json = configs[TWIN], index.run_dir.run_json
+    grid = [float(s) for s in twin_cfg["sigma_grid"]["sigmas"]]
+    sigmas = [b.sigma for b in bins_of(index)]
+    if sigmas != grid:
+        raise StoreError(run_json, f"field units[].probe.sigma: {sigmas} is not the σ grid {grid} of "
+                         "arms/native/config.yaml; the file is damaged or was edited by hand")
+    interventions = {name: _intervention(index, name, cfg) for name, cfg in configs.items()}
+    interventions.setdefault(REPLICATE, interventions[TWIN])
+    inter = interventions[index.arm("intervention")["name"]]
+    if inter is not None:
+        gates = set(inter.gate_sigmas(grid))
+        for b in bins_of(index):
+            if b.gate != (b.sigma in gates):
+                noop = "a no-op" if b.sigma in gates else "not a no-op"
+                raise StoreError(run_json, f"field units[{b.index}].gate: {b.gate}, but the intervention of "
+                                 f"its config is {noop} at σ={b.sigma:g}; the file is damaged or was edited "
+                                 "by hand")
+    first = readers[TWIN, 0].meta
+    probed = _probed_data(twin_cfg)
+    for (arm, i), reader in readers.items():
+        _check_store(reader, configs.get(arm, twin_cfg), interventions[arm], sigmas[i], first)
+        for key, value in (probed or {}).items():
+            if reader.meta.get(key) != value:
+                raise StoreError(reader.path, f"metadata field {key}: {str(reader.meta.get(key))[:60]} is "
+                                 f"not {str(value)[:60]}, what its config's data set holds: damaged, forged")
+
+
+def _probed_data(config: dict) -> dict | None:
+    """The probed images' ids and digest as the job records them, recomputed from the config's data when it
+    is twinrun's own data set (its builder is twinrun's: reading a run directory runs nobody else's code);
+    None for a data builder of the user's."""
+    node = config.get("data") or {}
+    if node != {"_target_": DigitsDataConfig._target_}:
+        return None
+    n_images = typed(ProbeConfig, config["probe"], "probe").n_images
+    images, ids = data_mod.load_heldout_images()
+    ids = [int(i) for i in ids[:n_images]]
+    return {"image_ids": ids,
+            "data_sha256": tensors_sha256([("images", images[:n_images]), ("image_ids", torch.tensor(ids))])}
+
+
+def _intervention(index: RunIndex, arm: str, config: dict):
+    try:
+        return rebuild(config["intervention"])
+    except (TypeError, ValueError, TwinrunError) as err:
+        raise StoreError(index.run_dir.arm_config(arm), f"field intervention: {str(err)[:200]}") from None
+
+
+def _check_store(reader: StoreReader, config: dict, intervention, sigma: float, first: dict) -> None:
+    meta, path = reader.meta, reader.path
+    p = typed(ProbeConfig, config["probe"], path)
+    expected = {"sigma": sigma, "seed": config["seed"], "n_images": p.n_images, "n_draws": p.n_draws,
+                "image_ids": first.get("image_ids"), "fold_sizes": first["fold_sizes"]}
+    for key, value in expected.items():
+        if meta.get(key) != value:
+            raise StoreError(path, f"metadata field {key}: {str(meta.get(key))[:60]} is not "
+                             f"{str(value)[:60]}, what its run measured (its config, its bin, the twin's "
+                             "first store): damaged or forged")
+    if len(meta["fold_sizes"]) != p.n_folds or len(meta.get("image_ids") or []) != p.n_images:
+        raise StoreError(path, f"metadata fields fold_sizes and image_ids: not {p.n_folds} folds of "
+                         f"{p.n_images} images, as its config says")
+    if intervention is not None:
+        cond = float(intervention.sigma_cond(torch.tensor(sigma, dtype=torch.float32)))
+        # a few float32 ulps: another torch (or CPU) may round exp∘log differently; a forgery is far off
+        if not math.isclose(meta["sigma_cond"], cond, rel_tol=1e-6):
+            raise StoreError(path, f"metadata field sigma_cond: {meta['sigma_cond']!r} is not {cond!r}, what "
+                             f"its arm's intervention feeds at σ={sigma:g}: damaged or forged")
+
+
+def unverified_interventions(index: RunIndex) -> list[str]:
+    """Arms whose intervention class the reducer could not rebuild (a user's class not imported here):
+    their σ_cond and gate bins were not recomputed, only compared across stores."""
+    out = []
+    for entry in index.arms:
+        node = index.run_dir.read_arm_config(entry["name"])["intervention"]
+        if rebuild(node) is None:
+            out.append(f"{entry['name']} ({node.get('_target_')})")
+    return out
 
 
 def scan_run(index: RunIndex, readers: dict, names: list[str], groups: dict | None,
@@ -148,9 +290,13 @@ def validity_checks(index: RunIndex, stores: dict) -> list[dict]:
                      else f"stores measured different {' and '.join(changed)}: the model or the data changed "
                      "between the jobs of this run"))
     wrong_sigma = [s.path.name for (n, i), s in stores.items() if s.meta["sigma"] != bins[i].sigma]
+    unchecked = unverified_interventions(index)
+    matched = "every store's σ, σ_cond, seed, images, draws and folds match its bin and its arm's config"
+    if unchecked:
+        matched += (f" (σ_cond and gate bins of {', '.join(unchecked)} not recomputed: a class this reducer "
+                    "has not imported, and it runs no code from a run directory)")
     out.append(check("stores_match_bins", not wrong_sigma,
-                     "every store's σ matches its bin" if not wrong_sigma
-                     else f"σ mismatch in {wrong_sigma}"))
+                     matched if not wrong_sigma else f"σ mismatch in {wrong_sigma}"))
     return out + provenance_checks(index, stores)
 
 

@@ -99,8 +99,10 @@ def check_groups(groups) -> None:
             raise ConfigError(key, pats, 'must be a non-empty list of fnmatch patterns, e.g. ["blocks.0.*"]')
 
 
-def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduce.estimands") -> None:
-    """Refuse, as one line naming the key, an unknown estimand or a group that selects no probed parameter.
+def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduce.estimands",
+                    groups_what: str = "reduce.groups") -> None:
+    """Refuse, as one line naming the key, an unknown estimand or a group that selects no probed parameter
+    (every group declared, listed among `names` or not: it is registered with the run either way).
 
     layout None: the names only (the parameters are not known yet)."""
     check_groups(groups)
@@ -111,9 +113,9 @@ def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduc
                           'one is a group: reduce.groups={NAME:["PATTERN", ...]})')
     if layout is None:
         return
-    for name in (n for n in names if n in groups):
+    for name in groups:
         if not any(known[name].selects(entry) for entry in layout):
-            raise ConfigError(f"reduce.groups.{name}", list(groups[name]), "matches no probed parameter "
+            raise ConfigError(f"{groups_what}.{name}", list(groups[name]), "matches no probed parameter "
                               f"(parameters look like {', '.join(e['name'] for e in layout[:3])}); fix the "
                               "pattern or probe.params")
     if "cond" in names and not any(known["cond"].selects(entry) for entry in layout):

@@ -8,8 +8,7 @@ else automatically at a gate bin whose arms differ) tells the two cases apart.
 
 from twinrun.analysis.checks import REPLICATE, TWIN, bins_of
 from twinrun.analysis.estimands import SHIFT_VIEW
-
-GATE_RULES = ("replicate", "bit_identical")
+from twinrun.config import GATE_RULES  # noqa: F401 — the rules `decide` knows, defined with the config
 
 
 def _size(est, shift: float) -> str:

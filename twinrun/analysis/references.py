@@ -18,6 +18,7 @@ from twinrun.analysis.scan import scan
 from twinrun.arms import config_diff, for_compute
 from twinrun.config import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS
 from twinrun.errors import TwinrunError
+from twinrun.files import ensure_descriptors
 from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.storage.rundir import RunDir
 from twinrun.storage.store import StoreReader
@@ -39,6 +40,8 @@ def cross_scan(sides: dict[str, dict], pairs: list[tuple[str, str]], names: list
     sigmas = sorted(next(iter(sides.values())))
     layout = next(iter(sides.values()))[sigmas[0]].meta["layout"]
     names = [n for n in (names or ESTIMANDS) if n in available(layout)]
+    if len(sigmas) < 2:  # a derived view removes the mean over bins: of one bin it is zero, its cosine nan
+        names = [n for n in names if n not in ESTIMANDS or ESTIMANDS[n].derive is None]
     readers = {(label, i): stores[s] for label, stores in sides.items() for i, s in enumerate(sigmas)}
     bases = list(dict.fromkeys(base for _, base in pairs))
     return scan(readers, list(sides), len(sigmas), names, None, bases, pairs, chunk_params), sigmas, names
@@ -191,5 +194,6 @@ def _against_reference(index, readers: dict, ref: dict, inter: str | None, alpha
 
 
 def _reopen(index, readers: dict, arm: str) -> dict:
-    return {b.sigma: StoreReader(r.path, r.expected_sha256)
+    ensure_descriptors(len(index.units), f"reading {arm}'s stores of {index.run_dir.path} again")
+    return {b.sigma: StoreReader(r.path, r.expected_sha256, r.payload_bytes)
             for b in bins_of(index) for r in [readers[arm, b.index]]}

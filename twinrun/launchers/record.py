@@ -98,14 +98,21 @@ def job_state(launch: dict | None) -> str | None:
     active element's, followed by every element's ("RUNNING (unit 0 COMPLETED 0:0, unit 1 RUNNING)")."""
     if launch is None:
         return None
-    state = next(l for l in LAUNCHERS.values() if l.cluster == launch["cluster"]).state
-    elements = launch.get("elements")
-    if not isinstance(elements, list) or not elements:
-        return state(launch)
-    each = [(e.get("units"), state(e)) for e in elements]
+    each = element_states(launch)
+    if each is None:
+        return next(l for l in LAUNCHERS.values() if l.cluster == launch["cluster"]).state(launch)
     active = [s for _, s in each if s.split()[0] in ACTIVE]
     head = (active or [each[0][1]])[0].split()[0]
     return f"{head} ({', '.join(f'unit {_units_text(b)} {s}' for b, s in each)})"
+
+
+def element_states(launch: dict) -> list[tuple[list | None, str]] | None:
+    """[(units, state)] of each array element of a run split by units; None for a run of one job."""
+    elements = launch.get("elements")
+    if not isinstance(elements, list) or not elements:
+        return None
+    state = next(l for l in LAUNCHERS.values() if l.cluster == launch["cluster"]).state
+    return [(e.get("units"), state(e)) for e in elements]
 
 
 def _units_text(units) -> str:

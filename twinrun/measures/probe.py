@@ -8,7 +8,10 @@ measures, resolves probe.method and compile there, and measures one arm of one b
 
 import itertools
 import math
+import os
+import resource
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,7 +130,7 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
     n_params = sum(numels)  # numels: one per probed parameter tensor
     store_bytes = n_stores * store_size(p.n_folds, n_params, len(numels), p.n_images)
     where = Path(run_dir) if run_dir is not None else Path.cwd()
-    while not where.exists():
+    while not os.path.exists(where):  # (os.path: a name too long is "absent", not an OSError)
         where = where.parent
     free = shutil.disk_usage(where).free
     print(f"twinrun: the stores will take about {store_bytes / 1e6:,.1f} MB ({store_bytes:,} bytes: "
@@ -141,6 +144,86 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
                           "probe fewer parameters or folds, or put the run directory on a file system "
                           "with room (hydra.run.dir=..., or hydra.sweep.dir=... for a sweep)")
     return store_bytes
+
+
+# ----------------------------------------------------------------------------- the estimate of cost
+
+# What each part of the host-memory estimate grows with: the key a refusal names.
+MEMORY_KEYS = {"the process before measuring": "model", "one probe call": "probe.chunk_images",
+               "draws of a bin": "probe.n_draws", "fold sums and the store": "probe.n_folds"}
+CALIBRATION_MAX_SAMPLES = 1024  # the default chunk (120 x 6) is timed whole; a chunk of -1 on at most this
+
+
+def host_memory(p: ProbeConfig, image_shape, n_params: int, baseline: int, call: int) -> dict[str, int]:
+    """The job's peak host memory by part, in bytes (the CPU side; a GPU's device memory is estimated beside
+    it): the process as planning has it now (torch, the model, the data: the job builds the same); one probe
+    call, measured (its activations and gradients: the growth of the peak resident set while it ran); a
+    bin's draws for every image; the float64 fold sums with their float32 copy, the store's tensors and the
+    bytes written."""
+    return {"the process before measuring": baseline, "one probe call": call,
+            "draws of a bin": 4 * p.n_images * p.n_draws * math.prod(image_shape),
+            "fold sums and the store": (8 + 4 + 4 + 4) * p.n_folds * n_params}
+
+
+def resident_bytes() -> tuple[int, int]:
+    """(resident set now, its peak so far) of this process, in bytes (Linux; (0, 0) elsewhere)."""
+    try:
+        now = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def time_one_call(c: "Components", p: ProbeConfig, method: str, sigma: float) -> tuple[float, int, int, int]:
+    """(seconds, images, draws, bytes) of one probe call of the job's chunk shape, timed here, eager, on the
+    twin: the per-sample cost the estimate scales, and the call's memory (the growth of the peak resident
+    set). Timed twice (the faster kept) when a call is short."""
+    images = p.n_images if p.chunk_images < 1 else min(p.chunk_images, p.n_images)
+    n_draws = min(p.n_draws if p.chunk_draws < 1 else min(p.chunk_draws, p.n_draws), CALIBRATION_MAX_SAMPLES)
+    images = max(1, min(images, CALIBRATION_MAX_SAMPLES // n_draws))
+    gen = torch.Generator().manual_seed(trial.TRIAL_SEED)
+    eps = torch.randn((images, n_draws, *c.images.shape[1:]), generator=gen)
+    sigma_cond = torch.tensor(sigma, dtype=torch.float32)
+    best, (_, peak_before) = math.inf, resident_bytes()
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fs.fold_sums(c.model, c.names, c.images[:images], eps, sigma, sigma_cond, c.fold_of_image[:images],
+                     len(c.fold_sizes), p.chunk_images, p.chunk_draws, method=method)
+        best = min(best, time.perf_counter() - t0)
+        if best > 1.0:
+            break
+    return best, images, eps.shape[1], max(0, resident_bytes()[1] - peak_before)
+
+
+def estimate_cost(cfg: DictConfig, c: "Components", method: str, sigma: float, n_stores: int) -> None:
+    """Print, before any compute, the run's measuring time (one call timed here, scaled by samples) and its
+    peak host memory; refuse a run whose memory estimate exceeds the memory it will have (launcher.mem_gb,
+    else this machine's)."""
+    p = typed(ProbeConfig, OmegaConf.to_container(cfg.probe, resolve=True), "probe")
+    baseline = resident_bytes()[0]
+    seconds, images, n_draws, call = time_one_call(c, p, method, sigma)
+    samples = p.n_images * p.n_draws
+    total_s = seconds * samples / (images * n_draws) * n_stores
+    parts = host_memory(p, c.images.shape[1:], sum(g["numel"] for g in c.layout), baseline, call)
+    peak = sum(parts.values())
+    mem_gb = cfg.launcher.get("mem_gb")
+    limit, whose = ((int(mem_gb * 2**30), f"launcher.mem_gb={mem_gb:g}") if mem_gb
+                    else (memory_bytes(), "this machine"))
+    device = resolve_device(p.device).type
+    timed = (f"one probe call of {images} images x {n_draws} draws took {seconds * 1e3:,.1f} ms here (cpu, "
+             f"{torch.get_num_threads()} threads, {method}"
+             + ("" if device == "cpu" else f"; the job runs on {device}, so its time will differ") + ")")
+    memory = ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in parts.items())
+    print(f"twinrun: estimate: {n_stores} stores x {samples:,} samples, {timed} → about {total_s:,.0f} s "
+          f"of measuring ({total_s / 3600:,.2f} h) plus start-up; peak host memory about "
+          f"{peak / 2**30:,.2f} GiB ({memory} GiB), of the {limit / 2**30:,.1f} GiB of {whose}", flush=True)
+    if peak > limit:
+        worst = max(parts, key=parts.get)
+        key = MEMORY_KEYS[worst]
+        raise ConfigError(key, OmegaConf.select(cfg, key) if key != "model" else cfg.model.get("_target_"),
+                          f"the job would need about {peak / 2**30:,.1f} GiB of host memory ({worst}: "
+                          f"{parts[worst] / 2**30:,.1f} GiB), more than the {limit / 2**30:,.1f} GiB of "
+                          f"{whose}; use fewer draws, images, folds or probed parameters")
 
 
 # ----------------------------------------------------------------------------- components
@@ -199,9 +282,11 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     replicated = any(a.role == "replicate" for a in arms)
     n_stores = len(arms) * len(grid) + (0 if replicated else len(gates))
     store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
-    trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+    method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+    estimate_cost(cfg, c, method, grid[0], n_stores)
+    payload = 4 * p.n_folds * sum(g["numel"] for g in c.layout)  # float32 [numel, n_folds] per parameter
     units = [{"index": i, "label": bin_label(i, s), "gate": s in gates, "probe": {"sigma": s},
-              "file": store_name(i, s)} for i, s in enumerate(grid)]
+              "file": store_name(i, s), "payload_bytes": payload} for i, s in enumerate(grid)]
     return Plan(units=units, store_bytes=store_bytes)
 
 

@@ -5,7 +5,7 @@ goes to RUN/views/<what changed>/, never over the registered files. More sinks (
 experiment tracker) plug in here, each one module imported only when it is configured.
 """
 
-from twinrun.files import write_json
+from twinrun.files import make_dir, write_json
 from twinrun.publish.report import write_report
 from twinrun.storage.rundir import RunDir
 
@@ -18,7 +18,6 @@ def publish(reduction, report=write_report) -> None:
         write_json(rd.summary_json, reduction.summary)
         report(rd.path, reduction.summary, reduction.index)
         return
-    out = rd.view_dir(reduction.view_name)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(rd.view_dir(reduction.view_name))
     write_json(RunDir(out).summary_json, reduction.view)
     report(out, reduction.view, reduction.index)

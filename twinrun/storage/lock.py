@@ -84,20 +84,28 @@ def read_holder(path: Path) -> dict | None:
 def _parse_holder(data: bytes) -> dict | None:
     try:
         holder = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         return None
     return holder if isinstance(holder, dict) else None
 
 
 def _open(path: Path) -> int:
+    """The lock file, opened (created if absent) without following a link, and only if it is the run
+    directory's own: a regular file with one link. A holder record is written into it and it is emptied on
+    release, so a hard link planted at its name would have another file emptied."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as err:
         raise StoreError(path, f"cannot open the run lock ({err.strerror}); "
                          "finished stores are kept") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise StoreError(path, "the run lock is not a regular file; remove it and run again")
+    st = os.fstat(fd)
+    problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+               else f"has {st.st_nlink} links (a hard link to a file elsewhere)" if st.st_nlink != 1
+               else None)
+    if problem is not None:
+        os.close(fd)  # never locked, never emptied: the file it links to stays as it was
+        raise StoreError(path, f"the run lock {problem}: it is not the run's own file; remove it and run "
+                         "again")
     return fd
 
 

@@ -12,6 +12,7 @@ gate, stores) and, under the key of the run's measurement kind, that kind's own 
 (`"probe": {"sigma": 0.5}`); UNIT_FIELDS lists each kind's.
 """
 
+import functools
 import math
 import re
 import types
@@ -19,8 +20,10 @@ import typing
 from pathlib import Path
 from typing import Annotated, Literal, NotRequired, TypedDict
 
+from twinrun.config import GATE_RULES, SIGNAL_ALPHA_TEXT, signal_alpha_ok
 from twinrun.errors import StoreError
 from twinrun.files import SAFE_NAME, safe_name
+from twinrun.provenance.record import kernel_path_sha256
 
 RUN_FORMAT = "twinrun-run/2"  # units keyed by measurement kind
 OLD_RUN_FORMATS = ("twinrun-run/1",)  # σ bins only: refused (measure again), never migrated
@@ -61,6 +64,9 @@ class StoreEntry(TypedDict):
     sha256: NotRequired[HexDigest | None]  # of the whole file; present once done
     kernel_path_sha256: NotRequired[HexDigest | None]  # the kernel path it was measured on
     identity_sha256: NotRequired[HexDigest | None]  # what it measured: the model as built and the data
+    # Its tensors' bytes, known at plan time from the run's protocol (layout x folds): a reader checks a
+    # store's header against it before reading any payload (absent in run.json written before it was).
+    payload_bytes: NotRequired[Annotated[int, "non-negative"]]
     # why it failed (each array element of a split run records its own; run.json's `failure` is the latest)
     failure: NotRequired[Failure | None]
 
@@ -80,6 +86,8 @@ class TrainUnit(TypedDict):
 
 # Each measurement kind's own unit fields, under the kind's name in every unit.
 UNIT_FIELDS: dict[str, type] = {"probe": ProbeUnit, "train": TrainUnit}
+# A kind's unit field that runs strictly upward through `units` (the probe's σ grid: each σ once, in order).
+INCREASING: dict[str, str] = {"probe": "sigma"}
 
 
 class UnitEntry(TypedDict):
@@ -93,8 +101,8 @@ class Registered(TypedDict):
     """The analysis registered at plan time (`reduce` with other settings is a post-hoc view)."""
 
     estimands: list[str]  # names from the registry (twinrun/analysis/estimands.py)
-    gate_rule: str
-    signal_alpha: Annotated[float, "positive"]  # in (0, 1)
+    gate_rule: str  # one of config.GATE_RULES
+    signal_alpha: Annotated[float, "positive"]  # in config.SIGNAL_ALPHA_RANGE, as reduce.signal_alpha is
 
 
 class JobRecord(TypedDict):
@@ -250,6 +258,10 @@ class ProbeStoreMeta(TypedDict):
     n_images: int
     n_draws: int
     fold_sizes: list[int]
+    # Each probed image's id in the data set (it keys the image's draws) and the run's seed: the job always
+    # writes them; the reducer holds them to the run's config and to each other (twinrun.analysis.checks).
+    image_ids: NotRequired[list[int]]
+    seed: NotRequired[int]
     draws_digest: str
     config_hash: str
     # The model as built, every parameter and buffer (provenance.record.model_sha256), and the probed
@@ -342,39 +354,67 @@ def check_typed(c: Checker, obj, schema: type, field: str):
     """`obj` checked against a TypedDict, field by field (extra keys allowed)."""
     if not isinstance(obj, dict):
         c.fail(field or "(document)", f"{show(obj)} is not an object")
-    hints = typing.get_type_hints(schema, include_extras=True)
-    for key, hint in hints.items():
-        _check_field(c, obj, key, f"{field}.{key}" if field else key, hint, key in schema.__required_keys__)
+    for key, spec, required in _fields(schema):
+        _check_field(c, obj, key, f"{field}.{key}" if field else key, spec, required)
     return obj
 
 
-def _check_field(c: Checker, obj: dict, key: str, field: str, hint, required: bool) -> None:
+class _Spec(typing.NamedTuple):
+    """What a field's type hint asks, worked out once per hint (run.json is checked on every update: the
+    typing module's introspection, repeated per unit, was most of the cost)."""
+
+    nullable: bool
+    marks: tuple
+    choices: tuple | None  # a Literal's
+    types: tuple  # the Python types the value may have
+    items: "_Spec | None"  # a list's or dict's elements
+    origin: type | None  # list, dict or None
+    schema: type | None  # a TypedDict's
+
+
+@functools.cache
+def _fields(schema: type) -> tuple:
+    hints = typing.get_type_hints(schema, include_extras=True)
+    return tuple((key, _spec(hint), key in schema.__required_keys__) for key, hint in hints.items())
+
+
+@functools.cache
+def _spec(hint) -> _Spec:
     hint, nullable = _without_none(hint)
     base, marks = (hint.__origin__, hint.__metadata__) if typing.get_origin(hint) is Annotated else (hint, ())
     origin = typing.get_origin(base)
-    if key not in obj and not (required and not nullable):
-        return
     if origin is Literal:
-        c.one_of(obj, key, field, typing.get_args(base))
+        return _Spec(nullable, (), typing.get_args(base), (str,), None, None, None)
+    items = (_spec(typing.get_args(base)[0]) if origin is list
+             else _spec(typing.get_args(base)[1]) if origin is dict else None)
+    return _Spec(nullable, tuple(marks), None, _python_types(base), items,
+                 origin if origin in (list, dict) else None, base if typing.is_typeddict(base) else None)
+
+
+def _check_field(c: Checker, obj: dict, key: str, field: str, spec: _Spec, required: bool) -> None:
+    if key not in obj and not (required and not spec.nullable):
         return
-    value = c.get(obj, key, field, _python_types(base), optional=nullable)
+    if spec.choices is not None:
+        c.one_of(obj, key, field, spec.choices)
+        return
+    value = c.get(obj, key, field, spec.types, optional=spec.nullable)
     if value is None:
         return
-    for mark in marks:
+    for mark in spec.marks:
         _check_mark(c, value, field, mark)
-    if origin is list:
+    if spec.origin is list:
         for i, item in enumerate(value):
-            _check_item(c, item, f"{field}[{i}]", typing.get_args(base)[0])
-    elif origin is dict:
+            _check_item(c, item, f"{field}[{i}]", spec.items)
+    elif spec.origin is dict:
         for k, item in value.items():
-            _check_item(c, item, f"{field}.{k}", typing.get_args(base)[1])
-    elif typing.is_typeddict(base):
-        check_typed(c, value, base, field)
+            _check_item(c, item, f"{field}.{k}", spec.items)
+    elif spec.schema is not None:
+        check_typed(c, value, spec.schema, field)
 
 
-def _check_item(c: Checker, item, field: str, hint) -> None:
+def _check_item(c: Checker, item, field: str, spec: _Spec) -> None:
     """One element of a list or dict field, checked as a field of its own."""
-    _check_field(c, {"item": item}, "item", field, hint, True)
+    _check_field(c, {"item": item}, "item", field, spec, True)
 
 
 def _without_none(hint):
@@ -400,6 +440,8 @@ def _check_mark(c: Checker, value, field: str, mark: str) -> None:
         c.fail(field, f"{show(value)} is not a hex digest")
     elif mark == "positive" and not (math.isfinite(value) and value > 0):
         c.fail(field, f"{show(value)} must be finite and > 0")
+    elif mark == "non-negative" and value < 0:
+        c.fail(field, f"{show(value)} must be ≥ 0")
     elif mark == "safe name":
         safe_name(value, field, c.path)
 
@@ -429,6 +471,7 @@ def validate_run(path: Path, run: dict) -> RunRecord:
         c.fail("units", "empty: a run has at least one unit")
     for i, u in enumerate(run["units"]):
         _validate_unit(c, u, i, names, kind)
+    _validate_order(c, run["units"], kind)
     for i, job in enumerate(run.get("jobs", [])):
         if job["index"] != i:
             c.fail(f"jobs[{i}].index", f"{job['index']!r} must equal its position {i}")
@@ -439,8 +482,25 @@ def _validate_registered(c: Checker, reg: Registered) -> None:
     estimands = reg["estimands"]
     if not estimands or not all(isinstance(e, str) and SAFE_NAME.fullmatch(e) for e in estimands):
         c.fail("registered.estimands", f"{show(estimands)} must be a non-empty list of names")
-    if not 0 < reg["signal_alpha"] < 1:
-        c.fail("registered.signal_alpha", f"{reg['signal_alpha']!r} must be in (0, 1)")
+    # Held to the rules of the config that registered them (reduce.*): an α of 0.75 would print a cosine
+    # where the registered test reads "below noise"; an unknown rule would act as another one.
+    if not signal_alpha_ok(reg["signal_alpha"]):
+        c.fail("registered.signal_alpha", f"{reg['signal_alpha']!r} must be {SIGNAL_ALPHA_TEXT}, as "
+               "reduce.signal_alpha is")
+    if reg["gate_rule"] not in GATE_RULES:
+        c.fail("registered.gate_rule", f"{show(reg['gate_rule'])} is not one of {', '.join(GATE_RULES)}")
+
+
+def _validate_order(c: Checker, units: list[UnitEntry], kind: str) -> None:
+    """The kind's ordered field strictly increases unit by unit (a σ grid: each σ once, in order)."""
+    key = INCREASING.get(kind)
+    if key is None:
+        return
+    for i in range(1, len(units)):
+        before, value = units[i - 1][kind][key], units[i][kind][key]
+        if not value > before:
+            c.fail(f"units[{i}].{kind}.{key}", f"{value!r} is not above units[{i - 1}]'s {before!r}: the "
+                   f"{key} of the units increase strictly, each once")
 
 
 def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str) -> None:
@@ -484,6 +544,7 @@ def validate_store_meta(path: Path, meta: dict) -> ProbeStoreMeta:
     names = [g["name"] for g in meta["layout"]]
     if len(set(names)) != len(names):
         c.fail("metadata.layout", "parameter names repeat: each names one tensor of the store")
+    _validate_kernel_path(c, meta)
     return meta
 
 
@@ -503,3 +564,16 @@ def validate_train_store_meta(path: Path, meta: dict, n_tensors: dict[str, list[
             or any(len(d) != len(meta["layout"]) for d in digests)):
         c.fail("metadata.step_digests", "not one digest per weight for every step of the unit")
     return meta
+def _validate_kernel_path(c: Checker, meta: ProbeStoreMeta) -> None:
+    """The kernel-path object is what its digest says (the digest alone is what run.json, the straddling
+    rule and the checks compare: an object rewritten under the old digest would pass them all)."""
+    recorded = (meta.get("env") or {}).get("kernel_path_sha256")
+    if meta.get("kernel_path") is None or recorded is None:
+        return
+    try:
+        actual = kernel_path_sha256({"kernel_path": meta["kernel_path"]})
+    except (TypeError, ValueError):  # keys JSON cannot sort, values it cannot encode
+        actual = None
+    if actual != recorded:
+        c.fail("metadata.kernel_path", f"does not hash to its digest env.kernel_path_sha256 "
+               f"({show(recorded)})")

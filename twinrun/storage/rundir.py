@@ -10,6 +10,7 @@ where asked) is `RunIndex.is_whole`.
 """
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,8 +133,10 @@ class RunDir:
         return self.inside(self.arm_dir(arm) / safe_name(file, f"store file of arm {arm}", self.run_json))
 
     def tmp_files(self) -> list[Path]:
-        """Writes cut short by a kill (atomic_write's temp files): never read, safe to delete."""
-        return [p for p in self.path.glob(f"{ARMS_DIR}/*/.*.tmp-*") if self._is_inside(p)]
+        """Writes cut short by a kill (atomic_write's temp files): never read, safe to delete. A link
+        planted at such a name is one too (deleting a link leaves its target alone); a directory is not."""
+        found = (p for p in self.path.glob(f"{ARMS_DIR}/*/.*.tmp-*") if self._is_inside(p.parent))
+        return [p for p in found if stat.S_ISREG(p.lstat().st_mode) or stat.S_ISLNK(p.lstat().st_mode)]
 
     def inside(self, path: Path) -> Path:
         """`path` itself, once its resolved form (symlinks followed) is inside this run directory."""
@@ -294,8 +297,9 @@ class RunIndex:
         return not verify or all(self._verifies(u, arm) for arm in u["stores"])
 
     def _verifies(self, u: UnitEntry, arm: str) -> bool:
+        entry = u["stores"][arm]
         try:
-            verify_store(self.store_path(u, arm), u["stores"][arm]["sha256"])
+            verify_store(self.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
         except StoreError as err:
             print(f"twinrun: re-measuring {err}", flush=True)
             return False

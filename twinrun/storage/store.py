@@ -21,7 +21,7 @@ import safetensors.torch
 import torch
 
 from twinrun.errors import StoreError
-from twinrun.files import atomic_write, memory_bytes, open_regular
+from twinrun.files import MAX_INT_DIGITS, atomic_write, check_shape, loads, memory_bytes, open_regular
 from twinrun.storage.records import validate_store_meta, validate_train_store_meta
 
 STORE_FORMAT = "twinrun-store/2"  # one float32 [numel, n_folds] tensor per probed parameter
@@ -32,6 +32,11 @@ TENSOR_SHA256 = "tensor_sha256"  # metadata key: {parameter name: sha256 of its 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_STORE_BYTES = 1 << 44  # 16 TiB: streamed, never held whole; the header must describe the size exactly
+# A store is written whole from memory, so its blocks are all allocated: a file with fewer is sparse (a
+# 64 GiB hole reads as 64 GiB of zeros, hashed before any digest can fail) and is refused. The margin
+# leaves room for file systems that compress (a compressed store of floats shrinks far less than this).
+SPARSE_RATIO = 16
+SPARSE_MIN_BYTES = 64 * 2**20  # below this, reading a hole costs nothing worth refusing
 
 
 def write_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict, fmt: str = STORE_FORMAT) -> str:
@@ -109,10 +114,18 @@ class Tensor:
 
 
 def _decode(value: str):
+    """A metadata value as the JSON it encodes, or the string itself (a value that is not JSON, or one too
+    deep or with too long an integer, is then refused by its field's type)."""
     try:
-        return json.loads(value)
-    except json.JSONDecodeError:
+        return json.loads(value, parse_int=_short_int)
+    except (ValueError, RecursionError):
         return value
+
+
+def _short_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(text[:20])
+    return int(text)
 
 
 class StoreReader:
@@ -124,10 +137,14 @@ class StoreReader:
     digest matches. Nothing is mapped or unpickled. Use as a context manager (it holds a descriptor).
     """
 
-    def __init__(self, path: Path, sha256: str | None = None):
-        self.path, self.expected_sha256 = Path(path), sha256
+    def __init__(self, path: Path, sha256: str | None = None, payload_bytes: int | None = None):
+        """payload_bytes: what the run's protocol says its tensors hold (run.json's store entry); the
+        header must describe exactly that, before any payload byte is read. None (a store handed over on
+        its own): the header decides, and only a file really that large is read."""
+        self.path, self.expected_sha256, self.payload_bytes = Path(path), sha256, payload_bytes
         self.fd, size = open_regular(self.path, MAX_STORE_BYTES, "store")
         try:
+            _refuse_sparse(self.path, os.fstat(self.fd))
             head = self._parse_header(size)
         except BaseException:
             self.close()
@@ -167,10 +184,7 @@ class StoreReader:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise StoreError(self.path, "truncated or corrupt safetensors header")
         head = self._pread(8 + n, 0)
-        try:
-            header = json.loads(head[8:])
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise StoreError(self.path, "corrupt safetensors header (not JSON)") from None
+        header = loads(head[8:], f"{self.path} (its safetensors header)")
         if not isinstance(header, dict):
             raise StoreError(self.path, "corrupt safetensors header")
         try:
@@ -196,9 +210,10 @@ class StoreReader:
             raise StoreError(self.path, f"metadata field {TENSOR_SHA256} is not a map of sha256 "
                              "digests: damaged")
         self.digests = digests
-        self.meta = validate_store_meta(self.path, {k: _decode(v) for k, v in raw.items()
-                                                    if isinstance(v, str)
-                                                    and k not in ("format", TENSOR_SHA256)})
+        decoded = {k: _decode(v) for k, v in raw.items()
+                   if isinstance(v, str) and k not in ("format", TENSOR_SHA256)}
+        check_shape(decoded, self.path, "store metadata")
+        self.meta = validate_store_meta(self.path, decoded)
         self.layout, self.n_folds = self.meta["layout"], len(self.meta["fold_sizes"])
 
     def _read_tensors(self, header: dict, start: int, size: int) -> None:
@@ -219,6 +234,11 @@ class StoreReader:
                     and end - begin == 4 * numel[name] * self.n_folds):
                 raise StoreError(self.path, f"tensor {name!r}: offsets do not match its shape")
             entries.append(Tensor(name, start + begin, numel[name]))
+        described = sum(4 * e.numel * self.n_folds for e in entries)
+        if self.payload_bytes is not None and described != self.payload_bytes:
+            raise StoreError(self.path, f"its header describes {described} bytes of tensors, but the run's "
+                             f"protocol (run.json: layout x folds) gives {self.payload_bytes}: a store of "
+                             "another run, damaged or forged")
         entries.sort(key=lambda e: e.start)
         expected = start
         for e in entries:
@@ -274,12 +294,20 @@ class StoreReader:
                 yield t, lo, min(lo + chunk_params, t.numel)
 
 
-def verify_store(path: Path, sha256: str | None = None, chunk_bytes: int = 16 * 2**20) -> dict:
+def _refuse_sparse(path: Path, st) -> None:
+    allocated = st.st_blocks * 512
+    if st.st_size > SPARSE_MIN_BYTES and allocated * SPARSE_RATIO < st.st_size:
+        raise StoreError(path, f"a sparse file ({allocated} of its {st.st_size} bytes allocated): twinrun "
+                         "writes every byte of a store, so this one is damaged or planted; refused unread")
+
+
+def verify_store(path: Path, sha256: str | None = None, chunk_bytes: int = 16 * 2**20,
+                 payload_bytes: int | None = None) -> dict:
     """Read a store once, front to back, checking everything (no payload kept); return its metadata.
     A training store is read whole through read_train_store's checks."""
     if store_format(path) == TRAIN_STORE_FORMAT:
         return read_train_store(path, sha256).meta
-    with StoreReader(path, sha256) as reader:
+    with StoreReader(path, sha256, payload_bytes) as reader:
         for t, lo, hi in reader.walk(max(1, chunk_bytes // (4 * max(1, reader.n_folds)))):
             reader.columns(t, lo, hi)
         reader.finish()
@@ -342,6 +370,7 @@ def store_format(path: Path) -> str | None:
     """The format a store's metadata names (read from its header only), None if it names none."""
     fd, size = open_regular(Path(path), MAX_STORE_BYTES, "store")
     try:
+        _refuse_sparse(Path(path), os.fstat(fd))  # before any byte is read
         (n,) = struct.unpack("<Q", os.pread(fd, 8, 0)) if size >= 8 else (0,)
         head = os.pread(fd, 8 + n, 0) if 8 + n <= min(size, MAX_HEADER_BYTES) else b""
     finally:

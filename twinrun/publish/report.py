@@ -9,7 +9,7 @@ from pathlib import Path
 
 from twinrun.errors import StoreError
 from twinrun.files import atomic_write, read_json
-from twinrun.publish.plots import plot_effect
+from twinrun.publish.plots import effect_caption, plot_effect
 from twinrun.publish.render import noise_note, pm
 from twinrun.storage.rundir import EFFECT_PNG, REPORT_MD, RunIndex
 
@@ -91,6 +91,19 @@ def _job_line(job: dict, fp: dict, det: dict) -> str:
             f"{' (dirty)' if (info.get('git') or {}).get('dirty') else ''}")
 
 
+def plot_context(index: RunIndex) -> dict:
+    """What the plot's title and σ axis need beyond the summary: the intervention arm's `intervention`
+    node (its setting), its `probe` node (the protocol) and the run's σ bins. A config that cannot be
+    read titles the plot without them (the report is prose; the checks read the record)."""
+    sigmas = [index.params(u)["sigma"] for u in index.units if "sigma" in index.params(u)]
+    try:
+        config = index.run_dir.read_arm_config(index.arm("intervention")["name"])
+    except StoreError:
+        config = {}
+    node = (lambda key: config.get(key) if isinstance(config.get(key), dict) else None)
+    return {"intervention": node("intervention"), "protocol": node("probe"), "sigmas": sigmas or None}
+
+
 def _header(out_dir: Path, summary: dict) -> list[str]:
     lines = [f"# twinrun report: {out_dir.name}", ""]
     ph = summary.get("post_hoc")
@@ -119,8 +132,9 @@ def write_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
     if rep:
         lines += ["", "## Replicate (determinism control)", "", rep["detail"]]
     if summary["passed"]:
-        png = plot_effect(summary, out_dir / EFFECT_PNG)
-        lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", ""] + effect_table(summary["effects"])
+        png = plot_effect(summary, out_dir / EFFECT_PNG, **plot_context(index))
+        lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", "", effect_caption(summary), ""]
+        lines += effect_table(summary["effects"])
     if summary.get("reference"):
         lines += reference_lines(summary["reference"], summary["effects"])
     env_lines = env_summary(index)

@@ -18,10 +18,10 @@ from twinrun.storage.sweepdir import SweepDir, point_overrides
 
 def _point(run_dir: Path) -> dict:
     index = RunIndex.load(run_dir)
-    intervention = _intervention(index)
+    intervention, protocol = _intervention(index)
     point = {"run_dir": str(run_dir), "overrides": point_overrides(run_dir), "intervention": intervention,
-             "axis": sweep_axis(intervention), "status": index.status, "valid": None, "gates_passed": None,
-             "effects": []}
+             "axis": sweep_axis(intervention), "protocol": protocol, "status": index.status, "valid": None,
+             "gates_passed": None, "effects": []}
     rd = index.run_dir
     if rd.has_summary():
         summary = rd.read_summary()
@@ -35,18 +35,19 @@ def _point(run_dir: Path) -> dict:
     return point
 
 
-def _intervention(index: RunIndex) -> dict:
-    """The intervention arm's `intervention` node (its sweep axis), as planned."""
+def _intervention(index: RunIndex) -> tuple[dict, dict | None]:
+    """The intervention arm's `intervention` node (its sweep axis) and its `probe` node, as planned."""
     name = index.arm("intervention")["name"]
     config = index.run_dir.read_arm_config(name)
     if not isinstance(config.get("intervention"), dict):
         raise StoreError(index.run_dir.arm_config(name), "field intervention: missing or not a config node")
-    return config["intervention"]
+    probe = config.get("probe")
+    return config["intervention"], probe if isinstance(probe, dict) else None
 
 
 def _missing(sd: SweepDir, number: int, overrides: list[str]) -> dict:
     return {"run_dir": str(sd.point(number)), "overrides": overrides, "intervention": {},
-            "axis": None, "status": "missing", "valid": None, "gates_passed": None, "effects": []}
+            "axis": None, "protocol": None, "status": "missing", "valid": None, "gates_passed": None, "effects": []}
 
 
 def write_sweep_report(sd: SweepDir, summary: dict) -> Path:
@@ -63,11 +64,19 @@ def write_sweep_report(sd: SweepDir, summary: dict) -> Path:
         rel = Path(p["run_dir"]).relative_to(sd.path)
         lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} | {_yes_no(p['valid'])} "
                      f"| {_yes_no(p['gates_passed'])} | [report]({rel}/report.md) |")
-    png = plot_sweep(summary, sd.heatmap_png)
+    png = plot_sweep(summary, sd.heatmap_png, protocol=_shared_protocol(summary["points"]))
     if png is not None:
         lines += ["", f"![sweep heatmap]({png.name})", "", sweep_caption(summary)]
     atomic_write(sd.report_md, ("\n".join(lines) + "\n").encode())
     return sd.report_md
+
+
+def _shared_protocol(points: list[dict]) -> dict | None:
+    """The `probe` node every point shares (None when the protocol itself is swept: the rows name it)."""
+    nodes = [p.get("protocol") for p in points if p.get("protocol")]
+    keys = ("n_images", "n_draws", "n_folds")
+    shared = {tuple(n.get(k) for k in keys) for n in nodes}
+    return nodes[0] if len(shared) == 1 and len(nodes) == len(points) else None
 
 
 def _yes_no(flag: bool | None) -> str:

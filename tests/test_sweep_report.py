@@ -1,4 +1,4 @@
-"""The sweep heatmap and report: axes are the swept variables, every cell's state is distinct and captioned."""
+"""The sweep heatmap and report: axes are the swept variables, every cell's state distinct and captioned."""
 
 import sys
 import warnings
@@ -16,9 +16,11 @@ from twinrun.publish.plots import (
     SCALE_NOTE,
     SWATCH_VALUES,
     cell_text,
+    plot_sweep,
+    sweep_caption,
     sweep_figure,
+    sweep_grid,
 )
-from twinrun.publish.plots import plot_sweep, sweep_caption, sweep_grid
 from twinrun.publish.sweep import write_sweep_report
 from twinrun.storage.sweepdir import SweepDir
 
@@ -29,8 +31,9 @@ def _effect(sigma, cos, se, estimand="all"):
 
 def _point(job, overrides, effects=(), valid=True, gates_passed=True, gate_sigmas=(), target="PinSigma"):
     return {"run_dir": f"/sweep/{job}", "overrides": ["+experiment=pin_sigma", *overrides],
-            "intervention": {"_target_": f"twinrun.interventions.{target}"}, "status": "measured", "valid": valid,
-            "gates_passed": gates_passed, "effects": list(effects), "gate_sigmas": list(gate_sigmas)}
+            "intervention": {"_target_": f"twinrun.interventions.{target}"}, "status": "measured",
+            "valid": valid, "gates_passed": gates_passed, "effects": list(effects),
+            "gate_sigmas": list(gate_sigmas)}
 
 
 def _summary(*points):
@@ -42,9 +45,11 @@ def _summary(*points):
 def pin_sweep():
     """sigma_pin 1.2 listed before 0.2; one point failed its gate; every kind of cell present."""
     return _summary(
-        _point(0, ["intervention.sigma_pin=1.2"], [_effect(0.2, 0.5, 0.01), _effect(1.2, 1.0, 0.0)], gate_sigmas=[1.2]),
+        _point(0, ["intervention.sigma_pin=1.2"], [_effect(0.2, 0.5, 0.01), _effect(1.2, 1.0, 0.0)],
+               gate_sigmas=[1.2]),
         _point(1, ["intervention.sigma_pin=0.2"], [_effect(0.2, 1.0, None), _effect(1.2, 0.9, 0.08),
-                                                    _effect(1.2, 0.1, 0.01, estimand="cond")], gate_sigmas=[0.2]),
+                                                    _effect(1.2, 0.1, 0.01, estimand="cond")],
+               gate_sigmas=[0.2]),
         _point(2, ["intervention.sigma_pin=0.5"], valid=True, gates_passed=False),
         _point(3, ["intervention.sigma_pin=0.8"], [_effect(0.2, None, None), _effect(1.2, 0.7, None)]),
     )
@@ -61,14 +66,16 @@ def test_rows_are_the_swept_knob_in_numeric_order_and_every_cell_state_is_distin
 
 
 def test_only_an_effect_beyond_two_se_is_resolved():
-    cells = [_effect(0.2, 0.8, 0.09), _effect(0.5, 0.8, 0.1001), _effect(0.8, 1.0, 0.0), _effect(1.2, 1.3, 0.1)]
-    assert sweep_grid(_summary(_point(0, ["a=1"], cells)))["states"][0] == ["effect", "within_2se", "within_2se",
-                                                                            "effect"]
+    cells = [_effect(0.2, 0.8, 0.09), _effect(0.5, 0.8, 0.1001), _effect(0.8, 1.0, 0.0),
+             _effect(1.2, 1.3, 0.1)]
+    states = sweep_grid(_summary(_point(0, ["a=1"], cells)))["states"][0]
+    assert states == ["effect", "within_2se", "within_2se", "effect"]
 
 
 def test_sweeping_the_grid_gives_one_row_per_grid_and_marks_bins_a_grid_lacks():
-    g = sweep_grid(_summary(_point(0, ["sigma_grid=edm8"], [_effect(0.2, 0.5, 0.01), _effect(0.5, 0.6, 0.01)]),
-                            _point(1, ["sigma_grid=coarse4"], [_effect(0.5, 0.4, 0.01), _effect(3.0, 0.3, 0.01)])))
+    g = sweep_grid(_summary(
+        _point(0, ["sigma_grid=edm8"], [_effect(0.2, 0.5, 0.01), _effect(0.5, 0.6, 0.01)]),
+        _point(1, ["sigma_grid=coarse4"], [_effect(0.5, 0.4, 0.01), _effect(3.0, 0.3, 0.01)])))
     assert g["row_axis"] == "sigma_grid" and g["rows"] == ["edm8", "coarse4"]
     assert g["states"] == [["effect", "effect", "not_measured"], ["not_measured", "effect", "effect"]]
 
@@ -216,7 +223,8 @@ def test_heatmap_titles_intervention_and_estimand_and_hatches_uncertain_cells(pi
 @pytest.mark.parametrize("state", ["fixture", "one_cell", "all_below_noise", "all_failed", "one_estimand"])
 def test_every_state_writes_a_png_without_warnings(state, pin_sweep, tmp_path):
     summary = {"fixture": pin_sweep, "one_cell": _summary(_point(0, ["a=1"], [_effect(0.2, 0.5, 0.01)])),
-               "all_below_noise": _summary(*(_point(j, [f"a={j}"], [_effect(s, None, None, e) for s in (0.1, 1.0)
+               "all_below_noise": _summary(*(_point(j, [f"a={j}"], [_effect(s, None, None, e)
+                                                                      for s in (0.1, 1.0)
                                                                       for e in ("all", "cond")])
                                              for j in (0, 1))),
                "all_failed": _summary(_point(0, ["a=1"], [_effect(0.2, 0.5, 0.01)], gates_passed=False)),
@@ -239,7 +247,8 @@ def test_sweep_report_words_plurals_and_flags(tmp_path):
     one["points"][0]["run_dir"] = str(tmp_path / "0")
     text = write_sweep_report(SweepDir(tmp_path), one).read_text()
     assert "1 point;" in text and "1 points" not in text
-    two = _summary(_point(0, ["x=1"], [_effect(0.2, 0.5, 0.01)]), _point(1, ["x=2"], valid=None, gates_passed=None))
+    two = _summary(_point(0, ["x=1"], [_effect(0.2, 0.5, 0.01)]),
+                   _point(1, ["x=2"], valid=None, gates_passed=None))
     for job, p in enumerate(two["points"]):
         p["run_dir"] = str(tmp_path / str(job))
     text = write_sweep_report(SweepDir(tmp_path), two).read_text()
@@ -256,7 +265,7 @@ def _scale(job, factor, overrides, effects):
 
 
 def test_rows_follow_the_interventions_declared_axis_whatever_the_overrides_say():
-    # Points named by experiment files, not by the knob: the declared axis (factor) orders and labels the rows.
+    # Points named by experiment files, not by the knob: the declared axis (factor) orders and labels rows.
     points = [_scale(0, 0.5, ["+experiment=half"], [_effect(0.2, 0.9, 0.01)]),
               _scale(1, 0.0, ["+experiment=ablate"], [_effect(0.2, 0.4, 0.01)])]
     for p in points:
@@ -269,7 +278,8 @@ def test_rows_follow_the_interventions_declared_axis_whatever_the_overrides_say(
 def test_the_axis_is_read_from_twinruns_classes_never_imported_from_a_run_directory():
     assert sweep_axis({"_target_": "twinrun.interventions.PinSigma", "sigma_pin": 1.2}) == \
         {"key": "intervention.sigma_pin", "value": 1.2}
-    assert sweep_axis({"_target_": "twinrun.interventions.ScaleInput", "factor": 2.0})["key"] == "intervention.factor"
+    axis = sweep_axis({"_target_": "twinrun.interventions.ScaleInput", "factor": 2.0})
+    assert axis["key"] == "intervention.factor"
     # a module nobody imported is not imported to find out (it would run code named by a file)
     assert sweep_axis({"_target_": "tw_never_imported_module.Evil", "x": 1}) is None
     assert "tw_never_imported_module" not in sys.modules

@@ -28,7 +28,6 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLoca
 
 from twinrun.files import atomic_write
 
-
 # ----------------------------------------------------------------------------- effect.png (one run)
 # One column per estimand; three rows: the change of direction (1 − debiased cos), the change of
 # size (norm ratio, log axis) and the signal each arm carried (debiased |μ|²), which is why a bin

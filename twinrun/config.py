@@ -148,6 +148,18 @@ class LauncherConfig:
 
 
 @dataclass
+class TrackerConfig:
+    # none | mlflow | wandb | tensorboard: the publish step also logs each reduced run there (the run
+    # directory stays the record; a sink that fails is one line and loses nothing). Outside the config
+    # hash, like the launcher: adding a tracker to a run never refuses its resume.
+    name: str = "none"
+    # The tracker's local store (MLflow's SQLite file and artifacts, W&B's offline runs, TensorBoard's
+    # event files); null = outputs/<name> under the directory the command ran in.
+    dir: str | None = None
+    project: str = "twinrun"  # MLflow experiment, W&B project, TensorBoard's top folder
+
+
+@dataclass
 class DeterminismConfig:
     # Pins results *within* one kernel path (deterministic algorithms, cuDNN benchmark off,
     # CUBLAS_WORKSPACE_CONFIG, explicit fp32 matmul precision, no TF32 in cuDNN). It cannot choose
@@ -177,6 +189,7 @@ class TwinrunConfig:
     sigma_grid: SigmaGridConfig = field(default_factory=SigmaGridConfig)
     reduce: ReduceConfig = field(default_factory=ReduceConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     arms: ArmsConfig = field(default_factory=ArmsConfig)
     # An earlier run's directory whose native twin is this run's reference (same protocol). The
@@ -247,6 +260,7 @@ def register_configs() -> None:
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
+    cs.store(group="schema/tracker", name="tracker", node=TrackerConfig)
 
 
 def expand_sweep(task: list[str]) -> list[list[str]]:

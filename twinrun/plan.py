@@ -26,6 +26,8 @@ from twinrun.files import atomic_write, write_json
 from twinrun.measures import measure_of
 from twinrun.measures.kind import Measure
 from twinrun.provenance.determinism import MATMUL_PRECISIONS
+from twinrun.provenance.version import twinrun_version
+from twinrun.publish.trackers import check_tracker
 from twinrun.storage.records import GATE_REPLICATE, RUN_FORMAT, RunRecord
 from twinrun.storage.rundir import RunDir, RunIndex
 
@@ -120,6 +122,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     arms, diff = derive_arms(cfg, intervention.name, replicate=bool(cfg.arms.replicate),
                              noop=intervention.noop())
     check_paths(cfg, run_dir)
+    check_tracker(OmegaConf.to_container(cfg.tracker, resolve=True))  # a sweep's points too, before any runs
     planned = kind.plan(cfg, intervention, arms, run_dir, validated)
     run: RunRecord = {
         "format": RUN_FORMAT,
@@ -133,6 +136,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
                        "signal_alpha": float(cfg.reduce.signal_alpha),
                        **({"groups": declared_groups(cfg.reduce)} if cfg.reduce.groups else {})},
         "units": [unit_entry(u, arms) for u in planned.units],
+        "twinrun": twinrun_version(),  # which twinrun planned it (version, git commit where there is one)
     }
     if dry_run:
         return run

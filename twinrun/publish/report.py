@@ -9,6 +9,7 @@ from pathlib import Path
 
 from twinrun.errors import StoreError
 from twinrun.files import atomic_write, read_json
+from twinrun.provenance.version import version_text
 from twinrun.publish.plots import effect_caption, plot_effect
 from twinrun.publish.render import noise_note, pm
 from twinrun.storage.rundir import EFFECT_PNG, REPORT_MD, RunIndex
@@ -87,8 +88,14 @@ def _job_line(job: dict, fp: dict, det: dict) -> str:
     return (f"job {job['index']}: {where} on {info.get('hostname')} (boot {str(info.get('boot_id'))[:8]}), "
             f"{device}, torch {kp['torch'].get('version')}, {kp['threads'].get('intra_op')} threads, "
             f"determinism {'on' if det.get('enabled') else 'off'}, kernel path "
-            f"{job['kernel_path_sha256'][:12]}, twinrun git {str((info.get('git') or {}).get('commit'))[:10]}"
-            f"{' (dirty)' if (info.get('git') or {}).get('dirty') else ''}")
+            f"{job['kernel_path_sha256'][:12]}{_git_text(info.get('git') or {})}")
+
+
+def _git_text(git: dict) -> str:
+    """`, twinrun git 1a2b3c4d5e (dirty)`; nothing outside a git checkout (the version line says which)."""
+    if not git.get("commit"):
+        return ""
+    return f", twinrun git {str(git['commit'])[:10]}{' (dirty)' if git.get('dirty') else ''}"
 
 
 def plot_context(index: RunIndex) -> dict:
@@ -113,6 +120,7 @@ def _header(out_dir: Path, summary: dict) -> list[str]:
                   f"{'passed' if ph['registered_passed'] else '**FAILED**'} and stands (RUN/report.md)."), ""]
     else:
         lines += [f"Registered analysis (recorded at plan time): `{summary['registered']}`.", ""]
+    lines += [f"Written by {version_text(summary.get('twinrun'))}.", ""]
     ok = summary["passed"]
     lines += ["## Verdict", "",
               "**VALID** — every validity check and no-op gate passed; effects below." if ok else

@@ -11,6 +11,7 @@ from pathlib import Path
 from twinrun.errors import StoreError
 from twinrun.files import atomic_write, write_json
 from twinrun.interventions import sweep_axis
+from twinrun.provenance.version import twinrun_version
 from twinrun.publish.plots import plot_sweep, sweep_caption, swept_variables
 from twinrun.publish.seeds import TEST_NAME, disagreements, pool_seeds
 from twinrun.storage.rundir import RunIndex
@@ -151,7 +152,8 @@ def write_sweep_summary(sweep_dir: Path) -> dict:
                                "se": e["se"], "run_dir": p["run_dir"]})
     summary = {"sweep_dir": str(sd.path), "n_points": len(points),
                "all_valid": all(p["valid"] and p["gates_passed"] for p in points) if points else False,
-               "points": points, "effects": effect_map, "pooled_over_seeds": pool_seeds(points)}
+               "points": points, "effects": effect_map, "pooled_over_seeds": pool_seeds(points),
+               "twinrun": twinrun_version()}
     write_json(sd.summary_json, summary)
     write_sweep_report(sd, summary)
     print(f"twinrun: sweep summary of {len(points)} points in {sd.summary_json}", flush=True)

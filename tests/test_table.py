@@ -18,7 +18,8 @@ def seed_sweep(tmp_path_factory):
     """A reduced 3-seed sweep of pin_sigma (one knob fixed) and one lone run of another setting."""
     root = tmp_path_factory.mktemp("table")
     sweep = root / "sweep"
-    proc = run_twinrun(["-m", "+experiment=pin_sigma", *TINY, "probe.n_images=60", "probe.n_folds=6",
+    proc = run_twinrun(["-m", "+experiment=pin_sigma", *TINY, "probe.n_images=290",
+                        "probe.n_draws=1", "probe.n_folds=20",
                         "seed=0,1,2", f"hydra.sweep.dir={sweep}"], cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = root / "run"
@@ -104,8 +105,8 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch):
         table_cli.main([str(tmp_path)])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"twinrun: error: {tmp_path}: holds no run.json and no sweep point: give a run or a "
-                   "sweep directory"]
+    assert err == [(f"twinrun: error: {tmp_path}: holds no run.json and no sweep point: give a run or a "
+                    "sweep directory")]
     monkeypatch.setattr(table, "pd", None)  # the extra not installed
     with pytest.raises(SystemExit) as exc:
         table_cli.main([str(tmp_path)])

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,6 +42,9 @@ def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None) -> 
     their locks); None = every pending unit.
     """
     rd = RunDir(run_dir)
+    # A library's UserWarning (torch's "no batching rule for SDPA" under vmap) once per job, not once per
+    # call site and again each time some import resets Python's per-module registries.
+    warnings.filterwarnings("once", category=UserWarning)
     with run_lock(rd.lock, _unit_locks(rd, units), shared=units is not None):
         if units is None:  # with units, another element may be writing: its temp files are not stale
             for stale in rd.tmp_files():  # a write cut short by a kill: never read

@@ -67,8 +67,11 @@ def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, 
     submitted = submit(run_dirs, launcher, folder_root, trusted)
     if not launcher["wait"]:
         where = run_dirs[0] if len(run_dirs) == 1 else folder_root
-        print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`, "
-              "then reduce each run with `python -m twinrun.reduce RUN_DIR`")
+        reduce = (f"python -m twinrun.reduce {where}" if len(run_dirs) == 1
+                  else f"python -m twinrun.sweep {where}")
+        print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`; "
+              f"once measured, `{reduce}` reduces {'it' if len(run_dirs) == 1 else 'every point'} (status "
+              "says so too)", flush=True)
         return EXIT_OK
     failed = wait(submitted, launcher)
     return max(failed.get(Path(r).resolve()) or reduce_and_publish(r, tracker=tracker) for r in run_dirs)

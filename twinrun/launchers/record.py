@@ -124,8 +124,7 @@ def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
     units = ", ".join(f"{arm} {n}/{prog['n_units']}" for arm, n in prog["done"].items())
     launch = prog["launch"]
     elements = (launch or {}).get("elements") or []
-    job = (f"jobs {', '.join(str(e.get('job_id')) for e in elements)}" if elements
-           else f"job {launch['job_id']}" if launch else "no job")
+    job = _jobs_text(elements) if elements else f"job {launch['job_id']}" if launch else "no job"
     line = f"{run_dir}: {prog['status']}; {job}{f' {state}' if state else ''}; units done: {units}"
     failure = prog["failure"]
     if failure:
@@ -135,6 +134,15 @@ def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
     if prog.get("verdict"):
         line += f"; {prog['verdict']}"
     return line
+
+
+def _jobs_text(elements: list[dict]) -> str:
+    """A run's element jobs: "job array 123 (6 elements)" when they are one array, else their ids."""
+    ids = [str(e.get("job_id")) for e in elements]
+    arrays = {i.partition("_")[0] for i in ids}
+    if len(arrays) == 1 and all("_" in i for i in ids):
+        return f"job array {arrays.pop()} ({len(ids)} elements)"
+    return f"jobs {', '.join(ids)}"
 
 
 def submitted_launcher(rd: RunDir) -> dict | None:

@@ -53,7 +53,8 @@ def describe_protocol(protocol: dict | None) -> str:
     """`40 images × 4 draws, 8 folds` from a `probe` config node (or anything with those three keys)."""
     if not protocol:
         return "protocol not given"
-    return (f"{protocol.get('n_images', '?')} images × {protocol.get('n_draws', '?')} draws, "
+    draws = protocol.get("n_draws", "?")
+    return (f"{protocol.get('n_images', '?')} images × {draws} draw{'' if draws == 1 else 's'}, "
             f"{protocol.get('n_folds', '?')} folds")
 
 

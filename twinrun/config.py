@@ -124,6 +124,10 @@ class LauncherConfig:
     # pair: one job per run (every bin in one process) | bins: one job per bin, as a job array (both
     # arms of a bin in one process); pin the GPU type with `constraint` (docs/slurm.md).
     split: str = "pair"
+    # Twin runs (sweep points, seeds) per SLURM job: 1 = a job each; N > 1 = N runs in one job on one
+    # node, one process per run (each pair still one process), each given one GPU by
+    # CUDA_VISIBLE_DEVICES; ask for gpus_per_node = N (or 0 on CPUs). A requeue requeues the pack.
+    pack: int = 1
     # SLURM knobs (submitit's names; units in the names). None = the cluster's default.
     partition: str | None = None
     account: str | None = None

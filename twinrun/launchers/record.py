@@ -30,6 +30,9 @@ def validate_launch(path: Path, launch: dict) -> dict:
     _validate_job_record(c, launch, "", cluster)
     c.get(launch, "folder", "folder", str)
     c.get(launch, "launcher", "launcher", dict)
+    pack = c.get(launch, "pack", "pack", list, optional=True) or []
+    if not all(isinstance(r, str) for r in pack):
+        c.fail("pack", f"{show(pack)} is not a list of run directories")
     # launcher.split=bins: every element's job (its units, id and logs)
     for i, element in enumerate(c.get(launch, "elements", "elements", list, optional=True) or []):
         if not isinstance(element, dict):
@@ -85,6 +88,8 @@ def write_launch(run_dir: Path, submitted: list, cluster: str, launcher: dict, w
     }
     if submitted[0][0].units is not None:
         record["elements"] = [{"units": e.units, **_job_record(j)} for e, j in submitted]
+    if submitted[0][0].pack:  # launcher.pack: the runs measured beside this one, by the same job
+        record["pack"] = [str(r) for r in submitted[0][0].pack]
     write_json(path, record)
 
 
@@ -125,6 +130,8 @@ def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
     launch = prog["launch"]
     elements = (launch or {}).get("elements") or []
     job = _jobs_text(elements) if elements else f"job {launch['job_id']}" if launch else "no job"
+    if launch and launch.get("pack"):
+        job += f" (a pack of {len(launch['pack'])} runs)"
     line = f"{run_dir}: {prog['status']}; {job}{f' {state}' if state else ''}; units done: {units}"
     failure = prog["failure"]
     if failure:

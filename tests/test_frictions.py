@@ -126,3 +126,12 @@ def test_readme_says_how_to_run_the_installed_command_and_its_first_example_read
     first = re.search(r"^(?:twinrun|python -m twinrun) \+experiment=\S+.*$", block, re.MULTILINE).group(0)
     # the default protocol (297 images × 8 draws) reads every effect of pin_sigma: no shrunken probe
     assert "n_images" not in first and "n_draws" not in first, first
+
+
+@pytest.mark.slow
+def test_hydra_sweeper_params_on_the_command_line_is_one_line_not_a_traceback(tmp_path):
+    proc = run_twinrun(["-m", "+experiment=pin_sigma", '++hydra.sweeper.params.probe.n_draws="2,3"',
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "File " not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hydra.sweeper.params is for a YAML file" in lines[0], lines

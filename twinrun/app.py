@@ -330,9 +330,15 @@ class _HeldStderr:
 
     def one_line(self) -> str:
         text = self.buffer.getvalue().partition("Config search path:")[0]
+        if "Traceback (most recent call last):" in text:
+            # An error Hydra did not expect comes with its traceback: its last line says what happened.
+            text = [ln for ln in text.splitlines() if ln.strip() and not ln[:1].isspace()][-1]
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         kept = [ln for ln in lines if not ln.startswith(self.NOISE)]
         hint = "check the key against `python -m twinrun --cfg job`; `--help` lists the config groups"
+        if any("hydra.sweeper.params" in a for a in sys.argv[1:]):
+            hint = ("on the command line a sweep is a comma list (`-m key=a,b`); hydra.sweeper.params is for "
+                    "a YAML file (`hydra: {sweeper: {params: {key: a,b}}}`)")
         return f"{'; '.join(kept) or 'Hydra could not compose the config'} (hint: {hint})"
 
 

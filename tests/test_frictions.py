@@ -135,3 +135,21 @@ def test_hydra_sweeper_params_on_the_command_line_is_one_line_not_a_traceback(tm
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "File " not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "hydra.sweeper.params is for a YAML file" in lines[0], lines
+
+
+def test_a_warning_raised_without_a_registry_is_shown_once():
+    """torch raises its C++ warnings with no registry, which Python's own "once" cannot hold back:
+    warn_once shows each (category, text) once; another text still shows."""
+    import warnings
+
+    from twinrun.job import warn_once
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        warn_once()
+        for _ in range(3):  # planning's trial, the job's trial, the first bin
+            warnings.warn_explicit("no batching rule for aten::sdpa", UserWarning, "attention.py", 7,
+                                   registry=None)
+        warnings.warn_explicit("another", UserWarning, "attention.py", 7, registry=None)
+        warn_once()  # idempotent: not wrapped twice
+    assert [str(w.message) for w in shown] == ["no batching rule for aten::sdpa", "another"]

@@ -130,28 +130,20 @@ def test_a_sweep_packed_into_one_job_reproduces_each_pair(tmp_path, slurm_args, 
 
 @pytest.mark.slurm
 def test_a_preempted_pack_requeues_whole_and_each_run_resumes(tmp_path, slurm_args, model_args):  # noqa: F811
-    common = ["+experiment=pin_sigma", "probe.n_images=40", "probe.n_draws=48", "probe.n_folds=8",
+    # the default 8-bin grid, bins long enough that USR2 lands while both processes measure
+    common = ["+experiment=pin_sigma", "probe.n_images=16", "probe.n_draws=16", "probe.n_folds=4",
               *model_args]
     sweep = tmp_path / "sweep"
     job = subprocess.Popen([sys.executable, "-m", "twinrun", "-m", *common, *slurm_args, "launcher.pack=2",
-                            "seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-
-    def whole(run_dir):
-        try:
-            return [u for u in RunIndex.load(run_dir).units if all(e["status"] == "done"
-                                                                     for e in u["stores"].values())]
-        except Exception:  # noqa: BLE001 — not planned yet
-            return []
-
-    while min(len(whole(sweep / "0")), len(whole(sweep / "1"))) < 1:
-        assert time.time() < deadline and job.poll() is None, "the pack did not finish a bin of each run"
-        time.sleep(0.1)
-    launched = launch_json(sweep / "0")
-    subprocess.run(["scancel", "--signal=USR2", launched["job_id"]], check=True)
-    _, err = job.communicate(timeout=400)
+                            "launcher.cpus_per_task=2", "seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _preempt_mid_run(job, sweep)
+        _, err = job.communicate(timeout=600)
+    finally:
+        job.kill()
     assert job.returncode == 0, err[-3000:]
+    launched = launch_json(sweep / "0")
     assert final_state(launched["job_id"]) == "COMPLETED 0:0"
     log = Path(launched["stdout"]).read_text()
     assert "stopping 2 process(es) of the pack; requeueing it whole" in log and "Requeued job" in log
@@ -159,4 +151,22 @@ def test_a_preempted_pack_requeues_whole_and_each_run_resumes(tmp_path, slurm_ar
         jobs = run_json(sweep / p)["jobs"]
         assert len(jobs) == 2 and {j["slurm_job_id"] for j in jobs} == {launched["job_id"]}
         assert RunDir(sweep / p).read_summary()["passed"]
-    assert log.count("resuming:") == 2  # each run, on the second start, skipped its finished units
+    assert log.count("twinrun: resuming:") == 2  # each run, on the second start, kept its finished bins
+
+
+def _whole(run_dir: Path) -> int:
+    try:
+        units = RunIndex.load(run_dir).units
+    except Exception:  # noqa: BLE001 — not planned yet
+        return 0
+    return sum(all(e["status"] == "done" for e in u["stores"].values()) for u in units)
+
+
+def _preempt_mid_run(job, sweep: Path) -> None:
+    """USR2 to the pack's job (what a preemption sends) once both runs have a bin but neither all."""
+    deadline = time.time() + 600  # queueing, planning and two processes on a loaded 2-core machine
+    while min(_whole(sweep / "0"), _whole(sweep / "1")) < 1:
+        assert time.time() < deadline and job.poll() is None, "the pack did not finish a bin of each run"
+        time.sleep(0.1)
+    assert max(_whole(sweep / "0"), _whole(sweep / "1")) < 8, "a run finished before the signal: lengthen it"
+    subprocess.run(["scancel", "--signal=USR2", launch_json(sweep / "0")["job_id"]], check=True)

@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.config import TwinrunConfig, expand_sweep, register_configs
 from twinrun.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, ConfigError, Interrupted, TwinrunError, fail
-from twinrun.job import raise_on_sigterm
+from twinrun.job import raise_on_sigterm, warn_once
 from twinrun.pipeline import Point, check_launcher, run_point, submit_sweep
 from twinrun.plan import plan_run
 from twinrun.publish.sweep import write_sweep_summary
@@ -362,6 +362,7 @@ def main() -> None:
         OmegaConf.register_new_resolver("twinrun.config_groups", _config_groups)
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
     raise_on_sigterm()
+    warn_once()
     held = _HeldStderr()
     _state["held_stderr"] = held
     try:

@@ -147,6 +147,9 @@ class PackedJob(submitit.helpers.Checkpointable):
 def main(argv: list[str]) -> int:
     """One process of a pack: the pair job of one run; its exit code is the run's (0, or the error's)."""
     raise_on_sigterm()
+    # SLURM signals every process of the step: the pack's own process answers USR2 (it stops this one
+    # with SIGTERM, then requeues the pack); here USR2's default would end the run unrecorded.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     run_dir, trusted = argv[0], argv[1:]
     try:
         PairJob(run_dir, trusted)()

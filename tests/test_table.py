@@ -88,9 +88,8 @@ def test_csv_and_parquet_round_trip_through_the_command_line(seed_sweep, tmp_pat
     back = pd.read_csv(tmp_path / "t.csv")
     assert list(back.columns) == list(want.columns) and len(back) == len(want)
     assert back.cos.dropna().tolist() == pytest.approx(want.cos.dropna().tolist(), rel=1e-12)
-    assert table_cli.main([str(run), "--parquet", str(tmp_path / "t.parquet")]) == 0
-    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "t.parquet"), table.load(run),
-                                  check_dtype=False)
+    assert table_cli.main([str(sweep), str(run), "--parquet", str(tmp_path / "t.parquet")]) == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "t.parquet"), want, check_dtype=False)
     assert "rows ×" in capsys.readouterr().err
     assert table_cli.main([str(run)]) == 0  # no file: CSV on stdout
     assert capsys.readouterr().out.startswith("row_kind,run_dir,")

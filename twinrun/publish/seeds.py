@@ -94,7 +94,8 @@ def _cell(group: dict, sigma: float, estimand: str, alpha: float) -> dict:
     effect = _pooled([1 - r["cos"] for _, r in rows], [r["se"] for _, r in rows], dfs, "effect", alpha)
     ratio = _pooled([r["norm_ratio"] for _, r in rows], [r["norm_ratio_se"] for _, r in rows], dfs,
                     "norm_ratio", alpha)
-    return {"fixed": group["fixed"], "sigma": sigma, "estimand": estimand, "seeds": [s for s, _ in rows],
+    return {"fixed": group["fixed"], "run_dirs": [p["run_dir"] for p in group["points"]], "sigma": sigma,
+            "estimand": estimand, "seeds": [s for s, _ in rows],
             "n_seeds": len(rows), "below_noise_seeds": below, "withheld_seeds": missing, "test": TEST_NAME,
             "alpha": alpha, **effect, **ratio}
 

@@ -120,13 +120,17 @@ def run_rows(run_dir: Path, sweep_dir: Path | None = None) -> list[dict]:
 
 def pooled_rows(sweep_dir: Path) -> list[dict]:
     """A sweep's σ × estimand pooled over seeds (points alike in every override but `seed`)."""
-    out = []
+    out, typed = [], {}
     for c in pool_seeds(collect_points(SweepDir(sweep_dir))):
+        first = Path(c["run_dirs"][0])
+        if first not in typed:  # the group's shared overrides, typed as the run rows type them
+            index = RunIndex.load(first)
+            typed[first] = _overrides(first, index.run_dir.read_arm_config(index.arm("intervention")["name"]))
         numbers = {k: v for k, v in c.items() if k.startswith(("effect_", "norm_ratio_"))}
         out.append({"row_kind": "pooled over seeds", "sweep_dir": str(sweep_dir), "sigma": c["sigma"],
                     "estimand": c["estimand"], "effect": c["effect_mean"], "norm_ratio": c["norm_ratio_mean"],
                     "n_seeds": c["n_seeds"], "seeds": ",".join(map(str, c["seeds"])), **numbers,
-                    **c["fixed"]})
+                    **{k: typed[first].get(k, v) for k, v in c["fixed"].items() if k not in COLUMNS}})
     return out
 
 

@@ -97,6 +97,11 @@ def test_installed_wheel_runs_every_documented_command_from_anywhere(installed):
     assert run.returncode == 0, run.stderr[-2000:]
     run_dir = installed["cwd"] / "default"
     assert json.loads((run_dir / "summary.json").read_text())["valid"] is True
+    # every record names the twinrun that wrote it: a wheel has its version and no git checkout
+    for record in ("summary.json", "run.json"):
+        assert json.loads((run_dir / record).read_text())["twinrun"]["version"] == "0.1.0"
+        assert json.loads((run_dir / record).read_text())["twinrun"]["commit"] is None
+    assert "Written by twinrun 0.1.0 (no git checkout)." in (run_dir / "report.md").read_text()
 
     # The console command is `python -m twinrun`: same tiny run, same stores, bit for bit.
     tiny = [*TINY, "+experiment=pin_sigma"]

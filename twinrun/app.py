@@ -10,6 +10,7 @@ A sweep's state lives in its Hydra callback (SweepCallback, registered in conf/h
 import contextlib
 import functools
 import io
+import logging
 import os
 import re
 import secrets
@@ -24,9 +25,11 @@ from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.config import TwinrunConfig, expand_sweep, register_configs
 from twinrun.errors import (
@@ -40,6 +43,7 @@ from twinrun.errors import (
     raise_on_signals,
 )
 from twinrun.files import refuse_links
+from twinrun.job import warn_once
 from twinrun.pipeline import Point, check_launcher, run_point, submit_sweep
 from twinrun.plan import plan_run
 from twinrun.publish.sweep import write_sweep_summary
@@ -170,10 +174,16 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         _release_stderr()
         try:
-            check_sweep(expand_sweep(list(config.hydra.overrides.task)), set(config.hydra.runtime.choices),
-                        Path(config.hydra.sweep.dir))
+            points = expand_sweep(sweep_overrides(config))
+            check_sweep(points, set(config.hydra.runtime.choices), Path(config.hydra.sweep.dir))
         except TwinrunError as err:
             fail(err)  # nothing was written yet: Hydra makes the sweep directory when the jobs start
+        if config.launcher.name != "local":
+            # Hydra's own launcher plans each point in this process and says "Launching N jobs locally"
+            # just before twinrun submits them as one job array: say what happens instead, once.
+            logging.getLogger(HYDRA_LAUNCHER_LOG).setLevel(logging.WARNING)
+            print(f"twinrun: planning {len(points)} sweep points here; launcher={config.launcher.name} then "
+                  "submits them together, as one job array", flush=True)
 
     @_loud
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
@@ -195,6 +205,16 @@ class SweepCallback(Callback):
         if launcher is None or launcher["wait"]:
             write_sweep_summary(sweep_dir)
         raise SystemExit(max(self.codes or [EXIT_OK]))
+
+
+HYDRA_LAUNCHER_LOG = "hydra._internal.core_plugins.basic_launcher"
+
+
+def sweep_overrides(config: DictConfig) -> list[str]:
+    """Every override the sweep expands, as Hydra's basic sweeper gathers them: `hydra.sweeper.params`
+    (a YAML file's sweep) first, then the command line's, which win on the same key."""
+    params = config.hydra.sweeper.get("params") or {}
+    return [*(f"{k}={v}" for k, v in params.items()), *config.hydra.overrides.task]
 
 
 def refuse_unknown_additions(overrides: list[str], groups: set[str]) -> None:
@@ -274,7 +294,7 @@ def check_sweep(points: list[list[str]], choices: set[str], sweep_dir: Path | No
     for number, overrides in enumerate(points):
         try:
             refuse_unknown_additions(list(overrides), choices)
-            cfg = compose(config_name="config", overrides=list(overrides))
+            cfg = _compose(list(overrides))
             launchers.append(check_launcher(cfg))
             plan_run(cfg, sweep_dir, dry_run=True)
         except TwinrunError as err:
@@ -286,6 +306,18 @@ def check_sweep(points: list[list[str]], choices: set[str], sweep_dir: Path | No
                                "sweep the experiment, not the launcher; nothing was run")
     if points:
         print(f"twinrun: all {len(points)} sweep points validated", flush=True)
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """One sweep point's config; Hydra's refusal (a typo'd key, a bad type or option in a YAML file's
+    `hydra.sweeper.params`, which Hydra composes only when the point runs) as one line."""
+    try:
+        return compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        said = [line.strip() for line in str(err).splitlines() if line.strip()]
+        cause = err.__cause__
+        why = f" ({str(cause).splitlines()[0]})" if cause is not None and str(cause) else ""
+        raise TwinrunError(f"{said[0] if said else type(err).__name__}{why}") from None
 
 
 def discard_unplanned(run_dir: Path,
@@ -340,9 +372,15 @@ class _HeldStderr:
         cannot = self._cannot_create(text)
         if cannot is not None:
             return cannot
+        if "Traceback (most recent call last):" in text:
+            # An error Hydra did not expect comes with its traceback: its last line says what happened.
+            text = [ln for ln in text.splitlines() if ln.strip() and not ln[:1].isspace()][-1]
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         kept = [ln for ln in lines if not ln.startswith(self.NOISE)]
         hint = "check the key against `python -m twinrun --cfg job`; `--help` lists the config groups"
+        if any("hydra.sweeper.params" in a for a in sys.argv[1:]):
+            hint = ("on the command line a sweep is a comma list (`-m key=a,b`); hydra.sweeper.params is for "
+                    "a YAML file (`hydra: {sweeper: {params: {key: a,b}}}`)")
         return f"{'; '.join(kept) or 'Hydra could not compose the config'} (hint: {hint})"
 
     @staticmethod
@@ -358,7 +396,19 @@ class _HeldStderr:
                 f"each name at most 255 bytes ({key}=...)")
 
 
+MODES = ({"-m", "--multirun"}, {"-c", "--cfg"})
+
+
+def refuse_mixed_modes(argv: list[str]) -> None:
+    """Hydra takes one of --multirun and --cfg and raises a traceback on both: one line, exit 2."""
+    flags = {a.partition("=")[0] for a in argv}
+    if all(flags & mode for mode in MODES):
+        fail(TwinrunError("--cfg with -m: Hydra prints the config of one run, not of a sweep; drop -m and "
+                          "give one point's values (e.g. intervention.sigma_pin=0.5 --cfg job)"))
+
+
 def main() -> None:
+    refuse_mixed_modes(sys.argv[1:])
     register_configs()
     if not OmegaConf.has_resolver("twinrun.unique"):
         OmegaConf.register_new_resolver("twinrun.unique", _unique)
@@ -366,6 +416,7 @@ def main() -> None:
         OmegaConf.register_new_resolver("twinrun.config_groups", _config_groups)
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
     raise_on_signals()
+    warn_once()
     held = _HeldStderr()
     _state["held_stderr"] = held
     try:

@@ -15,8 +15,9 @@ from twinrun.files import SAFE_NAME
 
 INTERVENTION_KEY = "intervention"
 NATIVE = {"_target_": "twinrun.interventions.Native"}
-# How a run is launched, and what it is later compared with, do not enter its result.
-EXCLUDED = ("hydra", "launcher", "reference")
+# How a run is launched, where it is also logged, and what it is later compared with, do not enter its
+# result.
+EXCLUDED = ("hydra", "launcher", "tracker", "reference")
 
 
 class NotATwin(TwinrunError):

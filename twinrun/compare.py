@@ -7,8 +7,10 @@ update, and B's held-out loss minus A's with its paired SE (same images, same dr
 A and B are run directories (their native twin, or `--arm NAME`), arm directories
 (RUN/arms/NAME; the gate replicate, RUN/arms/native_replicate, is compared at its gate bins) or
 single store files. Prints, per bin and estimand (every estimand of the
-registry, residual included), B against A: the debiased cosine and norm ratio |μ_B| / |μ_A| with
-their SEs, bit-identity and the max relative difference of the sums. If their kernel paths differ
+registry, residual included), A against B, B being the baseline as the twin is in a report: the
+debiased cosine and norm ratio |μ_A| / |μ_B| with their SEs, bit-identity and the max relative
+difference of the sums; `residual` removes B's mean over bins from both. So `compare RUN/arms/ARM
+RUN/arms/native` prints the report's own effects. If their kernel paths differ
 and no same-environment control vouches for B (A's run has B as its reference and, recomputed
 from the stores now, today's twin reproduces it), it refuses with exit 3 and lists the differing
 fingerprint fields; `--force` prints the numbers anyway, every one marked INVALID, and exits 3.
@@ -205,7 +207,7 @@ def main(argv=None) -> int:
         measured = measured_fields(a, b)
         # Read first: bit-identical stores are bit-identical whatever their kernel-path records say;
         # the refusal is for numbers that differ.
-        rows = cross_estimates(a, b, ReduceConfig().signal_alpha)
+        rows = cross_estimates(b, a, ReduceConfig().signal_alpha)  # A against the baseline B
         label = verdict(rows, fields, measured)
         if label is None and vouched(run_a, run_b):
             label = f"vouched: {run_a}'s same-environment twin found {run_b} alive"
@@ -223,7 +225,7 @@ def main(argv=None) -> int:
         close(b)
     print(f"twinrun compare: {args.a} vs {args.b} [{label}]")
     print(f"  {'σ':>6}  {'estimand':<9} {'bit-identical':>13} {'max rel diff':>12} {'debiased cos ± se':>24} "
-          f"{'norm ratio B/A ± se':>24} {'naive cos':>10}")
+          f"{'norm ratio A/B ± se':>24} {'naive cos':>10}")
     mark = "  INVALID" if label.startswith("INVALID") else ""
     for r in rows:
         print(f"  {r['sigma']:>6g}  {r['estimand']:<9} {'yes' if r['bit_identical'] else 'no':>13} "

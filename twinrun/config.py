@@ -186,6 +186,10 @@ class LauncherConfig:
     # pair: one job per run (every bin in one process) | bins: one job per bin, as a job array (both
     # arms of a bin in one process); pin the GPU type with `constraint` (docs/slurm.md).
     split: str = "pair"
+    # Twin runs (sweep points, seeds) per SLURM job: 1 = a job each; N > 1 = N runs in one job on one
+    # node, one process per run (each pair still one process), each given one GPU by
+    # CUDA_VISIBLE_DEVICES; ask for gpus_per_node = N (or 0 on CPUs). A requeue requeues the pack.
+    pack: int = 1
     # SLURM knobs (submitit's names; units in the names). None = the cluster's default.
     partition: str | None = None
     account: str | None = None
@@ -207,6 +211,18 @@ class LauncherConfig:
     # submitit's pickles and logs, relative to the run (or sweep) directory.
     folder: str = "submitit"
     poll_s: float = 2.0  # how often waiting reads the run directory
+
+
+@dataclass
+class TrackerConfig:
+    # none | mlflow | wandb | tensorboard: the publish step also logs each reduced run there (the run
+    # directory stays the record; a sink that fails is one line and loses nothing). Outside the config
+    # hash, like the launcher: adding a tracker to a run never refuses its resume.
+    name: str = "none"
+    # The tracker's local store (MLflow's SQLite file and artifacts, W&B's offline runs, TensorBoard's
+    # event files); null = outputs/<name> under the directory the command ran in.
+    dir: str | None = None
+    project: str = "twinrun"  # MLflow experiment, W&B project, TensorBoard's top folder
 
 
 @dataclass
@@ -241,6 +257,7 @@ class TwinrunConfig:
     sigma_grid: SigmaGridConfig = field(default_factory=SigmaGridConfig)
     reduce: ReduceConfig = field(default_factory=ReduceConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     arms: ArmsConfig = field(default_factory=ArmsConfig)
     # An earlier run's directory whose native twin is this run's reference (same protocol). The
@@ -319,6 +336,7 @@ def register_configs() -> None:
     cs.store(group="schema/train", name="train", node=TrainConfig)
     cs.store(group="schema/data", name="digits_train", node=DigitsTrainDataConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
+    cs.store(group="schema/tracker", name="tracker", node=TrackerConfig)
 
 
 def expand_sweep(task: list[str]) -> list[list[str]]:

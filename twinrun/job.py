@@ -12,6 +12,7 @@ import hashlib
 import json
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None) -> 
     their locks); None = every pending unit.
     """
     rd = RunDir(run_dir)
+    warn_once()
     with run_lock(rd.lock, _unit_locks(rd, units), shared=units is not None):
         if units is None:  # with units, another element may be writing: its temp files are not stale
             for stale in rd.tmp_files():  # a write cut short by a kill: never read
@@ -63,6 +65,26 @@ def _unit_locks(rd: RunDir, units: list[int] | None) -> list[Path]:
     except TwinrunError:
         pass  # a damaged run.json is refused by whoever reads it next, with its own message
     return [rd.unit_lock(i) for i in sorted(found)]
+
+
+def warn_once() -> None:
+    """From now on this process shows each warning (category and text) once. torch raises its C++
+    warnings (e.g. "no batching rule for SDPA" under vmap) without a registry, so Python's own "once"
+    and "default" filters cannot hold them back: planning's trial, the job's trial and every bin would
+    each print it again. Idempotent; called by every entry point that measures."""
+    show = warnings.showwarning
+    if getattr(show, "twinrun_once", False):
+        return
+    seen: set = set()
+
+    def once(message, category, filename, lineno, file=None, line=None):
+        key = (category, str(message))
+        if key not in seen:
+            seen.add(key)
+            show(message, category, filename, lineno, file, line)
+
+    once.twinrun_once = True
+    warnings.showwarning = once
 
 
 def _measure(index: RunIndex, arms: list, units: list[int] | None) -> RunRecord:

@@ -21,6 +21,7 @@ from twinrun.measures.registry import measure_of
 from twinrun.plan import plan_run, trusted_targets
 from twinrun.publish import publish
 from twinrun.publish.sweep import write_sweep_summary
+from twinrun.publish.trackers import check_tracker
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.sweepdir import SweepDir
 
@@ -33,6 +34,7 @@ class Point(NamedTuple):
     code: int | None
     launcher: dict | None
     trusted: tuple
+    tracker: dict | None = None  # where the reduced run is also logged (check_tracker's), None: nowhere
 
 
 def check_launcher(cfg: DictConfig) -> dict:
@@ -47,33 +49,41 @@ def run_point(cfg: DictConfig, run_dir: Path, command: str | None, sweeping: boo
     """Plan one run, then measure and reduce it (local), submit it, or defer it to the sweep's array."""
     trusted = tuple(trusted_targets(cfg))  # the user composed this config: its builders may run
     launcher = check_launcher(cfg)  # bad launcher settings fail before a run directory is written
+    tracker = check_tracker(OmegaConf.to_container(cfg.tracker, resolve=True))
     plan_run(cfg, run_dir, command=command)
     print(f"twinrun: run directory {run_dir}", flush=True)
     if launchers.LAUNCHERS[launcher["name"]].in_process:
         run_job(run_dir, trusted)
-        return Point(run_dir, reduce_and_publish(run_dir), launcher, trusted)
+        return Point(run_dir, reduce_and_publish(run_dir, tracker=tracker), launcher, trusted, tracker)
     if sweeping:
-        return Point(run_dir, None, launcher, trusted)
-    return Point(run_dir, submit_and_collect([run_dir], launcher, run_dir, trusted), launcher, trusted)
+        return Point(run_dir, None, launcher, trusted, tracker)
+    code = submit_and_collect([run_dir], launcher, run_dir, trusted, tracker)
+    return Point(run_dir, code, launcher, trusted, tracker)
 
 
-def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=()) -> int:
+def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, trusted=(),
+                       tracker: dict | None = None) -> int:
     """Submit the runs (one job, or one array), wait unless told not to, reduce each."""
     submitted = submit(run_dirs, launcher, folder_root, trusted)
     if not launcher["wait"]:
         where = run_dirs[0] if len(run_dirs) == 1 else folder_root
-        print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`, "
-              "then reduce each run with `python -m twinrun.reduce RUN_DIR`")
+        reduce = (f"python -m twinrun.reduce {where}" if len(run_dirs) == 1
+                  else f"python -m twinrun.sweep {where}")
+        print(f"twinrun: not waiting (launcher.wait=false); follow with `python -m twinrun.status {where}`; "
+              f"once measured, `{reduce}` reduces {'it' if len(run_dirs) == 1 else 'every point'} (status "
+              "says so too)", flush=True)
         return EXIT_OK
     failed = wait(submitted, launcher)
-    return max(failed.get(Path(r).resolve()) or reduce_and_publish(r) for r in run_dirs)
+    return max(failed.get(Path(r).resolve()) or reduce_and_publish(r, tracker=tracker) for r in run_dirs)
 
 
-def reduce_and_publish(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None) -> int:
-    """Reduce a measured run with its kind's analysis, publish it, print it; the exit code."""
+def reduce_and_publish(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None,
+                       tracker: dict | None = None) -> int:
+    """Reduce a measured run with its kind's analysis, publish it (and log it to the tracker, when one
+    is given), print it; the exit code."""
     kind = measure_of(RunIndex.load(run_dir).measure)
     reduction = kind.reduce(Path(run_dir), estimands, gate_rule, signal_alpha)
-    publish(reduction, kind.report)
+    publish(reduction, kind.report, tracker)
     print(kind.render(reduction.shown), flush=True)
     return reduction.exit_code
 
@@ -98,7 +108,8 @@ def _probe_compile(rd: RunDir):
 def submit_sweep(points: list[Point], sweep_dir: Path) -> int:
     """The points a submitit launcher deferred, as one job array; then wait and reduce each."""
     trusted = sorted({t for p in points for t in p.trusted})
-    return submit_and_collect([p.run_dir for p in points], points[0].launcher, sweep_dir, trusted)
+    return submit_and_collect([p.run_dir for p in points], points[0].launcher, sweep_dir, trusted,
+                              points[0].tracker)
 
 
 def reduce_sweep(sweep_dir: Path, resume: bool, local: bool, trusted: list[str]) -> int:

@@ -33,6 +33,8 @@ from twinrun.interventions import check_protocol
 from twinrun.measures.kind import Measure
 from twinrun.measures.registry import MEASURES, measure_of
 from twinrun.provenance.determinism import MATMUL_PRECISIONS
+from twinrun.provenance.version import twinrun_version
+from twinrun.publish.trackers import check_tracker
 from twinrun.storage.records import GATE_REPLICATE, RUN_FORMAT, RunRecord
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.store import verify_store
@@ -160,6 +162,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     arms, diff = derive_arms(cfg, intervention.name, replicate=replicate, noop=intervention.noop(),
                              chaos=kind.chaos_arm, exclude=foreign_keys(kind))
     check_paths(cfg, run_dir)
+    check_tracker(OmegaConf.to_container(cfg.tracker, resolve=True))  # a sweep's points too, before any runs
     planned = kind.plan(cfg, intervention, arms, run_dir, validated)
     run: RunRecord = {
         "format": RUN_FORMAT,
@@ -173,6 +176,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
                        "signal_alpha": float(cfg.reduce.signal_alpha),
                        **({"groups": declared_groups(cfg.reduce)} if cfg.reduce.groups else {})},
         "units": [unit_entry(u, arms) for u in planned.units],
+        "twinrun": twinrun_version(),  # which twinrun planned it (version, git commit where there is one)
     }
     if dry_run:
         return run

@@ -21,6 +21,7 @@ from twinrun.analysis.estimands import ESTIMANDS
 from twinrun.config import GATE_RULES, SIGNAL_ALPHA_TEXT, signal_alpha_ok
 from twinrun.errors import Interrupted, TwinrunError, fail, raise_on_signals
 from twinrun.pipeline import reduce_and_publish
+from twinrun.publish.trackers import NONE, SINKS, check_tracker
 from twinrun.storage.rundir import RunDir
 
 
@@ -40,6 +41,9 @@ def main(argv=None) -> int:
     p.add_argument("--estimands", help=f"comma-separated views: {', '.join(ESTIMANDS)} or a group the run "
                    "registered (reduce.groups); post-hoc if not the registered ones")
     p.add_argument("--gate-rule", choices=GATE_RULES, help="post-hoc if not the registered one")
+    p.add_argument("--tracker", choices=[NONE, *SINKS], default=NONE, help="also log the registered analysis "
+                   "to this experiment tracker (a run directory never chooses one)")
+    p.add_argument("--tracker-dir", help="the tracker's local store (default: outputs/TRACKER here)")
     p.add_argument("--signal-alpha", type=float, help="level of the test of signal, in (0, 0.5) (post-hoc "
                    "if not the registered one)")
     args = p.parse_args(argv)
@@ -48,8 +52,9 @@ def main(argv=None) -> int:
         estimands = parse_estimands(args.estimands)
         if args.signal_alpha is not None and not signal_alpha_ok(args.signal_alpha):
             raise TwinrunError(f"--signal-alpha={args.signal_alpha}: must be {SIGNAL_ALPHA_TEXT}, e.g. 0.05")
+        tracker = check_tracker({"name": args.tracker, "dir": args.tracker_dir})
         return reduce_and_publish(RunDir(args.run_dir).require().path, estimands, args.gate_rule,
-                                  args.signal_alpha)
+                                  args.signal_alpha, tracker)
     except (TwinrunError, Interrupted) as err:
         fail(err)
 

@@ -44,7 +44,8 @@ def verified_progress(run_dir: Path) -> dict:
     for u in index.units:  # the twin's gate replicate (not an arm of run.json): verified too
         for arm in set(u["stores"]) - set(index.arm_names):
             _verified(index, u, arm, damaged)
-    prog.update(status=_live_status(index, prog["launch"]), damaged=damaged, verdict=_verdict(index.run_dir))
+    prog.update(status=_live_status(index, prog["launch"]), damaged=damaged,
+                verdict=_verdict(index.run_dir, index.status))
     return prog
 
 
@@ -88,9 +89,10 @@ def _stopped_elements(index: RunIndex, launch: dict | None) -> list[int]:
                    for i in (units if isinstance(units, list) else []) if i not in whole})
 
 
-def _verdict(rd: RunDir) -> str | None:
+def _verdict(rd: RunDir, status: str) -> str | None:
     if not rd.has_summary():
-        return None
+        # measured and never reduced (a launcher.wait=false submission, a Ctrl-C'd wait): say how
+        return f"not reduced yet: `python -m twinrun.reduce {rd.path}`" if status == "measured" else None
     summary = rd.read_summary()
     # `passed`: every check and gate, the machinery arm's included (a run may have no gate bin).
     return ("reduced: valid, gates passed" if summary["passed"]
@@ -105,11 +107,15 @@ def main(argv=None) -> int:
     raise_on_signals()
     try:
         runs = find_runs(args.path)
-        damaged = False
+        damaged, unreduced = False, False
         for run_dir in runs:
             prog = verified_progress(run_dir)
             print(describe(run_dir, prog, job_state(prog["launch"])))
             damaged |= bool(prog["damaged"])
+            unreduced |= prog["status"] == "measured" and not RunDir(run_dir).has_summary()
+        if unreduced and runs != [args.path]:  # a sweep: one command reduces every point and the sweep
+            print("reduce every measured point and write the sweep summary: "
+                  f"`python -m twinrun.sweep {args.path}`")
     except (TwinrunError, Interrupted) as err:
         fail(err)
     return EXIT_USAGE if damaged else EXIT_OK

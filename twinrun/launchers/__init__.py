@@ -3,6 +3,7 @@ are checked. Adding a launcher is one entry here.
 
 launcher.split=pair: one run is one job whose single process measures every arm unit by unit.
 launcher.split=bins: each pending unit of a run is its own job (every arm of the unit inside it).
+launcher.pack=N: N runs in one job, one process per run and per GPU (launchers/jobs.py: PackedJob).
 Everything submitted at once (a sweep's points, or points × units) goes out as one SLURM job array
 (launchers/submit.py); on SLURM's preemption or time-limit signal (USR2) a job requeues itself and
 the next start resumes from its finished units (launchers/jobs.py); waiting follows each job through
@@ -37,6 +38,24 @@ LAUNCHERS = {
 }
 
 
+def check_pack(launcher: dict) -> None:
+    """launcher.pack: whole runs per job, one process (and one GPU) each."""
+    pack, split = launcher.get("pack", 1), launcher.get("split", "pair")
+    if type(pack) is not int or pack < 1:
+        raise ConfigError("launcher.pack", pack, "must be an integer ≥ 1 (1: one job per run)")
+    if pack == 1:
+        return
+    if LAUNCHERS[launcher["name"]].in_process:
+        raise ConfigError("launcher.pack", pack, "packs runs into one SLURM job: use launcher=slurm (or "
+                          "submitit_local); launcher=local measures in this process, run after run")
+    if split != "pair":
+        raise ConfigError("launcher.pack", pack, f"packs whole runs, launcher.split={split} splits one: "
+                          "choose one of them")
+    if 0 < launcher["gpus_per_node"] < pack:
+        raise ConfigError("launcher.pack", pack, f"gives each run its own GPU, but launcher.gpus_per_node="
+                          f"{launcher['gpus_per_node']}: ask for gpus_per_node={pack} (or 0 to run on CPUs)")
+
+
 def check(launcher: dict, probe_compile=False, sequential: str | None = None) -> None:
     """Refuse launcher settings that cannot work, naming the knob (ConfigError: exit 2).
 
@@ -61,6 +80,7 @@ def check(launcher: dict, probe_compile=False, sequential: str | None = None) ->
         raise ConfigError("launcher.split", split, f"cannot run with probe.compile={probe_compile!r}: "
                           "the bins' jobs would share one compile cache and land on different kernel "
                           "paths; use launcher.split=pair, or probe.compile=false")
+    check_pack(launcher)
     if LAUNCHERS[name].cluster != "slurm" and launcher.get("constraint") is not None:
         raise ConfigError("launcher.constraint", launcher["constraint"], f"launcher={name} runs on this "
                           "machine and would ignore it: remove it, or use launcher=slurm")

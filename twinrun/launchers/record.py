@@ -30,6 +30,9 @@ def validate_launch(path: Path, launch: dict) -> dict:
     _validate_job_record(c, launch, "", cluster)
     c.get(launch, "folder", "folder", str)
     c.get(launch, "launcher", "launcher", dict)
+    pack = c.get(launch, "pack", "pack", list, optional=True) or []
+    if not all(isinstance(r, str) for r in pack):
+        c.fail("pack", f"{show(pack)} is not a list of run directories")
     # launcher.split=bins: every element's job (its units, id and logs)
     for i, element in enumerate(c.get(launch, "elements", "elements", list, optional=True) or []):
         if not isinstance(element, dict):
@@ -85,6 +88,8 @@ def write_launch(run_dir: Path, submitted: list, cluster: str, launcher: dict, w
     }
     if submitted[0][0].units is not None:
         record["elements"] = [{"units": e.units, **_job_record(j)} for e, j in submitted]
+    if submitted[0][0].pack:  # launcher.pack: the runs measured beside this one, by the same job
+        record["pack"] = [str(r) for r in submitted[0][0].pack]
     write_json(path, record)
 
 
@@ -131,8 +136,9 @@ def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
     units = ", ".join(f"{arm} {n}/{prog['n_units']}" for arm, n in prog["done"].items())
     launch = prog["launch"]
     elements = (launch or {}).get("elements") or []
-    job = (f"jobs {', '.join(str(e.get('job_id')) for e in elements)}" if elements
-           else f"job {launch['job_id']}" if launch else "no job")
+    job = _jobs_text(elements) if elements else f"job {launch['job_id']}" if launch else "no job"
+    if launch and launch.get("pack"):
+        job += f" (a pack of {len(launch['pack'])} runs)"
     line = f"{run_dir}: {prog['status']}; {job}{f' {state}' if state else ''}; units done: {units}"
     failure = prog["failure"]
     if failure:
@@ -142,6 +148,15 @@ def describe(run_dir: Path, prog: dict, state: str | None = None) -> str:
     if prog.get("verdict"):
         line += f"; {prog['verdict']}"
     return line
+
+
+def _jobs_text(elements: list[dict]) -> str:
+    """A run's element jobs: "job array 123 (6 elements)" when they are one array, else their ids."""
+    ids = [str(e.get("job_id")) for e in elements]
+    arrays = {i.partition("_")[0] for i in ids}
+    if len(arrays) == 1 and all("_" in i for i in ids):
+        return f"job array {arrays.pop()} ({len(ids)} elements)"
+    return f"jobs {', '.join(ids)}"
 
 
 def submitted_launcher(rd: RunDir) -> dict | None:

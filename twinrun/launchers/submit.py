@@ -8,8 +8,8 @@ import submitit
 from submitit.core.utils import UncompletedJobError
 
 from twinrun.launchers import LAUNCHERS, check
-from twinrun.launchers.jobs import PairJob
-from twinrun.launchers.placement import Element, place
+from twinrun.launchers.jobs import PackedJob, PairJob
+from twinrun.launchers.placement import Element, jobs_of, place
 from twinrun.launchers.record import write_launch
 from twinrun.launchers.slurm import sbatch_refused
 
@@ -48,22 +48,25 @@ def make_executor(launcher: dict, folder_root: Path, job_name: str) -> submitit.
 
 def submit(run_dirs: list[Path], launcher: dict, folder_root: Path,
            trusted=()) -> list[tuple[Element, object]]:
-    """One job per planned run directory (split=pair) or per pending unit (split=bins), all in one
-    submission (one SLURM job array if several). Returns [(Element, submitit job)].
+    """One job per planned run directory (split=pair), per pending unit (split=bins) or per pack of runs
+    (pack=N), all in one submission (one SLURM job array if several). Returns [(Element, submitit job)],
+    one entry per run and unit: the runs of a pack share their job.
 
     Writes RUN_DIR/launch.json (job ids, cluster, log paths, time) and prints each job id.
     """
     check(launcher)
-    planned = place([Path(r).resolve() for r in run_dirs], launcher.get("split", "pair"))
+    planned = place([Path(r).resolve() for r in run_dirs], launcher.get("split", "pair"),
+                    launcher.get("pack", 1))
+    groups = jobs_of(planned)
     folder_root = Path(folder_root)
     executor = make_executor(launcher, folder_root, f"twinrun-{folder_root.name}")
     with submitit.helpers.clean_env():  # submitting from inside an allocation must not inherit it
         try:
             with executor.batch():
-                jobs = [executor.submit(PairJob(e.run_dir, trusted, e.units)) for e in planned]
+                jobs = [executor.submit(_job(group, trusted)) for group in groups]
         except UncompletedJobError as err:  # sbatch refused the job
             raise sbatch_refused(err, launcher) from None
-    submitted = list(zip(planned, jobs))
+    submitted = [(e, job) for group, job in zip(groups, jobs) for e in group]
     cluster = LAUNCHERS[launcher["name"]].cluster
     when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     for run_dir in dict.fromkeys(e.run_dir for e in planned):
@@ -73,7 +76,20 @@ def submit(run_dirs: list[Path], launcher: dict, folder_root: Path,
         print(f"twinrun: submitted {kind} job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} "
               f"{'runs' if len(jobs) == len(run_dirs) else 'jobs'}; logs in "
               f"{folder_root / launcher['folder']})", flush=True)
-    for e, job in submitted:
-        which = "" if e.units is None else f" unit {', '.join(map(str, e.units))} of"
-        print(f"twinrun: submitted {kind} job {job.job_id} for{which} {e.run_dir}", flush=True)
+    for group, job in zip(groups, jobs):
+        print(f"twinrun: submitted {kind} job {job.job_id} for {_what(group)}", flush=True)
     return submitted
+
+
+def _what(group: tuple[Element, ...]) -> str:
+    """What one job measures, for its submission line."""
+    e = group[0]
+    if e.pack:
+        return f"a pack of {len(group)} runs: {' '.join(str(x.run_dir) for x in group)}"
+    return f"unit {', '.join(map(str, e.units))} of {e.run_dir}" if e.units is not None else str(e.run_dir)
+
+
+def _job(group: tuple[Element, ...], trusted) -> PairJob | PackedJob:
+    """The callable one job runs: a pack's PackedJob, or the pair job of one run (or of its units)."""
+    e = group[0]
+    return PackedJob([x.run_dir for x in group], trusted) if e.pack else PairJob(e.run_dir, trusted, e.units)

@@ -42,26 +42,30 @@ def wait(submitted: list[tuple[Element, object]], launcher: dict) -> dict[Path, 
     printing the error's tail, named by run and unit; the rest measured.
     """
     pending = {k: Submitted(e.run_dir, e.units, job) for k, (e, job) in enumerate(submitted)}
-    shown: dict[int, str] = {}
+    runs = {k: e.run_dir for k, e in pending.items()}
+    states: dict[int, str] = {}  # every job's latest state, ended ones included: a run's line counts them all
+    shown: dict[Path, str] = {}
     failed: dict[Path, int] = {}
     stuck_since: dict[int, float] = {}
     try:
         while pending:
             for key, (ended, state) in _poll({k: e.job for k, e in pending.items()}).items():
                 e = pending[key]
+                states[key] = state
                 if _stuck(key, state, stuck_since):
                     pending.pop(key)
                     _fail(failed, e.run_dir, _cancel_stuck(_label(e), e.job, state))
                     continue
-                line = describe(e.run_dir, progress(RunIndex.load(e.run_dir)), state)
-                line = line if e.units is None else f"unit {', '.join(map(str, e.units))}: {line}"
-                if shown.get(key) != line:
-                    print(f"twinrun: {line}", flush=True)
-                    shown[key] = line
                 if ended:
                     code = _outcome(pending.pop(key), state)
                     if code is not None:
                         _fail(failed, e.run_dir, code)
+            for run_dir in dict.fromkeys(runs.values()):  # one line per run, printed when it changes
+                own = [states[k] for k, r in runs.items() if r == run_dir and k in states]
+                line = describe(run_dir, progress(RunIndex.load(run_dir)), _states_text(own))
+                if shown.get(run_dir) != line:
+                    print(f"twinrun: {line}", flush=True)
+                    shown[run_dir] = line
             if pending:
                 time.sleep(launcher["poll_s"])
     except KeyboardInterrupt:
@@ -71,6 +75,16 @@ def wait(submitted: list[tuple[Element, object]], launcher: dict) -> dict[Path, 
               file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     return failed
+
+
+def _states_text(states: list[str]) -> str | None:
+    """One job's state, or a run's several (split=bins) counted: "RUNNING", "2 RUNNING, 4 PENDING"."""
+    if len(states) <= 1:
+        return states[0] if states else None
+    counts = {}
+    for state in states:
+        counts[state.split()[0]] = counts.get(state.split()[0], 0) + 1
+    return ", ".join(f"{n} {state}" for state, n in counts.items())
 
 
 def _fail(failed: dict, run_dir: Path, code: int) -> None:

@@ -1,23 +1,30 @@
 """Publishing a reduction: the sinks that write what a researcher reads. Reducing writes nothing itself.
 
-The registered analysis goes to RUN/summary.json and RUN/report.md (with its plots); a post-hoc view
-goes to RUN/views/<what changed>/, never over the registered files. More sinks (a table export, an
-experiment tracker) plug in here, each one module imported only when it is configured.
+The registered analysis goes to RUN/summary.json and RUN/report.md (with its plots), then, when the
+user's command names one, to an experiment tracker (twinrun.publish.trackers: each sink one module,
+imported only when it is configured); a post-hoc view goes to RUN/views/<what changed>/, never over
+the registered files, and to no tracker. The tidy table (twinrun.publish.table) reads what is written.
 """
 
 from twinrun.files import make_dir, write_json
+from twinrun.provenance.version import twinrun_version
 from twinrun.publish.report import write_report
+from twinrun.publish.trackers import send
 from twinrun.storage.rundir import RunDir
 
 
-def publish(reduction, report=write_report) -> None:
-    """Write a Reduction (twinrun.analysis.reduce): the registered summary, or the post-hoc view.
-    `report`: the measurement kind's report writer (out_dir, summary, index), the probe's by default."""
+def publish(reduction, report=write_report, tracker: dict | None = None) -> None:
+    """Write a Reduction (twinrun.analysis.reduce): the registered summary, or the post-hoc view; every
+    summary carries the twinrun that wrote it. `report`: the measurement kind's report writer (out_dir,
+    summary, index), the probe's by default. `tracker`: checked settings (check_tracker), or None."""
     rd = reduction.index.run_dir
     if reduction.view is None:
-        write_json(rd.summary_json, reduction.summary)
-        report(rd.path, reduction.summary, reduction.index)
+        summary = {**reduction.summary, "twinrun": twinrun_version()}
+        write_json(rd.summary_json, summary)
+        written = report(rd.path, summary, reduction.index)
+        send(tracker, reduction.index, summary, [rd.summary_json, written, rd.effect_png])
         return
     out = make_dir(rd.view_dir(reduction.view_name))
-    write_json(RunDir(out).summary_json, reduction.view)
-    report(out, reduction.view, reduction.index)
+    view = {**reduction.view, "twinrun": twinrun_version()}
+    write_json(RunDir(out).summary_json, view)
+    report(out, view, reduction.index)

@@ -1,65 +1,288 @@
-"""The plots of a report: the effect against noising σ (effect.png) and a sweep's heatmap.
+"""The plots a researcher reads: effect.png (one run) and sweep_effect.png (a sweep's heatmap).
 
-Each takes plain data (a summary, a sweep summary) and writes one PNG atomically; nothing here reads
-a run directory.
+Self-contained: each function takes plain arguments (a summary dict, and keywords for what the
+summary does not carry) and reads no files; the only write is save_figure's atomic PNG.
+
+What they promise (issue 21; tests/test_plots.py and tests/test_sweep_report.py read the artists
+to hold them to it): a bin without a number (below noise, or withheld) is never drawn on the
+no-effect value; titles name the intervention with its setting, the protocol and the estimand; the
+σ ticks are the run's bins on a log axis; the norm ratio is on a log axis with a line at 1; the
+heatmap has one panel per estimand on a fixed colour scale (EFFECT_SCALE), value ± SE in each cell
+with a number, and legend swatches coloured as the cells they name; nothing warns, whatever is drawn.
 """
 
 import io
+from itertools import pairwise
 from pathlib import Path
+from typing import NamedTuple
 
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib import colormaps
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
+from matplotlib.legend_handler import HandlerTuple
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
 from twinrun.files import atomic_write
+
+# ----------------------------------------------------------------------------- effect.png (one run)
+# One column per estimand; three rows: the change of direction (1 − debiased cos), the change of
+# size (norm ratio, log axis) and the signal each arm carried (debiased |μ|²), which is why a bin
+# has a number or not. A bin without a number is a labelled grey band, never a point on the
+# no-effect value (0, resp. 1): "below noise" is not "no effect" (an ablation whose every bin is
+# below noise must not read as one that does nothing).
+EFFECT_COLOR, ARM_COLOR, TWIN_COLOR, GATE_COLOR = "tab:blue", "tab:red", "0.35", "0.45"
+BELOW_NOISE_FILL, BELOW_NOISE_HATCH = "0.9", "////"
+EFFECT_ROWS = ("1 − debiased cos to twin", "norm ratio |μ_arm| / |μ_twin|", "debiased |μ|² of each arm")
+
+
+def describe_intervention(intervention: dict | None, arm: str | None = None) -> str:
+    """`ScaleModule(module=blocks.1.attn, factor=0.5)` from an arm config's `intervention` node; without
+    the node, the arm's name, saying the setting is not shown."""
+    if not intervention:
+        return f"arm `{arm}` (setting not given)" if arm else "intervention (not named)"
+    name = str(intervention.get("_target_", "?")).rsplit(".", 1)[-1]
+    setting = ", ".join(f"{k}={v}" for k, v in intervention.items() if not str(k).startswith("_"))
+    return f"{name}({setting})"
+
+
+def describe_protocol(protocol: dict | None) -> str:
+    """`40 images × 4 draws, 8 folds` from a `probe` config node (or anything with those three keys)."""
+    if not protocol:
+        return "protocol not given"
+    draws = protocol.get("n_draws", "?")
+    return (f"{protocol.get('n_images', '?')} images × {draws} draw{'' if draws == 1 else 's'}, "
+            f"{protocol.get('n_folds', '?')} folds")
+
+
+def has_number(row: dict) -> bool:
+    """Whether a bin's effect row carries a cosine and ratio (else it is below noise or withheld)."""
+    return not row.get("below_noise") and row.get("cos") is not None and row.get("norm_ratio") is not None
 
 
 def _segments(rows: list[dict]) -> list[list[dict]]:
     """Runs of consecutive bins with a number: a line never crosses a below-noise gap."""
     runs, current = [], []
     for row in rows:
-        if row["below_noise"]:
-            runs, current = runs + [current] if current else runs, []
-        else:
+        if has_number(row):
             current.append(row)
+        elif current:
+            runs, current = runs + [current], []
     return runs + [current] if current else runs
 
 
-def _panel(ax, rows: list[dict], key: str, se_key: str, color, label: str) -> None:
-    """One estimand on one axis: segments with 95% t-interval error bars, below-noise bins as x."""
-    for i, seg in enumerate(_segments(rows)):
-        value = np.array([1 - r[key] if key == "cos" else r[key] for r in seg])
-        half = np.array([r["t_crit"] * r[se_key] for r in seg])
-        ax.errorbar([r["sigma"] for r in seg], value, yerr=half, marker="o", ms=4, capsize=3, color=color,
-                    label=label if i == 0 else None)
-    gaps = [r["sigma"] for r in rows if r["below_noise"]]
-    if gaps:
-        ax.plot(gaps, [0] * len(gaps) if key == "cos" else [1] * len(gaps), "x", color=color, ms=7)
+def _estimand_names(effects: list[dict]) -> list[str]:
+    """Estimands in the order the reducer wrote them (the registry's)."""
+    return list(dict.fromkeys(e["estimand"] for e in effects))
 
 
-def plot_effect(summary: dict, path: Path) -> Path:
-    """1 − debiased cos and the norm ratio (95% t-intervals) against noising σ per estimand; log σ;
-    gate bins marked; below-noise bins drawn as x on the no-effect line, never joined by a line."""
-    fig = Figure(figsize=(6.4, 6.4), dpi=110)
-    ax_cos, ax_ratio = fig.subplots(2, 1, sharex=True)
-    names = [n for n in summary["used"]["estimands"] if any(e["estimand"] == n for e in summary["effects"])]
-    for k, name in enumerate(names):
-        rows = [e for e in summary["effects"] if e["estimand"] == name]
-        _panel(ax_cos, rows, "cos", "se", f"C{k}", name)
-        _panel(ax_ratio, rows, "norm_ratio", "norm_ratio_se", f"C{k}", name)
-    for ax in (ax_cos, ax_ratio):
-        for i, g in enumerate(sorted({g["sigma"] for g in summary["gates"]})):
-            ax.axvline(g, color="0.5", ls="--", lw=1, label="no-op gate" if i == 0 else None)
-        ax.set_xscale("log")
-        ax.grid(alpha=0.3, which="both")
-    ax_cos.set_ylabel("1 − debiased cos to twin")
-    ax_ratio.set_ylabel("norm ratio |μ_arm| / |μ_twin|")
-    ax_ratio.set_xlabel("noising σ   (bars: 95% t-interval; x: below noise)")
-    ax_cos.set_title("intervention vs native twin")
-    ax_cos.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
+def effect_figure(summary: dict, *, intervention: dict | None = None, protocol: dict | None = None,
+                  sigmas: list[float] | None = None) -> Figure:
+    """The figure plot_effect saves (its arguments there); a summary that did not pass shows no numbers."""
+    arm = (summary.get("arms") or [None])[0]
+    title = f"{describe_intervention(intervention, arm)}\nvs native twin — {describe_protocol(protocol)}"
+    effects = _shown_effects(summary)
+    names = _estimand_names(effects)
+    if not names:
+        return _no_effects_figure(title, summary)
+    fig = Figure(figsize=(max(6.4, 1.0 + 3.4 * len(names)), 8.6), dpi=110, layout="constrained")
+    fig.suptitle(title, fontsize=10)
+    bins = sorted(set(sigmas or ()) | {e["sigma"] for e in effects})
+    gate_sigmas = sorted({g["sigma"] for g in summary.get("gates") or []})
+    axes = fig.subplots(3, len(names), sharex=True, sharey="row", squeeze=False)
+    for col, name in enumerate(names):
+        rows = sorted((e for e in effects if e["estimand"] == name), key=lambda e: e["sigma"])
+        _effect_column(axes[:, col], rows, bins, gate_sigmas)
+        axes[0, col].set_title(f"estimand `{name}`", fontsize=10)
+    _fit_rows(axes, effects)
+    for ax, label in zip(axes[:, 0], EFFECT_ROWS):
+        ax.set_ylabel(label)
+    for ax in axes[-1]:
+        ax.set_xlabel("noising σ (the run's bins)")
+    _effect_legend(fig, measured=any(has_number(e) for e in effects),
+                   below_noise=not all(has_number(e) for e in effects), gates=bool(gate_sigmas))
+    return fig
+
+
+def _shown_effects(summary: dict) -> list[dict]:
+    """The effect rows a plot may show: none from a run whose checks or gates failed (they are withheld)."""
+    return (summary.get("effects") or []) if summary.get("passed", True) else []
+
+
+def _no_effects_figure(title: str, summary: dict) -> Figure:
+    """A titled figure that says why it has no axes: nothing on it can be read as a value."""
+    fig = Figure(figsize=(6.4, 2.4), dpi=110, layout="constrained")
+    fig.suptitle(title, fontsize=10)
+    why = ("effects withheld: a validity check or no-op gate failed" if not summary.get("passed", True)
+           else "no effects in this summary")
+    fig.text(0.5, 0.4, why, ha="center", va="center", fontsize=11)
+    return fig
+
+
+def plot_effect(summary: dict, path: Path, *, intervention: dict | None = None, protocol: dict | None = None,
+                sigmas: list[float] | None = None) -> Path:
+    """effect.png: per estimand, 1 − debiased cos, the norm ratio and each arm's debiased |μ|² against
+    noising σ, with 95% t-intervals; below-noise bins a labelled band, gate bins a dashed line.
+
+    summary: summary.json as the reducer writes it (effects, gates, arms, passed).
+    intervention: the intervention arm's `intervention` config node (`_target_` and its settings), from
+        arms/<arm whose role is "intervention" in run.json>/config.yaml; None titles the plot with the
+        arm's name only.
+    protocol: the `probe` config node of that config (n_images, n_draws, n_folds); None says "not given".
+    sigmas: the run's σ bins (run.json `units[*].probe.sigma`), the σ axis's ticks; None uses the effects' σ.
+    """
+    save_figure(effect_figure(summary, intervention=intervention, protocol=protocol, sigmas=sigmas), path)
     return path
+
+
+def effect_caption(summary: dict) -> str:
+    """The report's text under effect.png: what its rows, bars, bands and lines mean (only those drawn)."""
+    effects = _shown_effects(summary)
+    if not effects:
+        failed = not summary.get("passed", True)
+        why = "a validity check or no-op gate failed." if failed else "this summary has none."
+        return "No effects are drawn: " + why
+    rows = ("One column per estimand. Rows: 1 − debiased cos to the native twin (0: no change of direction), "
+            "the norm ratio |μ_arm| / |μ_twin| on a log axis (1: no change of size), and each arm's debiased "
+            "|μ|² on a symlog axis; bars are 95% t-intervals; σ ticks are the run's bins.")
+    parts = [rows]
+    if not all(has_number(e) for e in effects):
+        parts.append("Grey hatched bands: below noise, where an arm's |μ|² is not signal, so no cosine or "
+                     "ratio exists; that is not \"no effect\" (the |μ|² row shows which arm lacked signal).")
+    if summary.get("gates"):
+        parts.append("Dashed lines: no-op gate bins.")
+    return " ".join(parts)
+
+
+def _effect_column(axes, rows: list[dict], bins: list[float], gate_sigmas: list[float]) -> None:
+    """One estimand: its three rows of axes, sharing the σ axis."""
+    ax_cos, ax_ratio, ax_signal = axes
+    _values(ax_cos, rows, lambda r: 1 - r["cos"], "se")
+    _values(ax_ratio, rows, lambda r: r["norm_ratio"], "norm_ratio_se")
+    _signal(ax_signal, rows)
+    ax_cos.axhline(0, color="k", lw=0.8, zorder=1)
+    ax_ratio.axhline(1, color="k", lw=0.8, zorder=1)
+    _ratio_axis(ax_ratio)
+    gaps = [r["sigma"] for r in rows if not has_number(r)]
+    for ax in axes:
+        _mark_below_noise(ax, gaps, bins, labelled=ax is not ax_signal)
+        for g in gate_sigmas:
+            ax.axvline(g, color=GATE_COLOR, ls="--", lw=1, zorder=1)
+        _sigma_axis(ax, bins)
+        ax.grid(alpha=0.3)
+
+
+def _values(ax, rows: list[dict], value_of, se_key: str) -> None:
+    """Measured bins as points with 95% t-interval bars, joined only between neighbours with a number."""
+    for seg in _segments(rows):
+        value = np.array([value_of(r) for r in seg])
+        half = np.array([r["t_crit"] * r[se_key] for r in seg])
+        ax.errorbar([r["sigma"] for r in seg], value, yerr=half, marker="o", ms=4, capsize=3,
+                    color=EFFECT_COLOR)
+
+
+def _signal(ax, rows: list[dict]) -> None:
+    """Each arm's debiased |μ|² with its 95% t-interval, nudged apart in σ so both bars show; a symlog
+    axis, since a debiased |μ|² of pure noise is often negative."""
+    sigma = np.array([r["sigma"] for r in rows])
+    for key, color, marker, ls, nudge in (("norm2", ARM_COLOR, "o", "-", 0.97),
+                                          ("norm2_base", TWIN_COLOR, "s", "--", 1.03)):
+        half = [r["t_crit"] * r[f"{key}_se"] for r in rows]
+        bars = ax.errorbar(sigma * nudge, [r[key] for r in rows], yerr=half, marker=marker, ms=3.5, capsize=2,
+                           lw=1, ls=ls, color=color)
+        bars.lines[0].set_gid(key)  # which arm a line is, for a reader of the artists (the tests)
+    ax.axhline(0, color="k", lw=0.8, zorder=1)
+
+
+def _symlog_threshold(effects: list[dict]) -> float:
+    """symlog's linear range: the power of ten at or below the median SE of the |μ|², so what is within
+    noise of 0 sits in the linear middle and only signal climbs the log decades."""
+    ses = [s for e in effects for s in (e.get("norm2_se"), e.get("norm2_base_se")) if s and s > 0]
+    return float(10.0 ** np.floor(np.log10(np.median(ses)))) if ses else 1.0
+
+
+def _signal_limits(effects: list[dict], linthresh: float) -> tuple[float, float]:
+    """The |μ|² row's range: every interval, 0, and half a decade to spare at each end of the data."""
+    ends = [e[key] + sign * e["t_crit"] * e[f"{key}_se"] for e in effects for key in ("norm2", "norm2_base")
+            for sign in (-1, 1)]
+    lo, hi = min(ends), max(ends)
+    return (3 * lo if lo < -linthresh else -linthresh), (3 * hi if hi > linthresh else linthresh)
+
+
+def _fit_rows(axes, effects: list[dict]) -> None:
+    """Row limits that always show the no-effect value (0; ratio 1), also when no bin has a number
+    (an axis with nothing on it would otherwise autoscale to an arbitrary range, or warn on log)."""
+    ax_cos, ax_ratio, ax_signal = axes[:, 0]
+    linthresh = _symlog_threshold(effects)
+    ax_signal.set_yscale("symlog", linthresh=linthresh)
+    ax_signal.set_ylim(*_signal_limits(effects, linthresh))
+    if not any(has_number(e) for e in effects):
+        ax_cos.set_ylim(-0.1, 1.1)
+        ax_ratio.set_ylim(0.5, 2.0)
+        return
+    lo, hi = ax_cos.get_ylim()
+    ax_cos.set_ylim(min(lo, -0.05), max(hi, 0.05))
+    lo, hi = ax_ratio.get_ylim()
+    ax_ratio.set_ylim(min(lo, 0.8), max(hi, 1.25))
+
+
+def _band_factor(bins: list[float]) -> float:
+    """Half-width (as a factor on the log σ axis) of a below-noise band: well inside the gap to the
+    nearest bin."""
+    steps = [b / a for a, b in pairwise(bins) if a > 0]
+    return min(1.15, min(steps) ** 0.35) if steps else 1.15
+
+
+def _mark_below_noise(ax, gaps: list[float], bins: list[float], labelled: bool) -> None:
+    """A grey hatched band across the whole axis at each bin without a number, labelled "below noise":
+    spanning the axis (axes coordinates in y), it sits on no value, least of all the no-effect one."""
+    w = _band_factor(bins)
+    for sigma in gaps:
+        ax.axvspan(sigma / w, sigma * w, fc=BELOW_NOISE_FILL, hatch=BELOW_NOISE_HATCH, ec="0.75", lw=0,
+                   zorder=0)
+        if labelled:
+            ax.text(sigma, 0.5, "below noise", transform=ax.get_xaxis_transform(), rotation=90, ha="center",
+                    va="center", fontsize=7, color="0.3",
+                    bbox={"fc": BELOW_NOISE_FILL, "ec": "none", "pad": 1.5})
+
+
+def _ratio_axis(ax) -> None:
+    """Log scale read as plain numbers (0.5, 1, 2, 5, …): a ratio of 2 and one of 0.5 are as far from 1."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _sigma_axis(ax, bins: list[float]) -> None:
+    """Log σ with exactly the run's bins as ticks (no minor ticks to be mistaken for bins)."""
+    ax.set_xscale("log")
+    ax.set_xticks(bins, [f"{s:g}" for s in bins], fontsize=8, rotation=45 if len(bins) > 6 else 0)
+    ax.xaxis.set_minor_locator(NullLocator())
+    pad = 1.3 if len(bins) < 2 else max(1.1, _band_factor(bins) ** 2)
+    ax.set_xlim(bins[0] / pad, bins[-1] * pad)
+
+
+def _effect_legend(fig: Figure, measured: bool, below_noise: bool, gates: bool) -> None:
+    """One legend for the figure, of proxies for what is drawn: never empty (the |μ|² of both arms is
+    always there), so matplotlib never warns, and nothing in it that the plot lacks."""
+    handles = [Line2D([], [], color=EFFECT_COLOR, marker="o", ms=4, label="measured: value ± 95% t-interval")]
+    handles = handles if measured else []
+    handles += [Line2D([], [], color="k", lw=0.8, label="no effect (1 − cos = 0; ratio = 1); |μ|² = 0"),
+                Line2D([], [], color=ARM_COLOR, marker="o", ms=3.5,
+                       label="intervention arm |μ|² ± 95% t-interval"),
+                Line2D([], [], color=TWIN_COLOR, marker="s", ms=3.5, ls="--",
+                       label="native twin |μ|² ± 95% t-interval")]
+    if below_noise:
+        handles.append(Patch(fc=BELOW_NOISE_FILL, hatch=BELOW_NOISE_HATCH, ec="0.75", lw=0,
+                             label=("below noise: an arm's |μ|² is not signal, so no cos or ratio "
+                                    "(not 'no effect')")))
+    if gates:
+        handles.append(Line2D([], [], color=GATE_COLOR, ls="--", lw=1, label="no-op gate bin"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7.5, frameon=False)
 
 
 def save_figure(fig, path: Path) -> None:
@@ -71,18 +294,50 @@ def save_figure(fig, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- the sweep heatmap
-# One row per sweep point, labelled by the variables the sweep changed (whatever they are: an
-# intervention knob, the grid, the experiment), one column per noising σ. Each cell is in exactly
-# one state, drawn and captioned its own way, so a blank never has to be guessed at.
-CELL_STYLES = {  # state: (legend text, fill colour or None = the effect's colour, hatch, mark)
-    "effect": ("1 − cos, more than 2 SE from 0", None, "", ""),
-    "within_2se": ("hatched: |1 − cos| ≤ 2 SE, no effect resolved", None, "///", ""),
-    "no_se": ("dotted: no SE (a leave-one-fold-out replicate below noise)", None, "..", ""),
-    "below_noise": ("grey 'n': below noise, no cosine defined", "0.82", "", "n"),
-    "failed": ("red ×: the point's checks or gates failed, numbers withheld", "#e7b9b9", "", "×"),
-    "unfinished": ("'?': the point has no verdict (not measured or not reduced)", "0.95", "", "?"),
-    "not_measured": ("white: σ not in this point's grid", "white", "", ""),
+# One panel per estimand; in each, one row per sweep point, labelled by the variables the sweep
+# changed (whatever they are: an intervention knob, the grid, the experiment), one column per
+# noising σ. Each cell is in exactly one state, drawn and captioned its own way, so a blank never
+# has to be guessed at; a cell with a number writes it, ± its SE.
+#
+# The colour scale is fixed, the same for every sweep, panel and estimand, so a colour means one
+# effect wherever it is seen (an autoscaled map would paint 0.77 and 0.88 as the two extremes):
+EFFECT_SCALE = (0.0, 2.0)  # 1 − cos: 0 the twin's direction, 1 orthogonal, 2 opposite; clipped beyond
+EFFECT_GAMMA = 0.5  # square-root scale: the common small effects (≤ 0.3) get about 40% of the colours
+EFFECT_CMAP = "viridis"
+SCALE_TICKS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0)
+SCALE_WORDS = {0.0: "0 same direction", 1.0: "1 orthogonal", 2.0: "2 opposite"}
+SCALE_NOTE = ("fixed square-root colour scale from 0 (the twin's direction) through 1 (orthogonal) to 2 "
+              "(opposite), clipped beyond")
+SWATCH_VALUES = (0.0, 0.1, 0.5, 1.0, 2.0)  # the scale's colours a value state's legend swatch shows
+GATE_EDGE = "tab:orange"
+
+
+class CellStyle(NamedTuple):
+    legend: str  # its legend and caption text
+    fill: str | None  # None: the effect's colour on the fixed scale
+    hatch: str
+    mark: str  # drawn in the cell instead of a number
+    mark_color: str
+
+
+CELL_STYLES = {
+    "effect": CellStyle("coloured: 1 − cos more than 2 SE from 0", None, "", "", ""),
+    "within_2se": CellStyle("hatched: |1 − cos| ≤ 2 SE, no effect resolved", None, "///", "", ""),
+    "no_se": CellStyle("dotted: no SE (a leave-one-fold-out replicate below noise)", None, "..", "", ""),
+    "below_noise": CellStyle("grey 'n': below noise, no cosine defined (not 'no effect'); under it, where "
+                             "recorded, each arm's debiased |μ|² ± SE", "0.82", "", "n", "0.25"),
+    "failed": CellStyle("red × on pink: the point's checks or gates failed, numbers withheld", "#e7b9b9", "",
+                        "×", "#a01010"),
+    "unfinished": CellStyle("'?': the point has no verdict (not measured or not reduced)", "0.95", "", "?",
+                            "0.25"),
+    "not_measured": CellStyle("white: σ not in this point's grid", "white", "", "", ""),
 }
+VALUE_STATES = ("effect", "within_2se", "no_se")  # the cells that write value ± SE
+
+
+def effect_norm() -> PowerNorm:
+    """The heatmap's colour normalisation: fixed (EFFECT_SCALE, EFFECT_GAMMA), never fitted to data."""
+    return PowerNorm(EFFECT_GAMMA, vmin=EFFECT_SCALE[0], vmax=EFFECT_SCALE[1], clip=False)
 
 
 def _overrides_by_key(overrides: list[str]) -> dict[str, str]:
@@ -102,22 +357,28 @@ def _point_state(point: dict) -> str | None:
     return None if point["valid"] and point["gates_passed"] else "failed"
 
 
-def _cell(effect: dict | None, point_state: str | None) -> tuple[str, float]:
-    """A cell's state and the effect 1 − cos it shows (nan when it shows none)."""
+def _cell(effect: dict | None, point_state: str | None) -> tuple[str, float, float]:
+    """A cell's state, the effect 1 − cos it shows and its SE (nan when it shows none)."""
     if point_state is not None:
-        return point_state, np.nan
+        return point_state, np.nan, np.nan
     if effect is None:
-        return "not_measured", np.nan
+        return "not_measured", np.nan, np.nan
     if effect["cos"] is None:
-        return "below_noise", np.nan
+        return "below_noise", np.nan, np.nan
     value = 1 - effect["cos"]
-    if effect["se"] is None:
-        return "no_se", value
-    return ("within_2se" if abs(value) <= 2 * effect["se"] else "effect"), value
+    if effect.get("se") is None:
+        return "no_se", value, np.nan
+    return ("within_2se" if abs(value) <= 2 * effect["se"] else "effect"), value, effect["se"]
+
+
+def sweep_estimands(sweep_summary: dict) -> list[str]:
+    """The estimands any point has effects for, in the order the reducer wrote them."""
+    return list(dict.fromkeys(e["estimand"] for p in sweep_summary["points"] for e in p["effects"]))
 
 
 def sweep_grid(sweep_summary: dict, estimand: str = "all") -> dict:
-    """Rows (points), columns (noising σ), each cell's state and effect, the gate cells, the labels."""
+    """One estimand's panel: rows (points), columns (noising σ), each cell's state, effect and SE, the
+    gate cells, the labels, the intervention and the settings every point shares."""
     points = sweep_summary["points"]
     swept, values = _rows(points)
     if len(swept) == 1 and all(_is_number(v[0]) for v in values):  # one numeric knob: in its order
@@ -126,17 +387,23 @@ def sweep_grid(sweep_summary: dict, estimand: str = "all") -> dict:
         order = list(range(len(points)))
     effects = [{e["sigma"]: e for e in points[i]["effects"] if e["estimand"] == estimand} for i in order]
     sigmas = sorted({s for row in effects for s in row})
-    states, grid = [], np.full((len(order), len(sigmas)), np.nan)
+    shape = (len(order), len(sigmas))
+    states, grid, se = [], np.full(shape, np.nan), np.full(shape, np.nan)
     for r, i in enumerate(order):
         cells = [_cell(effects[r].get(s), _point_state(points[i])) for s in sigmas]
-        states.append([state for state, _ in cells])
-        grid[r] = [value for _, value in cells]
+        states.append([state for state, _, _ in cells])
+        grid[r] = [value for _, value, _ in cells]
+        se[r] = [err for _, _, err in cells]
+    noise = [[noise_text(effects[r].get(s)) if states[r][c] == "below_noise" else None
+              for c, s in enumerate(sigmas)] for r in range(len(order))]
     gates = {(r, sigmas.index(s)) for r, i in enumerate(order) for s in points[i].get("gate_sigmas", [])
              if s in sigmas}
     labels = [_row_label(swept, values[i], points[i]) for i in order]
-    return {"rows": labels, "row_axis": swept[0] if len(swept) == 1 else "sweep point", "sigmas": sigmas,
-            "effect": grid, "states": states, "gates": gates, "estimand": estimand,
-            "intervention": _intervention_names(points)}
+    row_axis = swept[0] if len(swept) == 1 else "sweep point"
+    return {"rows": labels, "row_axis": row_axis, "sigmas": sigmas, "effect": grid, "se": se,
+            "states": states, "noise": noise, "gates": gates, "estimand": estimand,
+            "intervention": _intervention_names(points),
+            "setting": _shared_setting(points, row_axis)}
 
 
 def _rows(points: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -166,59 +433,184 @@ def _is_number(text: str) -> bool:
 
 
 def _intervention_names(points: list[dict]) -> str:
-    names = dict.fromkeys(str(p["intervention"].get("_target_", "?")).rsplit(".", 1)[-1] for p in points)
-    return " / ".join(names)
+    names = dict.fromkeys(str(p["intervention"].get("_target_", "?")).rsplit(".", 1)[-1] for p in points
+                          if p.get("intervention"))
+    return " / ".join(names) or "?"
 
 
-def plot_sweep(sweep_summary: dict, path: Path, estimand: str = "all") -> Path | None:
-    """Heatmap of the effect over (sweep point, noising σ): every cell's state visible, gate bins boxed."""
-    g = sweep_grid(sweep_summary, estimand)
-    if not g["sigmas"]:  # no point has effects to show: the report's table says why
+def _shared_setting(points: list[dict], row_axis: str) -> str:
+    """`module=blocks.1.attn`: the intervention settings every point has alike (what varies is the rows')."""
+    nodes = [p["intervention"] for p in points if p.get("intervention")]
+    if not nodes:
+        return ""
+    keys = [k for k in nodes[0] if not str(k).startswith("_") and f"intervention.{k}" != row_axis]
+    return ", ".join(f"{k}={nodes[0][k]}" for k in keys if all(n.get(k) == nodes[0][k] for n in nodes))
+
+
+def cell_text(value: float, se: float) -> str:
+    """`0.37\n±0.04`: the value to the SE's second significant digit (nan SE: said to be missing)."""
+    if np.isnan(se):
+        return f"{_unsigned_zero(f'{value:.2f}')}\n± no SE"
+    decimals = 2 if se == 0 or se >= 0.01 else min(4, 1 - int(np.floor(np.log10(se))))
+    return f"{_unsigned_zero(f'{value:.{decimals}f}')}\n±{se:.{decimals}f}"
+
+
+def noise_text(effect: dict | None) -> str | None:
+    """`arm 105±5.8 / twin 0.14±0.65`, each arm's debiased |μ|² ± SE on two lines: what made a cell below
+    noise (None where the effect row does not carry them)."""
+    keys = ("norm2", "norm2_se", "norm2_base", "norm2_base_se")
+    if effect is None or any(effect.get(k) is None for k in keys):
         return None
-    n_rows, n_cols = len(g["rows"]), len(g["sigmas"])
-    fig, ax = plt.subplots(figsize=(3.2 + 0.7 * n_cols, 2.6 + 0.45 * n_rows), dpi=110)
-    im = ax.imshow(g["effect"], origin="lower", aspect="auto", cmap="viridis")
-    fig.colorbar(im, ax=ax, label=f"effect 1 − debiased cos ({estimand})")
-    for r, row in enumerate(g["states"]):
-        for c, state in enumerate(row):
-            _draw_cell(ax, r, c, state)
-    for r, c in g["gates"]:
-        ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, ec="tab:orange", lw=2.5))
-    ax.set_xticks(range(len(g["sigmas"])), [f"{s:g}" for s in g["sigmas"]], rotation=45)
-    ax.set_yticks(range(n_rows), g["rows"])
-    ax.set_xlabel("noising σ (bin)")
-    ax.set_ylabel(g["row_axis"])
-    ax.set_title(f"{g['intervention']} vs native twin, estimand `{estimand}`", fontsize=10)
-    present = dict.fromkeys(s for row in g["states"] for s in row)
-    handles = [plt.Rectangle((0, 0), 1, 1, fc=CELL_STYLES[s][1] or "0.6", hatch=CELL_STYLES[s][2], ec="0.3",
-                             label=CELL_STYLES[s][0]) for s in present]
-    if g["gates"]:
-        handles.append(plt.Rectangle((0, 0), 1, 1, fill=False, ec="tab:orange", lw=2.5,
-                                     label="no-op gate bin"))
-    fig.legend(handles=handles, loc="lower center", fontsize=7, frameon=False, ncol=1)
-    fig.tight_layout(rect=(0, 0.05 + 0.045 * len(handles), 1, 1))
-    try:
-        save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    a, a_se, b, b_se = (_short(effect[k]) for k in keys)
+    return f"arm {a}±{a_se}\ntwin {b}±{b_se}"
+
+
+def _short(x: float) -> str:
+    """A |μ|² in at most 7 characters, two significant digits where it is small."""
+    if abs(x) >= 1000:
+        return f"{x:.1e}"
+    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.2g}"
+
+
+def _unsigned_zero(text: str) -> str:
+    """`-0.00` reads as a negative effect; a value that rounds to zero is written without a sign."""
+    return text.lstrip("-") if float(text) == 0 else text
+
+
+def sweep_figure(sweep_summary: dict, estimands: list[str] | None = None,
+                 protocol: dict | None = None) -> Figure | None:
+    """The figure plot_sweep saves (its arguments there); None when no point has effects to show."""
+    names = list(estimands or sweep_estimands(sweep_summary))
+    panels = [g for g in (sweep_grid(sweep_summary, n) for n in names) if g["sigmas"]]
+    if not panels:  # no point has effects to show: the report's table says why
+        return None
+    n_rows, n_cols = len(panels[0]["rows"]), max(len(g["sigmas"]) for g in panels)
+    states = dict.fromkeys(s for g in panels for row in g["states"] for s in row)
+    gates = any(g["gates"] for g in panels)
+    legend_rows = len(states) + gates
+    # at least 3 inches of panels, so the colour bar's ticks do not collide on a one-row sweep
+    panels_in = max(3.0, len(panels) * (0.9 + 0.42 * n_rows))
+    fig = Figure(figsize=(max(6.4, 2.6 + 0.85 * n_cols), 0.9 + panels_in + 0.17 * legend_rows), dpi=110,
+                 layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    norm, cmap = effect_norm(), colormaps[EFFECT_CMAP]
+    for ax, g in zip(axes, panels):
+        _heatmap_panel(ax, g, norm, cmap)
+    if all(g["sigmas"] == panels[-1]["sigmas"] for g in panels):  # one σ axis: label it once, at the bottom
+        for ax in axes[:-1]:
+            ax.set_xlabel("")
+    g = panels[0]
+    setting = f"({g['setting']})" if g["setting"] else ""
+    fig.suptitle(f"{g['intervention']}{setting} vs native twin, rows: {g['row_axis']} — "
+                 f"{describe_protocol(protocol)}", fontsize=10)
+    bar = fig.colorbar(ScalarMappable(norm, cmap), ax=list(axes), extend="both")
+    bar.set_ticks(SCALE_TICKS, labels=[SCALE_WORDS.get(v, f"{v:g}") for v in SCALE_TICKS], fontsize=8)
+    bar.set_label("1 − debiased cos to twin (fixed scale)", fontsize=8)
+    _sweep_legend(fig, states, gates, norm, cmap)
+    return fig
+
+
+def plot_sweep(sweep_summary: dict, path: Path, estimand: str | list[str] | None = None, *,
+               protocol: dict | None = None) -> Path | None:
+    """sweep_effect.png: one heatmap panel per estimand of 1 − debiased cos over (sweep point, noising σ),
+    on the fixed colour scale EFFECT_SCALE; each cell writes value ± SE or shows its state; gate bins boxed.
+
+    sweep_summary: sweep_summary.json as write_sweep_summary writes it.
+    estimand: one estimand's name, a list of them, or None for every estimand any point has (the default).
+    protocol: the `probe` config node the points share (n_images, n_draws, n_folds), e.g. from the first
+        point's arms/<intervention arm>/config.yaml; None says "protocol not given" (as it should when the
+        protocol is itself swept: the rows then name it).
+    Returns None (and writes nothing) when no point has effects to show.
+    """
+    estimands = [estimand] if isinstance(estimand, str) else estimand
+    fig = sweep_figure(sweep_summary, estimands, protocol)
+    if fig is None:
+        return None
+    save_figure(fig, path)
     return path
 
 
-def _draw_cell(ax, row: int, col: int, state: str) -> None:
-    _, fill, hatch, mark = CELL_STYLES[state]
-    if fill is not None or hatch:
-        ax.add_patch(plt.Rectangle((col - 0.5, row - 0.5), 1, 1, fill=fill is not None, fc=fill or "none",
-                                   hatch=hatch, ec="0.3" if hatch else "none", lw=0))
-    if mark:
-        ax.text(col, row, mark, ha="center", va="center", fontsize=11, color="0.25")
+def _heatmap_panel(ax, g: dict, norm, cmap) -> None:
+    """One estimand's cells, gate boxes and axes."""
+    ax.imshow(g["effect"], origin="lower", aspect="auto", cmap=cmap, norm=norm)
+    for r, row in enumerate(g["states"]):
+        for c, state in enumerate(row):
+            _draw_cell(ax, r, c, state, _cell_words(g, r, c), cmap(norm(g["effect"][r, c])), g["noise"][r][c])
+    for r, c in g["gates"]:
+        ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, ec=GATE_EDGE, lw=2.5))
+    ax.set_xticks(range(len(g["sigmas"])), [f"{s:g}" for s in g["sigmas"]])
+    ax.set_yticks(range(len(g["rows"])), g["rows"])
+    ax.set_xlabel("noising σ (bin)", fontsize=9)
+    ax.set_ylabel(g["row_axis"], fontsize=9)
+    ax.set_title(f"estimand `{g['estimand']}`", fontsize=10)
 
 
-def sweep_caption(sweep_summary: dict, estimand: str = "all") -> str:
-    """One sentence for the report under the heatmap: what its axes and every cell state present mean."""
-    g = sweep_grid(sweep_summary, estimand)
-    present = dict.fromkeys(s for row in g["states"] for s in row)
-    parts = [CELL_STYLES[s][0] for s in present]
-    if g["gates"]:
+def _ink(rgba) -> str:
+    """Black or white, whichever reads on a cell of this colour."""
+    r, g, b = rgba[:3]
+    return "k" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "w"
+
+
+def _cell_words(g: dict, r: int, c: int) -> str:
+    """What a cell writes: value ± SE, or its state's mark."""
+    state = g["states"][r][c]
+    if state in VALUE_STATES:
+        return cell_text(g["effect"][r, c], g["se"][r, c])
+    return CELL_STYLES[state].mark
+
+
+def _draw_cell(ax, row: int, col: int, state: str, words: str, rgba, note: str | None = None) -> None:
+    """One cell: its fill (the effect's colour comes from the image under it), hatch and words; a
+    below-noise cell adds the note of each arm's |μ|² ± SE under its mark."""
+    style = CELL_STYLES[state]
+    if style.fill is not None:
+        ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, fc=style.fill, ec="none", lw=0))
+    ink = _ink(rgba) if style.fill is None else "0.25"
+    if style.hatch:  # over the effect's colour, in the colour its text is written in
+        ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, hatch=style.hatch, ec=ink, lw=0,
+                               alpha=0.5))
+    if state in VALUE_STATES:  # on a patch of the cell's own colour, so the hatch never crosses the digits
+        ax.text(col, row, words, ha="center", va="center", fontsize=7, color=ink, linespacing=1.1,
+                bbox={"fc": rgba, "ec": "none", "pad": 1.0})
+    elif words and note:
+        ax.text(col, row, words, ha="center", va="bottom", fontsize=10, color=style.mark_color)
+        ax.text(col, row, note, ha="center", va="top", fontsize=6, color=style.mark_color, linespacing=1.05)
+    elif words:
+        ax.text(col, row, words, ha="center", va="center", fontsize=11, color=style.mark_color)
+
+
+def _swatch(state: str, norm, cmap):
+    """A legend swatch coloured as the state's cells are: its fill, or for a value state a strip of the
+    fixed scale's colours, hatched as the cells."""
+    style = CELL_STYLES[state]
+    if style.fill is not None:
+        return Rectangle((0, 0), 1, 1, fc=style.fill, ec="0.3", lw=0.5)
+    return tuple(Rectangle((0, 0), 1, 1, fc=cmap(norm(v)), hatch=style.hatch, ec="0.5", lw=0)
+                 for v in SWATCH_VALUES)
+
+
+def _sweep_legend(fig: Figure, states: dict, gates: bool, norm, cmap) -> None:
+    handles = [_swatch(s, norm, cmap) for s in states]
+    labels = [CELL_STYLES[s].legend for s in states]
+    if gates:
+        handles.append(Rectangle((0, 0), 1, 1, fill=False, ec=GATE_EDGE, lw=2.5))
+        labels.append("orange box: no-op gate bin")
+    fig.legend(handles, labels, loc="outside lower center", fontsize=7, frameon=False, handlelength=3,
+               handler_map={tuple: HandlerTuple(ndivide=None, pad=0)})
+
+
+def sweep_caption(sweep_summary: dict, estimand: str | list[str] | None = None) -> str:
+    """The report's text under the heatmap: what its panels, axes, colours and the cells present mean."""
+    names = [estimand] if isinstance(estimand, str) else (estimand or sweep_estimands(sweep_summary))
+    panels = [g for g in (sweep_grid(sweep_summary, n) for n in names) if g["sigmas"]] or \
+        [sweep_grid(sweep_summary, names[0] if names else "all")]
+    g = panels[0]
+    present = dict.fromkeys(s for p in panels for row in p["states"] for s in row)
+    parts = [CELL_STYLES[s].legend for s in present]
+    if any(p["gates"] for p in panels):
         parts.append("orange box: no-op gate bin")
-    return (f"Effect 1 − debiased cos to the native twin of `{g['intervention']}`, estimand `{estimand}`, "
-            f"over ({g['row_axis']}, noising σ). Cells: " + "; ".join(parts) + ".")
+    which = ", ".join(f"`{p['estimand']}`" for p in panels)
+    setting = f"({g['setting']})" if g["setting"] else ""
+    return (f"Effect 1 − debiased cos to the native twin of `{g['intervention']}{setting}`, one panel per "
+            f"estimand ({which}), over ({g['row_axis']}, noising σ); each cell with a number writes it ± its "
+            f"SE; colour on a {SCALE_NOTE}. Cells: " + "; ".join(parts) + ".")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from twinrun.errors import StoreError
 from twinrun.files import atomic_write, read_json
-from twinrun.publish.plots import plot_effect
+from twinrun.provenance.version import version_text
+from twinrun.publish.plots import effect_caption, plot_effect
 from twinrun.publish.render import noise_note, pm
 from twinrun.storage.rundir import EFFECT_PNG, REPORT_MD, RunIndex
 
@@ -87,8 +88,27 @@ def _job_line(job: dict, fp: dict, det: dict) -> str:
     return (f"job {job['index']}: {where} on {info.get('hostname')} (boot {str(info.get('boot_id'))[:8]}), "
             f"{device}, torch {kp['torch'].get('version')}, {kp['threads'].get('intra_op')} threads, "
             f"determinism {'on' if det.get('enabled') else 'off'}, kernel path "
-            f"{job['kernel_path_sha256'][:12]}, twinrun git {str((info.get('git') or {}).get('commit'))[:10]}"
-            f"{' (dirty)' if (info.get('git') or {}).get('dirty') else ''}")
+            f"{job['kernel_path_sha256'][:12]}{_git_text(info.get('git') or {})}")
+
+
+def _git_text(git: dict) -> str:
+    """`, twinrun git 1a2b3c4d5e (dirty)`; nothing outside a git checkout (the version line says which)."""
+    if not git.get("commit"):
+        return ""
+    return f", twinrun git {str(git['commit'])[:10]}{' (dirty)' if git.get('dirty') else ''}"
+
+
+def plot_context(index: RunIndex) -> dict:
+    """What the plot's title and σ axis need beyond the summary: the intervention arm's `intervention`
+    node (its setting), its `probe` node (the protocol) and the run's σ bins. A config that cannot be
+    read titles the plot without them (the report is prose; the checks read the record)."""
+    sigmas = [index.params(u)["sigma"] for u in index.units if "sigma" in index.params(u)]
+    try:
+        config = index.run_dir.read_arm_config(index.arm("intervention")["name"])
+    except StoreError:
+        config = {}
+    node = (lambda key: config.get(key) if isinstance(config.get(key), dict) else None)
+    return {"intervention": node("intervention"), "protocol": node("probe"), "sigmas": sigmas or None}
 
 
 def _header(out_dir: Path, summary: dict) -> list[str]:
@@ -100,6 +120,7 @@ def _header(out_dir: Path, summary: dict) -> list[str]:
                   f"{'passed' if ph['registered_passed'] else '**FAILED**'} and stands (RUN/report.md)."), ""]
     else:
         lines += [f"Registered analysis (recorded at plan time): `{summary['registered']}`.", ""]
+    lines += [f"Written by {version_text(summary.get('twinrun'))}.", ""]
     ok = summary["passed"]
     lines += ["## Verdict", "",
               "**VALID** — every validity check and no-op gate passed; effects below." if ok else
@@ -119,8 +140,9 @@ def write_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
     if rep:
         lines += ["", "## Replicate (determinism control)", "", rep["detail"]]
     if summary["passed"]:
-        png = plot_effect(summary, out_dir / EFFECT_PNG)
-        lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", ""] + effect_table(summary["effects"])
+        png = plot_effect(summary, out_dir / EFFECT_PNG, **plot_context(index))
+        lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", "", effect_caption(summary), ""]
+        lines += effect_table(summary["effects"])
     if summary.get("reference"):
         lines += reference_lines(summary["reference"], summary["effects"])
     env_lines = env_summary(index)

@@ -11,17 +11,19 @@ from pathlib import Path
 from twinrun.errors import StoreError
 from twinrun.files import atomic_write, write_json
 from twinrun.interventions import sweep_axis
+from twinrun.provenance.version import twinrun_version
 from twinrun.publish.plots import plot_sweep, sweep_caption, swept_variables
+from twinrun.publish.seeds import TEST_NAME, disagreements, pool_seeds
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.sweepdir import SweepDir, point_overrides
 
 
 def _point(run_dir: Path) -> dict:
     index = RunIndex.load(run_dir)
-    intervention = _intervention(index)
+    intervention, protocol, seed = _intervention(index)
     point = {"run_dir": str(run_dir), "overrides": point_overrides(run_dir), "intervention": intervention,
-             "axis": sweep_axis(intervention), "status": index.status, "valid": None, "gates_passed": None,
-             "effects": []}
+             "axis": sweep_axis(intervention), "protocol": protocol, "seed": seed, "status": index.status,
+             "valid": None, "gates_passed": None, "effects": []}
     rd = index.run_dir
     if rd.has_summary():
         summary = rd.read_summary()
@@ -38,18 +40,21 @@ def _point(run_dir: Path) -> dict:
     return point
 
 
-def _intervention(index: RunIndex) -> dict:
-    """The intervention arm's `intervention` node (its sweep axis), as planned."""
+def _intervention(index: RunIndex) -> tuple[dict, dict | None, int | None]:
+    """The intervention arm's `intervention` node (its sweep axis), its `probe` node and its seed."""
     name = index.arm("intervention")["name"]
     config = index.run_dir.read_arm_config(name)
     if not isinstance(config.get("intervention"), dict):
         raise StoreError(index.run_dir.arm_config(name), "field intervention: missing or not a config node")
-    return config["intervention"]
+    probe, seed = config.get("probe"), config.get("seed")
+    return (config["intervention"], probe if isinstance(probe, dict) else None,
+            seed if type(seed) is int else None)
 
 
 def _missing(sd: SweepDir, number: int, overrides: list[str]) -> dict:
     return {"run_dir": str(sd.point(number)), "overrides": overrides, "intervention": {},
-            "axis": None, "status": "missing", "valid": None, "gates_passed": None, "effects": []}
+            "axis": None, "protocol": None, "seed": None, "status": "missing", "valid": None,
+            "gates_passed": None, "effects": []}
 
 
 def write_sweep_report(sd: SweepDir, summary: dict) -> Path:
@@ -66,25 +71,80 @@ def write_sweep_report(sd: SweepDir, summary: dict) -> Path:
         rel = Path(p["run_dir"]).relative_to(sd.path)
         lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} | {_yes_no(p['valid'])} "
                      f"| {_yes_no(p['gates_passed'])} | [report]({rel}/report.md) |")
-    png = plot_sweep(summary, sd.heatmap_png)
+    lines += seed_lines(summary.get("pooled_over_seeds") or [])
+    png = plot_sweep(summary, sd.heatmap_png, protocol=_shared_protocol(summary["points"]))
     if png is not None:
         lines += ["", f"![sweep heatmap]({png.name})", "", sweep_caption(summary)]
     atomic_write(sd.report_md, ("\n".join(lines) + "\n").encode())
     return sd.report_md
 
 
+def seed_lines(pooled: list[dict]) -> list[str]:
+    """The report's section on seeds: each σ × estimand pooled over seeds, and the seeds that disagree."""
+    if not pooled:
+        return []
+    lines = ["", "## Pooled over seeds", "",
+             (f"Points alike in everything but `seed`, pooled per σ and estimand: the mean over seeds, its "
+              f"between-seed SE (sd / √K) and the SE the seeds' own SEs imply (√Σse² / K); \"disagree\" is "
+              f"{TEST_NAME} at p < {pooled[0]['alpha']:g}. Every seed probes the same images (only the draws "
+              "change), so the between-seed SE is the draws' share of the noise, not an SE over images."), ""]
+    bad = disagreements(pooled)
+    lines += ([f"**Seeds disagree** beyond their within-seed SEs at: {'; '.join(bad)}.", ""] if bad
+              else ["The seeds agree within their SEs at every σ and estimand.", ""])
+    lines += [("| fixed | σ | estimand | seeds | 1 − cos: mean ± between-seed SE (within) | p | "
+               "norm ratio: mean ± between-seed SE (within) | p |"), "|---|---|---|---|---|---|---|---|"]
+    for c in pooled:
+        fixed = " ".join(f"{k}={v}" for k, v in c["fixed"].items()) or "–"
+        lines.append(f"| `{fixed}` | {c['sigma']:g} | {c['estimand']} | {_seed_count(c)} | "
+                     f"{_pooled_text(c, 'effect')} | {_p_text(c, 'effect')} | "
+                     f"{_pooled_text(c, 'norm_ratio')} | {_p_text(c, 'norm_ratio')} |")
+    return lines
+
+
+def _seed_count(c: dict) -> str:
+    extra = [f"{len(c[k])} {w}" for k, w in (("below_noise_seeds", "below noise"),
+                                               ("withheld_seeds", "withheld")) if c[k]]
+    return f"{c['n_seeds']}" + (f" (+{', '.join(extra)})" if extra else "")
+
+
+def _pooled_text(c: dict, key: str) -> str:
+    if c[f"{key}_mean"] is None:
+        return "fewer than 2 seeds with a number"
+    return (f"{c[f'{key}_mean']:.4f} ± {c[f'{key}_between_se']:.1e} ({c[f'{key}_within_se']:.1e})")
+
+
+def _p_text(c: dict, key: str) -> str:
+    if c[f"{key}_p"] is None:
+        return "–"
+    return f"**{c[f'{key}_p']:.3g} disagree**" if c[f"{key}_disagree"] else f"{c[f'{key}_p']:.3g}"
+
+
+def _shared_protocol(points: list[dict]) -> dict | None:
+    """The `probe` node every point shares (None when the protocol itself is swept: the rows name it)."""
+    nodes = [p.get("protocol") for p in points if p.get("protocol")]
+    keys = ("n_images", "n_draws", "n_folds")
+    shared = {tuple(n.get(k) for k in keys) for n in nodes}
+    return nodes[0] if len(shared) == 1 and len(nodes) == len(points) else None
+
+
 def _yes_no(flag: bool | None) -> str:
     return "–" if flag is None else ("yes" if flag else "**NO**")
+
+
+def collect_points(sd: SweepDir) -> list[dict]:
+    """Every point of the sweep: each run directory's verdict and effects, then the points Hydra's
+    sweep names (multirun.yaml) that have none, marked missing."""
+    points = [_point(d) for d in sd.point_dirs()]
+    have = {Path(p["run_dir"]).name for p in points}
+    expected = sd.expected_points() or []
+    return points + [_missing(sd, n, o) for n, o in enumerate(expected) if str(n) not in have]
 
 
 def write_sweep_summary(sweep_dir: Path) -> dict:
     """Collect the points; lay the effects out as (the intervention's sweep axis, sigma, estimand): each
     entry names its axis ("axis": "sigma_pin") and holds the point's value under that name."""
     sd = SweepDir(sweep_dir)
-    points = [_point(d) for d in sd.point_dirs()]
-    have = {Path(p["run_dir"]).name for p in points}
-    expected = sd.expected_points() or []
-    points += [_missing(sd, n, o) for n, o in enumerate(expected) if str(n) not in have]
+    points = collect_points(sd)
     effect_map = []
     for p in points:
         axis = (p["axis"] or {}).get("key", "intervention.(none)").removeprefix("intervention.")
@@ -95,7 +155,8 @@ def write_sweep_summary(sweep_dir: Path) -> dict:
                                "se": e["se"], "run_dir": p["run_dir"]})
     summary = {"sweep_dir": str(sd.path), "n_points": len(points),
                "all_valid": all(p["valid"] and p["gates_passed"] for p in points) if points else False,
-               "points": points, "effects": effect_map}
+               "points": points, "effects": effect_map, "pooled_over_seeds": pool_seeds(points),
+               "twinrun": twinrun_version()}
     write_json(sd.summary_json, summary)
     write_sweep_report(sd, summary)
     print(f"twinrun: sweep summary of {len(points)} points in {sd.summary_json}", flush=True)

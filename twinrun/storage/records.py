@@ -126,6 +126,7 @@ class RunRecord(TypedDict):
     units: list[UnitEntry]
     jobs: NotRequired[list[JobRecord]]
     failure: NotRequired[Failure | None]
+    twinrun: NotRequired[dict | None]  # the twinrun that planned it: version, git commit (None outside git)
 
 
 assert set(typing.get_args(RunStatus)) == set(RUN_STATUSES) and set(typing.get_args(Role)) == set(ROLES)
@@ -200,6 +201,7 @@ class Summary(TypedDict):
     replicate: dict | None
     reference: NotRequired[ReferenceReport | None]
     post_hoc: NotRequired[PostHoc]
+    twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
 
 
 class TrainGateRow(TypedDict):

@@ -1,0 +1,162 @@
+"""Experiment-tracker sinks of the publish step: `tracker=mlflow | wandb | tensorboard`.
+
+Each sink is one module here, imported (through SINKS, by name) only when a run is published with it,
+so twinrun never needs a tracker's package unless asked. What every sink logs is built once
+(`payload`): the resolved config, the verdict and gates, the effects per σ bin with their SEs, the plots
+and report as files, the kernel-path digest and run directory as tags, the native twin as the baseline.
+
+A tracker is chosen by the user's own command (the config, or `reduce --tracker`), never read from a
+run directory: its store lies outside the run, and a run directory is data written by a stranger.
+Planning checks the tracker before any compute (package importable, store writable: `check_tracker`);
+at publish time a sink that still fails is one line on stderr, after the run's own files are written,
+and the exit code stays the reducer's.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from twinrun.arms import flatten
+from twinrun.errors import ConfigError
+from twinrun.provenance.version import twinrun_version
+from twinrun.storage.rundir import RunIndex
+
+
+class Sink(NamedTuple):
+    module: str  # the sink's module, imported at publish time
+    packages: tuple[str, ...]  # what it needs installed (the `trackers` extra)
+
+
+SINKS = {
+    "mlflow": Sink("twinrun.publish.trackers.mlflow", ("mlflow", "sqlalchemy", "alembic")),
+    "wandb": Sink("twinrun.publish.trackers.wandb", ("wandb",)),
+    "tensorboard": Sink("twinrun.publish.trackers.tensorboard", ("tensorboard",)),
+}
+NONE = "none"
+EXTRA_HINT = "pip install 'twinrun[trackers]'"
+# Set before a sink's package is imported: no telemetry, no network, nothing in $HOME.
+QUIET_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "WANDB_SILENT": "true",
+             "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off",
+             "WANDB_ERROR_REPORTING": "false", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def writable_dir(path: Path) -> None:
+    """Create the directory and a file in it, or raise OSError: a store that cannot be written fails
+    here at once (MLflow's SQLite store retries an unopenable database for about 100 s, and W&B falls
+    back to /tmp/wandb while reporting success)."""
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".twinrun-probe-"):
+        pass
+
+
+def check_tracker(tracker: dict) -> dict | None:
+    """The tracker settings of the user's config, checked before any compute (ConfigError, exit 2):
+    a known name, its packages importable, its store writable. None for tracker=none."""
+    name = tracker.get("name", NONE)
+    if name == NONE:
+        return None
+    if name not in SINKS:
+        raise ConfigError("tracker", name, f"choose one of {NONE}, {', '.join(SINKS)}")
+    missing = [p for p in SINKS[name].packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ConfigError("tracker", name, f"needs the package{'s' * (len(missing) > 1)} "
+                          f"{', '.join(missing)}: {EXTRA_HINT}, or tracker={NONE}")
+    store = Path(tracker.get("dir") or Path("outputs") / name).expanduser().resolve()
+    try:
+        writable_dir(store)
+    except OSError as err:
+        raise ConfigError("tracker.dir", str(store), f"cannot be written ({err.strerror or err}); choose a "
+                          "writable directory") from None
+    return {"name": name, "dir": str(store), "project": str(tracker.get("project") or "twinrun")}
+
+
+@dataclass
+class Payload:
+    """What every sink logs of one reduced run, as plain data."""
+
+    name: str  # the run directory's name: the tracker's run name
+    run_dir: str
+    arm: str  # the intervention arm's name
+    baseline: str  # the native twin's
+    config: dict  # the intervention arm's resolved config
+    params: dict[str, str]  # the same, flattened (key: its text)
+    tags: dict[str, str]  # run directory, kernel path, verdict, twinrun version
+    verdict: dict[str, bool]  # passed, valid, and one entry per gate (gate/<estimand>/sigma<σ>)
+    steps: list[dict] = field(default_factory=list)  # one per σ bin (step = its index): the effects
+    baseline_steps: list[dict] = field(default_factory=list)  # the twin's |μ|² per σ bin
+    files: list[Path] = field(default_factory=list)  # summary.json, report.md, effect.png
+
+
+def _kernel_paths(index: RunIndex) -> str:
+    paths = {e.get("kernel_path_sha256") for u in index.units for e in u["stores"].values()} - {None}
+    return ",".join(sorted(paths))
+
+
+def _steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
+    """(the intervention's rows, the twin's rows), one per σ bin: numbers only where the summary has them
+    (a below-noise effect logs below_noise/<estimand> = 1 and no cos or ratio, never a 0)."""
+    effects = {(e["sigma"], e["estimand"]): e for e in summary["effects"]}
+    names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
+    steps, base = [], []
+    for u in index.units:
+        sigma = index.params(u).get("sigma")
+        row, twin = {"sigma": sigma}, {"sigma": sigma}
+        for n in names:
+            e = effects.get((sigma, n))
+            if e is None:
+                continue
+            row[f"below_noise/{n}"] = float(e["below_noise"])
+            row[f"norm2_arm/{n}"], row[f"norm2_arm_se/{n}"] = e["norm2"], e["norm2_se"]
+            twin[f"norm2/{n}"], twin[f"norm2_se/{n}"] = e["norm2_base"], e["norm2_base_se"]
+            if e["cos"] is not None:
+                row[f"effect/{n}"], row[f"effect_se/{n}"] = 1 - e["cos"], e["se"]
+                row[f"cos/{n}"] = e["cos"]
+                row[f"norm_ratio/{n}"], row[f"norm_ratio_se/{n}"] = e["norm_ratio"], e["norm_ratio_se"]
+        steps.append(row)
+        base.append(twin)
+    return steps, base
+
+
+def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
+    """The payload of one registered reduction (its summary, as summary.json holds it)."""
+    rd = index.run_dir
+    arm, twin = index.arm("intervention")["name"], index.arm("twin")["name"]
+    config = rd.read_arm_config(arm)
+    version = twinrun_version()
+    verdict = {"passed": bool(summary["passed"]), "valid": bool(summary["valid"])}
+    verdict.update({f"gate/{g['estimand']}/sigma{g['sigma']:g}": bool(g["passed"]) for g in summary["gates"]})
+    tags = {"twinrun.run_dir": str(rd.path.resolve()), "twinrun.kernel_path": _kernel_paths(index),
+            "twinrun.verdict": "valid" if summary["passed"] else "instrument broken",
+            "twinrun.version": version["version"], "twinrun.commit": str(version["commit"]),
+            "twinrun.arm": arm, "twinrun.baseline": twin}
+    steps, base = _steps(index, summary)
+    params = {k: str(v) for k, v in flatten(config).items()}
+    return Payload(rd.path.name, str(rd.path), arm, twin, config, params, tags, verdict, steps, base,
+                   [f for f in files if Path(f).is_file()])
+
+
+def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]) -> bool:
+    """Log one reduced run to the tracker (checked settings, check_tracker's); True if it was logged.
+    A failure is one line on stderr: the run directory is already complete and stays the record."""
+    if tracker is None:
+        return False
+    name = tracker["name"]
+    try:
+        for key, value in QUIET_ENV.items():
+            os.environ.setdefault(key, value)
+        sink = importlib.import_module(SINKS[name].module)
+        store = Path(tracker["dir"])
+        writable_dir(store)
+        where = sink.log(payload(index, summary, files), store, tracker["project"])
+    except (Exception, SystemExit) as err:  # noqa: BLE001 — a tracker is foreign code; its failure is one line
+        said = " ".join(str(err).split())[:300] or type(err).__name__
+        print(f"twinrun: warning: tracker={name} did not log {index.run_dir.path} ({type(err).__name__}: "
+              f"{said}); the run directory is complete and stays the record", file=sys.stderr, flush=True)
+        return False
+    print(f"twinrun: logged to {name}: {where}", flush=True)
+    return True

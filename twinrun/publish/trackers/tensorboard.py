@@ -1,0 +1,50 @@
+"""tracker=tensorboard: event files under DIR/<project>/<run>/<arm> and DIR/<project>/<run>/<twin> (the
+baseline), through torch's SummaryWriter (which needs the tensorboard package).
+
+Steps are integers, so a scalar's step is its σ bin's index and σ is logged as a scalar of its own;
+the config, the verdict with its gates and the tags are text; effect.png is an image. Scalars are
+stored as float32.
+"""
+
+import json
+from pathlib import Path
+
+from matplotlib import image as mpimg
+from torch.utils.tensorboard import SummaryWriter
+
+
+def _table(rows: dict) -> str:
+    return "| key | value |\n|---|---|\n" + "\n".join(f"| `{k}` | `{v}` |" for k, v in rows.items())
+
+
+def _scalars(writer, steps: list[dict]) -> None:
+    for step, row in enumerate(steps):
+        for key, value in row.items():
+            if value is not None:
+                writer.add_scalar(key, value, global_step=step)
+
+
+def log(p, store: Path, project: str) -> str:
+    """Log the payload; returns where (the run's folder of event files)."""
+    root = store / project / p.name
+    base = SummaryWriter(log_dir=str(root / p.baseline))
+    try:
+        base.add_text("tags", _table({**p.tags, "twinrun.role": "baseline"}), 0)
+        _scalars(base, p.baseline_steps)
+    finally:
+        base.close()
+    arm = SummaryWriter(log_dir=str(root / p.arm))
+    try:
+        arm.add_text("config", _table(p.params), 0)
+        arm.add_text("verdict", _table(p.verdict), 0)
+        arm.add_text("tags", _table({**p.tags, "twinrun.role": "intervention"}), 0)
+        arm.add_text("config_json", json.dumps(p.config), 0)
+        _scalars(arm, p.steps)
+        for key, value in p.verdict.items():
+            arm.add_scalar(key, float(value), global_step=0)
+        for f in p.files:
+            if f.suffix == ".png":
+                arm.add_image(f"plots/{f.stem}", mpimg.imread(str(f))[..., :3], 0, dataformats="HWC")
+    finally:
+        arm.close()
+    return str(root)

@@ -1,0 +1,57 @@
+"""tracker=wandb: offline W&B runs (WANDB_MODE=offline), two per twinrun run in one group: the
+intervention arm (config, verdict and gates in its summary, effects per σ bin with SEs in its
+history, the plot as an image, report and summary as files) and the native twin (job_type baseline).
+
+W&B writes nothing outside DIR: its config, cache, data and artifact directories are put there, and a
+run that lands elsewhere (W&B falls back to /tmp/wandb when DIR cannot be written, and says nothing)
+is refused. Upload later with `wandb sync DIR/wandb/offline-run-*`.
+"""
+
+import os
+from pathlib import Path
+
+import wandb
+
+SETTINGS = {"x_disable_stats": True, "x_disable_meta": True, "x_disable_machine_info": True,
+            "x_save_requirements": False}
+
+
+def _environment(store: Path) -> None:
+    os.environ["WANDB_MODE"] = "offline"
+    for key, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"),
+                     ("WANDB_ARTIFACT_DIR", "artifacts")):
+        os.environ[key] = str(store / sub)
+
+
+def _run(store: Path, project: str, group: str, job_type: str, name: str, config: dict):
+    run = wandb.init(dir=str(store), project=project, group=group, job_type=job_type, name=name,
+                     config=config, settings=wandb.Settings(**SETTINGS), reinit="create_new")
+    if not Path(run.dir).resolve().is_relative_to(store.resolve()):
+        run.finish()
+        raise OSError(f"W&B wrote its run to {run.dir}, not under {store}")
+    return run
+
+
+def log(p, store: Path, project: str) -> str:
+    """Log the payload; returns where (the two offline run directories)."""
+    _environment(store)
+    tags = {k.removeprefix("twinrun."): v for k, v in p.tags.items()}
+    where = []
+    base = _run(store, project, p.name, "baseline", f"{p.name}/{p.baseline}",
+                {"twinrun": {**tags, "role": "baseline"}})
+    for step, row in enumerate(p.baseline_steps):
+        base.log(row, step=step)
+    where.append(str(Path(base.dir).parent))
+    base.finish()
+    run = _run(store, project, p.name, "intervention", f"{p.name}/{p.arm}",
+               {**p.config, "twinrun": {**tags, "role": "intervention"}})
+    for step, row in enumerate(p.steps):
+        run.log(row, step=step)
+    run.summary.update(p.verdict)
+    for f in p.files:
+        if f.suffix == ".png":
+            run.log({f"plots/{f.stem}": wandb.Image(str(f))}, step=len(p.steps))
+        run.save(str(f), base_path=str(f.parent), policy="now")
+    where.append(str(Path(run.dir).parent))
+    run.finish()
+    return ", ".join(where)

@@ -1,0 +1,38 @@
+"""The tidy table of runs and sweeps: `python -m twinrun.table RUN_OR_SWEEP… [--csv F | --parquet F]`.
+
+One row per run × σ bin × estimand (verdict, gate, below-noise flag, cos, norm ratio, SEs and intervals,
+the pairing receipt, the kernel-path digest, the seed and every override as a column); a sweep adds its
+σ × estimand pooled over seeds. Without --csv or --parquet the CSV goes to stdout. Needs the `table`
+extra: `pip install 'twinrun[table]'`. Exit codes: 0 written; 2 bad input (not a run or sweep directory,
+a damaged record, pandas or pyarrow missing).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from twinrun.errors import EXIT_OK, TwinrunError, fail
+from twinrun.publish.table import load, write
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m twinrun.table", description=__doc__.splitlines()[0])
+    p.add_argument("paths", type=Path, nargs="+", help="run directories and sweep directories")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV")
+    out.add_argument("--parquet", type=Path, metavar="FILE", help="write the table as parquet (pyarrow)")
+    args = p.parse_args(argv)
+    try:
+        df = load(args.paths)
+        if args.csv is None and args.parquet is None:
+            sys.stdout.write(df.to_csv(index=False))
+            return EXIT_OK
+        path = write(df, args.parquet or args.csv, "parquet" if args.parquet else "csv")
+    except TwinrunError as err:
+        fail(err)
+    print(f"twinrun table: {len(df)} rows × {len(df.columns)} columns → {path}", file=sys.stderr)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -60,7 +60,8 @@ def submit(run_dirs: list[Path], launcher: dict, folder_root: Path,
     with submitit.helpers.clean_env():  # submitting from inside an allocation must not inherit it
         try:
             with executor.batch():
-                jobs = [executor.submit(PairJob(e.run_dir, trusted, e.units)) for e in planned]
+                jobs = [executor.submit(PairJob(e.run_dir, trusted, e.units, launcher["gpus_per_node"]))
+                        for e in planned]
         except UncompletedJobError as err:  # sbatch refused the job
             raise sbatch_refused(err, launcher) from None
     submitted = list(zip(planned, jobs))

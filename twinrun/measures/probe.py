@@ -9,6 +9,7 @@ measures, resolves probe.method and compile there, and measures one arm of one b
 import itertools
 import math
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,14 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 from twinrun import draws
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.reduce import reduce_run
-from twinrun.config import PROTOCOL_KEYS, ProbeConfig, build, typed
-from twinrun.errors import ConfigError
+from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build, typed
+from twinrun.errors import ConfigError, DeviceMemoryError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, Native, attached
 from twinrun.measures import fold_sums as fs
 from twinrun.measures import trial
-from twinrun.measures.kind import Measure, Plan, resolve_device
+from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.measures.modes import draws_randomness, set_mode
+from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.storage.records import UnitEntry
 from twinrun.storage.store import store_size
@@ -72,24 +74,16 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     for key in ("chunk_images", "chunk_draws"):
         if p[key] == 0 or p[key] < -1:
             raise ConfigError(f"probe.{key}", p[key], "must be ≥ 1, or -1 for no limit")
-    _validate_device(p.device)
+    if p.accumulator_dtype not in fs.ACCUMULATORS:
+        raise ConfigError("probe.accumulator_dtype", p.accumulator_dtype,
+                          f"choose {' or '.join(fs.ACCUMULATORS)}")
+    parse_device("probe.device", p.device)  # its spelling only: the job judges the GPU where it runs
     data = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
     if p.n_images > data[0].shape[0]:
         raise ConfigError("probe.n_images", p.n_images,
                           f"the data set has only {data[0].shape[0]} images; use at most that")
     intervention.check([float(s) for s in grid])
     return data
-
-
-def _validate_device(name: str) -> None:
-    try:
-        device = resolve_device(name)
-    except RuntimeError:
-        raise ConfigError("probe.device", name, "not a torch device; use auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError("probe.device", name, "twinrun measures on cpu or cuda[:N] only (or auto)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("probe.device", name, "CUDA is not available here; use probe.device=cpu")
 
 
 def check_measures_something(intervention: Intervention, grid: list[float]) -> None:
@@ -141,6 +135,96 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
     return store_bytes
 
 
+@dataclass
+class DeviceMemory:
+    """The probe's device memory at its peak (bytes): one arm of one bin, its largest call in flight."""
+
+    fold_sums: int  # the accumulator and its float32 copy: 12·F·P in float64, 4·F·P in float32
+    model: int  # every parameter and buffer (the model lives on the device)
+    gradients: int  # one call's parameter gradients, float32: P (folds), groups per call x P (vmap)
+    activations: int  # what autograd saves per sample (measured on the model) x samples per call
+    data: int  # the probed images and one bin's noise
+    samples_per_call: int
+
+    @property
+    def call(self) -> int:
+        """One call's gradients and activations, with the backward's own workspace on top."""
+        return int(BACKWARD_WORKSPACE * (self.gradients + self.activations))
+
+    @property
+    def total(self) -> int:
+        return self.fold_sums + self.model + self.data + self.call
+
+    def describe(self, p: ProbeConfig) -> str:
+        return (f"{_size(self.total)}: fold sums {_size(self.fold_sums)} (probe.n_folds={p.n_folds}, "
+                f"probe.accumulator_dtype={p.accumulator_dtype}), model {_size(self.model)}, one call's "
+                f"gradients and activations {_size(self.call)} ({self.samples_per_call} samples: "
+                f"probe.chunk_images={p.chunk_images} x probe.chunk_draws={p.chunk_draws}), images and "
+                f"noise {_size(self.data)}")
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+# A call's peak over its gradients and saved activations: the backward also holds the gradients of the
+# activations it is working through. Measured on the CPU (peak RSS growth of one probe call, five shapes
+# of both methods, tests/test_device_memory.py): 1.43-1.51 for vmap; with it the estimate is within
+# -3%..+9% of what was measured.
+BACKWARD_WORKSPACE = 1.6
+# Named in every refusal for memory, in the order they usually help most.
+MEMORY_KNOBS = ("lower probe.n_folds or set probe.accumulator_dtype=float32 (the fold sums), lower "
+                "probe.chunk_images or probe.chunk_draws (the activations), probe fewer parameters "
+                "(probe.params), or use probe.method=folds (one fold group per call)")
+
+
+def device_memory(p: ProbeConfig, model: torch.nn.Module, n_probed: int, images: torch.Tensor,
+                  fold_of_image: list[int], method: str, saved_per_sample: int) -> DeviceMemory:
+    """The estimate of `DeviceMemory` for one arm and bin: planning prints it, the job checks it against
+    the device's free memory before the first bin (benchmarks show how it compares with measured)."""
+    n_folds = max(fold_of_image) + 1
+    groups, samples = fs.call_sizes(fold_of_image, n_folds, p.chunk_images, p.chunk_draws, p.n_draws, method)
+    per_value = 12 if p.accumulator_dtype == "float64" else 4  # float32 sums: `.float()` is no copy
+    image_bytes = images[0].numel() * images.element_size()
+    return DeviceMemory(
+        fold_sums=per_value * n_folds * n_probed,
+        model=sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())),
+        gradients=4 * groups * n_probed,
+        activations=saved_per_sample * samples,
+        data=p.n_images * (1 + p.n_draws) * image_bytes,
+        samples_per_call=samples,
+    )
+
+
+def estimate_memory(p: ProbeConfig, c: "Components", method: str, sigma: float) -> DeviceMemory:
+    """`device_memory` of built components, its activations measured on the model where it is."""
+    saved = fs.saved_bytes_per_sample(c.model, c.images, sigma)
+    n_probed = sum(g["numel"] for g in c.layout)
+    return device_memory(p, c.model, n_probed, c.images, c.fold_of_image.tolist(), method, saved)
+
+
+def check_device_memory(estimate: DeviceMemory, p: ProbeConfig, device: torch.device) -> None:
+    """Refuse, before the first bin, a run whose estimate exceeds what this process can hold on its GPU:
+    free memory plus what torch already holds (the model, the trial's cached blocks). On the CPU the host
+    memory is planning's to judge."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    available = free + torch.cuda.memory_reserved(device)
+    if estimate.total > available:
+        raise DeviceMemoryError(f"the probe needs about {estimate.describe(p)}, more than the "
+                                f"{_size(available)} this process can have on {device} ({_size(total)} in "
+                                f"all); {MEMORY_KNOBS}")
+
+
+def out_of_memory(err: BaseException, where: str, estimate: DeviceMemory | None, p: ProbeConfig,
+                  device: torch.device) -> DeviceMemoryError:
+    """The device ran out of memory (`where`: the trial, or an arm and bin): what was estimated, the knobs."""
+    said = f"the estimate was {estimate.describe(p)}" if estimate is not None else "before any estimate"
+    return DeviceMemoryError(f"{where}: {device} ran out of memory ({trial.first_line(err)}); {said}; "
+                             f"{MEMORY_KNOBS}")
+
+
 # ----------------------------------------------------------------------------- components
 
 
@@ -163,16 +247,25 @@ def build_components(config: dict, p: ProbeConfig, arms: list, device: torch.dev
                      data: tuple | None = None) -> Components:
     """Model, data and each arm's intervention from the arms' shared resolved config (one level of
     instantiate each), and the probe's parameter selection, layout and folds (`p`: config's probe, typed).
-    data: (images, ids) when the caller has already built them (planning validates their count first)."""
-    model = build(config["model"], "model").to(device)
-    images, image_ids = data if data is not None else build(config["data"], "data")
+    data: (images, ids) when the caller has already built them (planning validates their count first).
+
+    Each builder runs after the job applied determinism: one that changes a numerics switch is named,
+    and set back under determinism.enabled=true (provenance.determinism.switches_kept)."""
+    pinned = typed(DeterminismConfig, config["determinism"], "determinism").enabled
+
+    def built(key: str, node: dict):
+        with switches_kept(f"{key}._target_={node.get('_target_')}", pinned):
+            return build(node, key)
+
+    model = built("model", config["model"]).to(device)
+    images, image_ids = data if data is not None else built("data", config["data"])
     names = fs.select_params(model, list(p.params))
     sizes = fold_sizes(p.n_images, p.n_folds)
     return Components(
         model=model,
         images=images[: p.n_images].to(device),
         image_ids=list(image_ids[: p.n_images]),
-        interventions={a.name: build(a.config["intervention"], "intervention") for a in arms},
+        interventions={a.name: built("intervention", a.config["intervention"]) for a in arms},
         names=names,
         layout=fs.layout(model, names, fs.cond_patterns(model)),
         fold_sizes=sizes,
@@ -197,7 +290,11 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     replicated = any(a.role == "replicate" for a in arms)
     n_stores = len(arms) * len(grid) + (0 if replicated else len(gates))
     store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
-    trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+    method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+    if parse_device("probe.device", p.device)[0] != "cpu":  # (on the CPU: host memory, check_sizes)
+        memory = estimate_memory(p, c, method, grid[0])
+        print(f"twinrun: device memory per arm and bin, estimated for probe.method={method}: "
+              f"{memory.describe(p)}; the job checks it against its GPU's free memory", flush=True)
     units = [{"index": i, "label": bin_label(i, s), "gate": s in gates, "probe": {"sigma": s},
               "file": store_name(i, s)} for i, s in enumerate(grid)]
     return Plan(units=units, store_bytes=store_bytes)
@@ -211,7 +308,8 @@ def arithmetic(p: ProbeConfig, method: str, device: str) -> dict:
     kernel path (a resume or a reference under other settings is another path). `method` is the
     resolved one (vmap | folds), never `auto`, and so is `device` (cpu | cuda)."""
     return {"method": method, "compile": p.compile or False, "device": device,  # null compile is eager
-            "chunk_images": p.chunk_images, "chunk_draws": p.chunk_draws}
+            "chunk_images": p.chunk_images, "chunk_draws": p.chunk_draws,
+            "accumulator_dtype": p.accumulator_dtype}
 
 
 class ProbeSession:
@@ -234,9 +332,24 @@ class ProbeSession:
         self.train_stream = self.seed if random_ops else None
         # Resolve probe.method and compile before any bin, so that the compile cache the fingerprint
         # reads next holds every kernel the bins will use.
-        self.method, self.forward, self.compile_mode = trial.job_trial(
-            self.c.model, self.c.names, self.c.images, _first_sigma(config), self.c.interventions, self.p,
-            self.c.fold_of_image, len(self.c.fold_sizes))
+        self.memory = None
+        with self.memory_named("the trial run before the first bin"):
+            self.method, self.forward, self.compile_mode = trial.job_trial(
+                self.c.model, self.c.names, self.c.images, sigma0, self.c.interventions, self.p,
+                self.c.fold_of_image, len(self.c.fold_sizes))
+        # Before the first bin: the bins' memory, estimated on this device, against what it has free.
+        self.memory = estimate_memory(self.p, self.c, self.method, sigma0)
+        check_device_memory(self.memory, self.p, device)
+
+    @contextmanager
+    def memory_named(self, where: str):
+        """Running out of device memory is named as such, with the estimate and the knobs (exit 6)."""
+        try:
+            yield
+        except Exception as err:
+            if trial.is_out_of_memory(err):
+                raise out_of_memory(err, where, self.memory, self.p, self.c.device) from err
+            raise
 
     def arithmetic(self) -> dict:
         # twinrun's own batching changes the arithmetic order, so it joins the kernel path.
@@ -256,11 +369,12 @@ class ProbeSession:
         eps = self.eps.to(c.device)
         intervention = c.interventions[arm]
         sigma_cond = intervention.sigma_cond(torch.tensor(sigma, dtype=torch.float32))
-        with attached(intervention, c.model):
+        with attached(intervention, c.model), self.memory_named(f"arm {arm}, {u['label']}"):
             sums = trial.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
                                         sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
                                         p.chunk_images, p.chunk_draws, method=self.method,
-                                        forward=self.forward, train_stream=self.train_stream)
+                                        forward=self.forward, train_stream=self.train_stream,
+                                        accumulator=fs.ACCUMULATORS[p.accumulator_dtype])
         fs.check_finite(sums, arm, u["index"], sigma)
         meta = {"arm": arm, "bin_index": u["index"], "sigma": sigma, "sigma_cond": float(sigma_cond),
                 "n_images": p.n_images, "n_draws": p.n_draws, "fold_sizes": c.fold_sizes,
@@ -294,4 +408,5 @@ PROBE = Measure(
     open_session=ProbeSession,
     device=lambda config: config["probe"]["device"],
     reduce=reduce_run,
+    compiles=lambda config: trial.compile_mode(config["probe"].get("compile")) is not None,
 )

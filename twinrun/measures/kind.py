@@ -83,7 +83,7 @@ def parse_device(key: str, name) -> tuple[str, int | None]:
     if kind == "cuda" and (":" not in text or index.isdigit()):
         return "cuda", int(index) if index else None
     if kind in ("auto", "cpu") and index.isdigit():
-        raise ConfigError(key, name, f"{kind} takes no index; use {kind}, cuda or cuda:N")
+        raise ConfigError(key, name, f"{kind} takes no index; use {DEVICE_CHOICES}")
     try:
         device = torch.device(text)
     except (RuntimeError, TypeError):

@@ -32,10 +32,11 @@ ONE_CALL = textwrap.dedent("""
     gen = torch.Generator().manual_seed(0)
     images, eps = torch.rand(n, 1, 8, 8, generator=gen), torch.randn(n, d, 1, 8, 8, generator=gen)
     folds = torch.repeat_interleave(torch.arange(f), torch.tensor(fold_sizes(n, f)))
-    p = ProbeConfig(n_images=n, n_draws=d, n_folds=f, chunk_images=ci, chunk_draws=cd, accumulator_dtype=accumulator)
+    p = ProbeConfig(n_images=n, n_draws=d, n_folds=f, chunk_images=ci, chunk_draws=cd,
+                    accumulator_dtype=accumulator)
     saved = fs.saved_bytes_per_sample(model, images, 0.5)
-    estimate = device_memory(p, model, sum(q.numel() for q in model.parameters()), images, folds.tolist(), method,
-                             saved)
+    n_params = sum(q.numel() for q in model.parameters())
+    estimate = device_memory(p, model, n_params, images, folds.tolist(), method, saved)
     with open("/proc/self/clear_refs", "w") as f_:
         f_.write("5")  # resets the peak resident set size
     before = status("VmRSS")

@@ -4,6 +4,7 @@ compiles into a cache of its own, whose digest covers every file."""
 
 import os
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def switches_restored():
 def test_the_kernel_path_holds_the_probes_gpu_not_every_visible_one(monkeypatch):
     gpus = [types.SimpleNamespace(name=name, multi_processor_count=sm, major=9, minor=0, uuid=f"GPU-{k}")
             for k, (name, sm) in enumerate((("NVIDIA H100 80GB HBM3", 132), ("NVIDIA H100 MIG 3g.40gb", 60)))]
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpus[torch.device(device).index or 0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: gpus[torch.device(d).index or 0])
     on_second = fingerprint(device="cuda:1")
     assert on_second["kernel_path"]["gpu"] == {"name": "NVIDIA H100 MIG 3g.40gb", "sm_count": 60,
                                                "capability": "9.0"}
@@ -39,7 +40,8 @@ def test_the_kernel_path_holds_the_probes_gpu_not_every_visible_one(monkeypatch)
 def test_a_compile_mode_is_recorded_by_what_it_turns_on(monkeypatch):
     compiled = fingerprint("max-autotune")["kernel_path"]["compile"]
     assert compiled["mode_options"] == torch._inductor.list_mode_options("max-autotune")  # read from torch
-    assert compiled["effective"]["triton.cudagraphs"] is True and compiled["effective"]["max_autotune"] is True
+    assert compiled["effective"]["triton.cudagraphs"] is True
+    assert compiled["effective"]["max_autotune"] is True
     assert fingerprint("default")["kernel_path"]["compile"]["effective"]["triton.cudagraphs"] is False
     # Deterministic algorithms put Inductor in its deterministic mode (autotuning skipped): recorded.
     assert compiled["effective"]["deterministic"] is torch.are_deterministic_algorithms_enabled()
@@ -48,9 +50,9 @@ def test_a_compile_mode_is_recorded_by_what_it_turns_on(monkeypatch):
     assert flipped["effective"]["deterministic"] is not compiled["effective"]["deterministic"]
 
 
-@pytest.mark.parametrize("name, value", [("PYTORCH_TUNABLEOP_ENABLED", "1"), ("DISABLE_ADDMM_CUDA_LT", "1"),
-                                         ("CUBLASLT_WORKSPACE_SIZE", "1024"), ("CUDNN_CONV_WSCAP_DBG", "4096"),
-                                         ("TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "1")])
+@pytest.mark.parametrize("name, value", [
+    ("PYTORCH_TUNABLEOP_ENABLED", "1"), ("DISABLE_ADDMM_CUDA_LT", "1"), ("CUBLASLT_WORKSPACE_SIZE", "1024"),
+    ("CUDNN_CONV_WSCAP_DBG", "4096"), ("TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "1")])
 def test_cuda_variables_that_choose_kernels_join_the_kernel_path(monkeypatch, name, value):
     monkeypatch.delenv(name, raising=False)
     before = fingerprint()
@@ -88,7 +90,8 @@ def test_each_run_compiles_into_its_own_cache(tmp_path, monkeypatch):
     setup_determinism(cfg, tmp_path / "run_a")
     mine = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     assert mine.startswith(str(tmp_path / "cache" / "runs")) and mine.endswith("inductor")
-    assert str(tmp_path / "run_a") in open(os.path.join(os.path.dirname(mine), compile_cache.RUN_CACHE_MARKER)).read()
+    marker = Path(mine).parent / compile_cache.RUN_CACHE_MARKER
+    assert str(tmp_path / "run_a") in marker.read_text()
     os.makedirs(os.path.join(mine, "fxgraph"))
     with open(os.path.join(mine, "fxgraph", "entry"), "w") as f:
         f.write("a's kernel")

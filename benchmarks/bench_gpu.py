@@ -79,22 +79,25 @@ def inputs(arch: dict, protocol: tuple, device: torch.device):
     return images, eps, folds
 
 
-def plain_backward(model, forward, names, images, eps, samples_per_call: int) -> torch.Tensor:
+def plain_backward(model, forward, names, images, eps, samples_per_call: int) -> tuple[torch.Tensor, int]:
     """The floor: plain forward + backward over all N·D samples, `samples_per_call` at a time, summed
-    into one float32 gradient (the mean gradient's numerator) by autograd.grad, as the probe does."""
+    into one float32 gradient (the mean gradient's numerator) by autograd.grad, as the probe does.
+    Returns the sum and the largest batch a call took."""
     params = dict(model.named_parameters())
     leaves = [params[n] for n in names]
     clean = images.repeat_interleave(eps.shape[1], 0)
     noise = eps.flatten(0, 1)
     weight = float(fs.edm_weight(torch.tensor(SIGMA), model.sigma_data))
     total = torch.zeros(sum(p.numel() for p in leaves), device=images.device)
+    largest = 0
     for start in range(0, clean.shape[0], samples_per_call):
         x = clean[start : start + samples_per_call]
+        largest = max(largest, x.shape[0])
         sig = torch.full((x.shape[0],), SIGMA, device=x.device)
         denoised = forward(x + SIGMA * noise[start : start + samples_per_call], sig, sig)
         loss = weight * (denoised - x).square().flatten(1).mean(1).sum()
         total += torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, leaves)])
-    return total
+    return total, largest
 
 
 def timed(fns: dict, reps: int, device: torch.device) -> dict:
@@ -164,7 +167,7 @@ def bench_size(name: str, arch: dict, chunk_images: int, chunk_draws: int, devic
                 return plain_backward(model, fw, names, images, eps, s)
 
             row = {"size": name, "params": n_params, "tokens": tokens, "mode": mode, "method": method,
-                   "samples_per_call": samples, "groups_per_call": calls}
+                   "samples_per_call": samples, "groups_per_call": calls}  # the probe's largest call
             try:
                 t = timed({"floor": floor_call, "probe": probe_call}, reps, device)
             except Exception as err:  # noqa: BLE001 — Inductor's deterministic mode may refuse: a run says so
@@ -187,6 +190,7 @@ def bench_size(name: str, arch: dict, chunk_images: int, chunk_draws: int, devic
             row.update({
                 "probe_ms": 1e3 * statistics.median(t["probe"]["s"]),
                 "floor_ms": 1e3 * statistics.median(t["floor"]["s"]), "ratio": statistics.median(ratios),
+                "floor_samples_per_call": t["floor"]["result"][1],
                 "peak_gb_probe": t["probe"]["peak_gb"], "peak_gb_floor": t["floor"]["peak_gb"],
                 "estimate_gb": (estimate.total - estimate.model - estimate.data) / 2**30,
                 "warmup_s": t["probe"]["warmup_s"], "floor_warmup_s": t["floor"]["warmup_s"],

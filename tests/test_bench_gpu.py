@@ -25,6 +25,7 @@ def test_the_smoke_run_measures_both_methods_and_checks_folds_against_vmap(tmp_p
     assert rows["folds"]["ok"] and rows["folds"]["max_abs_diff_over_max"] < bench_gpu.RTOL
     # The floor runs at the probe's own call size: vmap batches its groups, folds takes one at a time.
     assert rows["vmap"]["samples_per_call"] == 4 * rows["folds"]["samples_per_call"] == 32
+    assert all(r["floor_samples_per_call"] == r["samples_per_call"] for r in rows.values())
 
 
 def test_a_disagreement_beyond_rounding_fails_the_check():
@@ -38,5 +39,5 @@ def test_the_floor_leaves_no_gradient_buffers_behind():
     model = bench_gpu.build(arch, torch.device("cpu"))
     images, eps, _ = bench_gpu.inputs(arch, bench_gpu.SMOKE_PROTOCOL, torch.device("cpu"))
     names = [n for n, _ in model.named_parameters()]
-    total = bench_gpu.plain_backward(model, model, names, images, eps, 8)
-    assert total.abs().sum() > 0 and all(p.grad is None for p in model.parameters())
+    total, largest = bench_gpu.plain_backward(model, model, names, images, eps, 8)
+    assert largest == 8 and total.abs().sum() > 0 and all(p.grad is None for p in model.parameters())

@@ -58,12 +58,25 @@ def test_torchs_refusal_of_an_op_names_the_op_and_the_knob_not_the_model():
         trial.as_model_error("native", UNIT, lambda: (_ for _ in ()).throw(ValueError("my bug")))
 
 
+def wrapped(cause: BaseException) -> BaseException:
+    """`cause` raised inside user code that wraps it in an error of its own (`raise … from`)."""
+    try:
+        raise cause
+    except type(cause) as inner:
+        try:
+            raise ValueError("the model's forward failed") from inner
+        except ValueError as outer:
+            return outer
+
+
 @pytest.mark.parametrize("raised, says, fix", [
     (RuntimeError(CUBLAS), "cuBLAS is deterministic only with CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8",
      "unset CUBLAS_WORKSPACE_CONFIG"),
-    # torch.compile wraps what Inductor raised: the cause is found inside.
+    # torch.compile wraps what Inductor raised (its message quotes it).
     (BackendCompilerFailed(lambda: None, RuntimeError(INDUCTOR), None),
      "Inductor runs in its deterministic mode", "use probe.compile=default"),
+    # A wrapper whose own message says nothing: the refusal is found in its cause.
+    (wrapped(RuntimeError(INDUCTOR)), "Inductor runs in its deterministic mode", "use probe.compile=default"),
 ])
 def test_cublas_and_inductor_refusals_are_named_with_their_own_fix(monkeypatch, raised, says, fix):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")

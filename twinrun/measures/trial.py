@@ -233,14 +233,14 @@ INDUCTOR_DETERMINISTIC = "In the deterministic mode of Inductor"
 
 
 def causes(err: BaseException) -> list[BaseException]:
-    """The error and what it wraps (its cause and context, a compiler's inner exception), outermost first."""
+    """The error and what it wraps (its cause and context), outermost first."""
     out, todo = [], [err]
     while todo:
         e = todo.pop(0)
         if e is None or any(e is seen for seen in out):
             continue
         out.append(e)
-        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
+        todo += [e.__cause__, e.__context__]
     return out
 
 

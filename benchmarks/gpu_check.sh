@@ -114,7 +114,7 @@ unset OMP_NUM_THREADS
 
 # B: alone, because it times: the GPU benchmark at twinrun's shapes (the smoke variant on the CPU).
 if [ $dry = 1 ]; then
-  launch bench_gpu 300 "$py" benchmarks/bench_gpu.py --smoke --json "$work/bench_gpu.json"
+  launch bench_gpu 210 "$py" benchmarks/bench_gpu.py --smoke --json "$work/bench_gpu.json"
 else
   launch bench_gpu 210 "$py" benchmarks/bench_gpu.py --reps 2 --modes eager,default,max-autotune \
     --json "$work/bench_gpu.json"

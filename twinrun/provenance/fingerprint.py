@@ -6,14 +6,17 @@
 
 - `kernel_path` must match for two numbers to be comparable bit for bit. Each field can move
   floating-point results by choosing a different kernel or summation order:
-  torch/CUDA/cuDNN/cuBLAS/Triton versions (different kernels and heuristics); GPU name, SM count
-  and capability (cuBLAS is reproducible only on the same architecture and SM count, so MIG
-  slices differ); CPU model, vector-ISA flags and ATen's CPU capability (AVX2 vs AVX512 kernels
-  reduce in different orders); thread counts (reductions and some BLAS calls split work per
-  thread); BLAS/oneDNN/OpenMP backend and versions; the numerics switches (deterministic
-  algorithms, TF32, reduced-precision reductions, cuDNN benchmark, SDPA backends); whether and how
-  torch.compile runs, Inductor's knobs and the content of its caches (they hold autotune
-  winners); environment variables that those libraries read.
+  torch/CUDA/cuDNN/cuBLAS/Triton versions (different kernels and heuristics); the measuring GPU's
+  name, SM count and capability (cuBLAS is reproducible only on the same architecture and SM
+  count, so MIG slices differ; the other GPUs the process sees choose nothing); CPU model,
+  vector-ISA flags and ATen's CPU capability (AVX2 vs AVX512 kernels reduce in different orders);
+  thread counts (reductions and some BLAS calls split work per thread); BLAS/oneDNN/OpenMP backend
+  and versions; the numerics switches (deterministic
+  algorithms, TF32, reduced-precision reductions, cuDNN benchmark, SDPA backends, TunableOp);
+  whether and how torch.compile runs (the options its mode turns on, CUDA graphs among them, and
+  Inductor's knobs, its deterministic mode among them) and the content of its caches (they hold
+  autotune winners); environment variables that those libraries read (the CUDA ones that choose
+  GEMM and convolution kernels too).
 - `info` is recorded, never compared: host, boot, kernel, Python, GPU UUIDs and driver, SLURM
   ids, the twinrun git commit, a digest of installed packages, pid. Two arms on the same path
   may legitimately differ here (e.g. a requeue to another node with identical hardware).

@@ -11,6 +11,19 @@ from twinrun.config import register_configs
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Every run a test makes measures on the CPU unless the test names its device: on a GPU box
+# probe.device=auto would move it to CUDA, where its expected bits and timings do not hold. Runs made
+# by `run_twinrun` and configs made by `compose_cfg` get this override unless they set probe.device.
+CPU = "probe.device=cpu"
+
+
+def pin_device(overrides) -> list[str]:
+    """The overrides with probe.device=cpu added, unless they already choose a device."""
+    overrides = list(overrides)
+    chosen = any(o.lstrip("+~").startswith("probe.device=") for o in overrides)
+    return overrides if chosen else [*overrides, CPU]
+
+
 # A run small enough for a unit test: 3 bins, 8 images x 2 draws, 4 folds.
 TINY = [
     "probe.n_images=8",
@@ -27,13 +40,16 @@ def compose_cfg():
 
     def _compose(overrides=()):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
+            return compose(config_name="config", overrides=pin_device(overrides))
 
     return _compose
 
 
 def run_twinrun(args, cwd, module="twinrun", timeout=600, env=None):
-    """`python -m twinrun ...` in a subprocess; returns CompletedProcess (text)."""
+    """`python -m twinrun ...` in a subprocess; returns CompletedProcess (text). A run measures on the
+    CPU unless its args choose probe.device (`pin_device`)."""
+    if module == "twinrun":
+        args = pin_device(args)
     full_env = {**os.environ, **(env or {})}
     if env and "PYTHONPATH" in env and os.environ.get("PYTHONPATH"):  # keep a worktree's twinrun first
         full_env["PYTHONPATH"] = os.pathsep.join([os.environ["PYTHONPATH"], env["PYTHONPATH"]])

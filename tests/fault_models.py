@@ -63,3 +63,47 @@ def fails_above_sigma(path=None):
 
 def always_fails(path=None):
     return AlwaysFails()
+
+
+class NotDeterministicAboveSigma(ChannelsLastQuery):
+    """For σ > 1 calls Tensor.put_, which has no deterministic implementation: with deterministic
+    algorithms on (determinism.enabled=true) torch refuses it on the CPU too, with its own message."""
+
+    def forward(self, x, sigma, sigma_cond):
+        if float(sigma.reshape(-1)[0]) > 1.0:
+            x = x.clone().put_(torch.tensor([0], device=x.device), x.new_zeros(1)).view_as(x)
+        return self.net(x, sigma, sigma_cond)
+
+
+class OutOfMemoryAboveSigma(ChannelsLastQuery):
+    """Runs out of (device) memory for σ > 1, as CUDA's allocator says it."""
+
+    def forward(self, x, sigma, sigma_cond):
+        if float(sigma.reshape(-1)[0]) > 1.0:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a "
+                                              "total capacity of 79.19 GiB of which 3.12 GiB is free.")
+        return self.net(x, sigma, sigma_cond)
+
+
+class OutOfMemoryUnderVmap(ChannelsLastQuery):
+    """Runs out of memory under vmap only (its groups of folds batched at once), not under folds."""
+
+    def forward(self, x, sigma, sigma_cond):
+        if torch._C._functorch.is_batchedtensor(x):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB.")
+        return self.net(x, sigma, sigma_cond)
+
+
+def not_deterministic_above_sigma(path=None):
+    return NotDeterministicAboveSigma()
+
+
+def out_of_memory_above_sigma(path=None):
+    return OutOfMemoryAboveSigma()
+
+
+def flips_switches(path=None):
+    """A builder that turns cuDNN benchmarking and TF32 matmuls on, as some model code does on import."""
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return tiny_dit()

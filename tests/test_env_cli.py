@@ -19,7 +19,7 @@ def test_env_digest_matches_the_kernel_path_file_a_run_writes(tmp_path, model_ar
     (recorded,) = (tmp_path / "run" / "env").glob("kernel_path-*.json")
     run_sha = json.loads((tmp_path / "run" / "run.json").read_text())["jobs"][0]["kernel_path_sha256"]
 
-    shown = _env_cli(tmp_path)
+    shown = _env_cli(tmp_path, "--device", "cpu")  # as the run (tests pin the CPU: conftest.CPU)
     assert f"env/{recorded.name}" == shown["kernel_path_file"]
     assert shown["kernel_path_sha256"] == run_sha
     assert shown["kernel_path"] == json.loads(recorded.read_text())["kernel_path"]

@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY
 
 from twinrun.errors import ConfigError
-from twinrun.measures import probe
+from twinrun.measures import probe_cost
 from twinrun.plan import plan_run
 
 NOT_AN_INTERVENTION = '''
@@ -60,7 +60,7 @@ def test_a_run_beyond_the_memory_it_will_have_is_refused_naming_the_biggest_part
                                           r"memory \(draws of a bin: 1.9 GiB\), more than the 1.0 GiB of "
                                           r"launcher.mem_gb=1"):
         _plan(compose_cfg, "probe.n_draws=1000000", "probe.chunk_draws=2", "launcher.mem_gb=1")
-    monkeypatch.setattr(probe, "memory_bytes", lambda: 2**28)  # else this machine's memory: 256 MiB
+    monkeypatch.setattr(probe_cost, "memory_bytes", lambda: 2**28)  # else this machine's memory: 256 MiB
     with pytest.raises(ConfigError, match=r"model='twinrun.model.load_pretrained': .*\(the process before "
                                           r"measuring: .*the 0.2 GiB of this machine"):
         _plan(compose_cfg)

@@ -54,5 +54,5 @@ def test_the_probe_arithmetic_record_reads_every_arithmetic_setting():
     p = ProbeConfig()
     record = arithmetic(p, "folds", "cpu")
     assert record == {"method": "folds", "compile": False, "device": "cpu", "chunk_images": p.chunk_images,
-                      "chunk_draws": p.chunk_draws}
+                      "chunk_draws": p.chunk_draws, "accumulator_dtype": p.accumulator_dtype}
     assert {f.name for f in fields(ProbeConfig)} >= set(record) - {"method", "device"}

@@ -206,6 +206,7 @@ def test_sentinel_check_fails_when_a_job_saw_the_path_move(tmp_path):
 ALTERNATIVES = {
     "probe.n_images": 6, "probe.n_draws": 3, "probe.n_folds": 3,
     "probe.params": "['blocks.*','cond_embed.*']", "probe.chunk_images": 3, "probe.chunk_draws": 1,
+    "probe.accumulator_dtype": "float32", "probe.train_mode": "true",
     "probe.device": None,  # one device on a CPU-only machine: nothing to change to
     "probe.method": "folds",
     # Compiling takes minutes on this CPU; test_probe_methods.py shows the compile mode moves the digest.

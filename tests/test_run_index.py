@@ -76,7 +76,7 @@ class _Session:
 
 def test_a_job_with_no_unit_to_measure_refuses_nothing(tmp_path, monkeypatch):
     mine = fingerprint_on(2)
-    monkeypatch.setattr(job, "fingerprint", lambda compile_mode=None: copy.deepcopy(mine))
+    monkeypatch.setattr(job, "fingerprint", lambda compile_mode=None, device=None: copy.deepcopy(mine))
     on_b = fingerprint_on(1)
     on_b["kernel_path"]["probe"] = {}  # as a job records it: with the kind's arithmetic settings
     index = index_on_disk(tmp_path, record([[SHA_B, SHA_B], [None, None]]), on_b)

@@ -73,6 +73,10 @@ class ProbeConfig:
     # Chunking changes the arithmetic order, so it is part of the recorded kernel path.
     chunk_images: int = 120
     chunk_draws: int = 6
+    # float64 | float32: the dtype the fold sums accumulate in before they are stored as float32. On the
+    # device they take 12·n_folds·P bytes in float64 (the accumulator and its float32 copy), 4·n_folds·P
+    # in float32: the knob for a large model on a small GPU. It changes the arithmetic (kernel path).
+    accumulator_dtype: str = "float64"
     # auto = the GPU when the measuring process has one (a SLURM job's GPU), else the CPU; or cpu, cuda:N.
     device: str = "auto"
     # auto | vmap | folds. vmap batches small folds but needs a vmap rule for every op of the model;

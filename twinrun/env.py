@@ -9,6 +9,7 @@ import argparse
 import json
 
 from twinrun.config import ProbeConfig
+from twinrun.errors import TwinrunError, fail
 from twinrun.measures.kind import resolve_device
 from twinrun.measures.probe import arithmetic
 from twinrun.provenance.fingerprint import fingerprint
@@ -27,14 +28,19 @@ def main(argv=None) -> int:
                    "of the kernel path, so the digest differs")
     p.add_argument("--method", choices=("vmap", "folds"), default="vmap",
                    help="the probe method a run resolved (its log says which; the default model takes vmap)")
+    p.add_argument("--device", default="auto",
+                   help="the run's probe.device (auto: this machine's GPU if torch sees one, else the CPU)")
     args = p.parse_args(argv)
     # A run pins determinism before it fingerprints (twinrun.job); do the same, or the switches
     # (deterministic algorithms, cuDNN, CUBLAS_WORKSPACE_CONFIG) read here would not be the run's.
     determinism = setup_determinism({"determinism": {"enabled": args.determinism == "on"}})
-    fp = fingerprint()
+    try:
+        device = resolve_device(args.device, key="--device")
+    except TwinrunError as err:
+        fail(err)
+    fp = fingerprint(device=device)
     # A run adds its probe's arithmetic settings (twinrun.job); take the default probe config's.
-    probe = ProbeConfig()
-    fp["kernel_path"]["probe"] = arithmetic(probe, args.method, resolve_device(probe.device).type)
+    fp["kernel_path"]["probe"] = arithmetic(ProbeConfig(), args.method, device.type)
     sha = kernel_path_sha256(fp)
     out = {"kernel_path_sha256": sha, "kernel_path_file": f"env/kernel_path-{sha[:12]}.json",
            "determinism": determinism, **fp}

@@ -9,6 +9,10 @@ EXIT_GATE = 1  # a validity check or a no-op gate failed: the instrument is brok
 EXIT_USAGE = 2  # bad config, bad input, damaged store: nothing was computed from it
 EXIT_REFUSED = 3  # an absolute comparison across kernel paths, refused
 EXIT_MODEL = 4  # the model (or other user code) raised mid-run: recorded in run.json, earlier bins kept
+EXIT_DEVICE = 5  # the job's node lacks the device asked for (no GPU, cuda:N beyond the visible GPUs)
+EXIT_DEVICE_MEMORY = 6  # the run does not fit the device's memory (estimated before the first unit, or OOM)
+# What a failure recorded in run.json (its `error` field) means for the process that waits on the job.
+FAILURE_EXIT_CODES = {"device": EXIT_DEVICE, "device_memory": EXIT_DEVICE_MEMORY, "determinism": EXIT_USAGE}
 EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): recorded in run.json as "interrupted"; resume continues
 EXIT_TERMINATED = 143  # SIGTERM (scancel, kill): recorded as "interrupted"; resume continues
 
@@ -23,6 +27,29 @@ class ModelError(TwinrunError):
     """The model or other user code raised inside a measurement; the message names arm, bin and cause."""
 
     exit_code = EXIT_MODEL
+
+
+class DeviceError(TwinrunError):
+    """The node a job runs on lacks the device the run asks for: found in the job, before any unit."""
+
+    exit_code = EXIT_DEVICE
+
+    @property
+    def record(self) -> dict:
+        """run.json's failure fields (the waiting launcher then reports exit 5)."""
+        return {"error": "device"}
+
+
+class DeviceMemoryError(TwinrunError):
+    """The run does not fit the device's memory: the estimate over the free memory before the first
+    unit, or the device ran out of memory during one; the message names the estimate and the knobs."""
+
+    exit_code = EXIT_DEVICE_MEMORY
+
+    @property
+    def record(self) -> dict:
+        """run.json's failure fields (the waiting launcher then reports exit 6)."""
+        return {"error": "device_memory"}
 
 
 class Interrupted(BaseException):
@@ -76,6 +103,16 @@ class ConfigError(TwinrunError):
     def __init__(self, key: str, value, fix: str):
         super().__init__(f"{key}={value!r}: {fix}")
         self.key, self.value = key, value
+
+
+class DeterminismError(ConfigError):
+    """An op has no deterministic implementation (or cuBLAS lacks its workspace setting) while
+    deterministic algorithms are on: the op and the knob are named, never the model's fault (exit 2)."""
+
+    @property
+    def record(self) -> dict:
+        """run.json's failure fields (the waiting launcher then reports exit 2)."""
+        return {"error": "determinism"}
 
 
 class KernelPathRefused(TwinrunError):

@@ -16,11 +16,12 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-from twinrun.errors import EXIT_INTERRUPTED, Interrupted, KernelPathRefused, TwinrunError
+from twinrun.errors import EXIT_INTERRUPTED, FAILURE_EXIT_CODES, Interrupted, KernelPathRefused, TwinrunError
 from twinrun.files import make_dir, write_json
-from twinrun.measures.kind import Session, resolve_device
+from twinrun.measures.kind import Session, describe_device, resolve_device
 from twinrun.measures.registry import measure_of
 from twinrun.measures.trial import failure_record, to_model_error
 from twinrun.plan import load_arms
@@ -32,12 +33,14 @@ from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.store import write_store
 
 
-def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None) -> RunRecord:
+def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None,
+            gpus: int | None = None) -> RunRecord:
     """Measure every pending unit, all arms back to back on the same draws; one writer at a time.
 
     `trusted`: builders (`_target_`s or module names) beyond twinrun's own that the arms may name.
     `units`: measure only these unit indices (one array element of launcher.split=bins, holding only
-    their locks); None = every pending unit.
+    their locks); None = every pending unit. `gpus`: how many GPUs the launcher requested for this
+    job (None: measured in this process, on whatever it sees).
     """
     rd = RunDir(run_dir)
     warn_once()
@@ -47,7 +50,7 @@ def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None) -> 
                 stale.unlink(missing_ok=True)
         index = RunIndex.load(rd)
         try:
-            return _measure(index, load_arms(index, trusted), units)
+            return _measure(index, load_arms(index, trusted), units, gpus)
         except (KeyboardInterrupt, Interrupted) as err:
             index.mark_interrupted(units)
             if isinstance(err, KeyboardInterrupt):
@@ -87,15 +90,20 @@ def warn_once() -> None:
     warnings.showwarning = once
 
 
-def _measure(index: RunIndex, arms: list, units: list[int] | None) -> RunRecord:
-    """The job's setup: determinism first, then the kind's session on this job's device, then the units."""
+def _measure(index: RunIndex, arms: list, units: list[int] | None, gpus: int | None = None) -> RunRecord:
+    """The job's setup: determinism first, then the device and the kind's session, then the units."""
     config = arms[0].config  # every arm shares everything outside `intervention`
-    determinism = setup_determinism(config)  # before any torch work
     kind = measure_of(index.measure)
-    session = kind.open_session(config, arms, resolve_device(kind.device(config)))
+    # Before any torch work; a compiled run compiles into a cache of its own (no other run's entries).
+    determinism = setup_determinism(config, index.run_dir.path if kind.compiles(config) else None)
     todo = index.pending_units(units)
     if kind.sequential_units and todo:  # each unit continues the one before: measure on from the first gap
         todo = index.units[todo[0]["index"]:]
+    with recorded_before_units(index, todo):
+        # Judged here, on the node that measures (the planning host may have no GPU at all).
+        device = resolve_device(kind.device(config), gpus, f"{kind.settings_key}.device")
+        print(f"twinrun: measuring on {describe_device(device)}", flush=True)
+        session = kind.open_session(config, arms, device)
     mine = len(index.units) if units is None else len(units)
     if len(todo) < mine:
         print(f"twinrun: resuming: {mine - len(todo)} of {mine} {kind.unit_noun}s already measured",
@@ -105,7 +113,18 @@ def _measure(index: RunIndex, arms: list, units: list[int] | None) -> RunRecord:
         last = index.units[todo[0]["index"] - 1]
         session.restore(last, {arm: (index.store_path(last, arm), entry["sha256"])
                                for arm, entry in last["stores"].items()})
-    return measure_units(index, arms, session, todo, determinism, units)
+    return measure_units(index, arms, session, todo, determinism, units, device)
+
+@contextmanager
+def recorded_before_units(index: RunIndex, todo: list[UnitEntry]):
+    """A failure before the first unit that a waiting launcher reads (no GPU, too little device memory, an
+    op with no deterministic implementation) is recorded at the first pending unit, as one line."""
+    try:
+        yield
+    except TwinrunError as err:
+        if todo and (getattr(err, "record", None) or {}).get("error") in FAILURE_EXIT_CODES:
+            index.mark_failed(todo[0], next(iter(todo[0]["stores"])), failure_record(err))
+        raise
 
 
 def measure_units(
@@ -115,6 +134,7 @@ def measure_units(
     todo: list[UnitEntry],  # run.json units this job measures, in order
     determinism: dict,  # what setup_determinism applied: recorded with this job
     units: list[int] | None = None,  # this array element's units (launcher.split=bins); None: the whole run
+    device: torch.device | None = None,  # where the session measures: its GPU joins the kernel path
 ) -> RunRecord:
     """Measure `todo`, unit by unit; every arm of a unit back to back. Returns run.json."""
     hashes = {a["name"]: a["config_hash"] for a in index.arms}
@@ -122,7 +142,7 @@ def measure_units(
 
     # Step: fingerprint where this job runs, with the kind's own arithmetic settings. A job may not
     # add units on another path than the whole ones.
-    fp = fingerprint(session.compile_mode)
+    fp = fingerprint(session.compile_mode, device)
     fp["kernel_path"][index.measure] = session.arithmetic()
     rd, sha = index.run_dir, kernel_path_sha256(fp)
     refuse = straddling_rule(rd.path, rd.kernel_path_env, fp)
@@ -136,7 +156,7 @@ def measure_units(
         raise
     identity = identity_sha256(session.identity)
     refuse_changed_identity(index, identity, todo)
-    job = start_job(index, fp, determinism, session.sentinel())
+    job = start_job(index, fp, determinism, session.sentinel(), device)
     stamp = {"env": unit_record(fp, job["sentinel_start"]), "kernel_path": fp["kernel_path"]}
     index.set_status("running", units)  # an element never clears a failure recorded at another's unit
 
@@ -225,8 +245,10 @@ def refuse_changed_identity(index: RunIndex, identity: str, todo: list[UnitEntry
                            "job's): restore them, or measure into a new run directory")
 
 
-def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict) -> JobRecord:
-    """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/."""
+def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict,
+              device: torch.device | None = None) -> JobRecord:
+    """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/,
+    with the device it measures on."""
     rd = index.run_dir
     make_dir(rd.env_dir)
     sha = kernel_path_sha256(fp)
@@ -235,7 +257,8 @@ def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict) -> J
     job = {"kernel_path_sha256": sha, "hostname": fp["info"].get("hostname"),
            "boot_id": fp["info"].get("boot_id"),
            "slurm_job_id": (fp["info"].get("slurm") or {}).get("SLURM_JOB_ID"),
-           "sentinel_start": sentinel["digest"], "sentinel_end": None}
+           "sentinel_start": sentinel["digest"], "sentinel_end": None,
+           "device": None if device is None else describe_device(device)}
     index.add_job(job)
     write_json(rd.job_env(job["index"]), {"fingerprint": fp, "determinism": determinism,
                                           "sentinel": sentinel})

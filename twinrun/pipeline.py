@@ -41,8 +41,15 @@ def check_launcher(cfg: DictConfig) -> dict:
     """The config's launcher settings as plain data, refused (exit 2) before anything is written."""
     launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
     kind = measure_of(cfg.measure)
-    launchers.check(launcher, cfg.probe.compile, kind.unit_noun if kind.sequential_units else None)
+    launchers.check(launcher, cfg.probe.compile, kind.unit_noun if kind.sequential_units else None,
+                    device=device_setting(cfg))
     return launcher
+
+
+def device_setting(cfg: DictConfig) -> tuple[str, str]:
+    """(key, value) of the measurement kind's device setting, e.g. ("probe.device", "auto")."""
+    kind = measure_of(cfg.measure)
+    return f"{kind.settings_key}.device", str(kind.device(cfg))
 
 
 def run_point(cfg: DictConfig, run_dir: Path, command: str | None, sweeping: bool) -> Point:
@@ -52,6 +59,9 @@ def run_point(cfg: DictConfig, run_dir: Path, command: str | None, sweeping: boo
     tracker = check_tracker(OmegaConf.to_container(cfg.tracker, resolve=True))
     plan_run(cfg, run_dir, command=command)
     print(f"twinrun: run directory {run_dir}", flush=True)
+    note = launchers.device_note(launcher, *device_setting(cfg))
+    if note is not None:
+        print(note, flush=True)
     if launchers.LAUNCHERS[launcher["name"]].in_process:
         run_job(run_dir, trusted)
         return Point(run_dir, reduce_and_publish(run_dir, tracker=tracker), launcher, trusted, tracker)

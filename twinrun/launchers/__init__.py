@@ -17,6 +17,7 @@ from twinrun.errors import ConfigError
 from twinrun.launchers.local import check_in_process, check_submitit, local_state
 from twinrun.launchers.placement import SPLITS
 from twinrun.launchers.slurm import check_slurm, slurm_state, unsafe_sbatch_knob
+from twinrun.measures.kind import parse_device
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,14 @@ def check_pack(launcher: dict) -> None:
                           f"{launcher['gpus_per_node']}: ask for gpus_per_node={pack} (or 0 to run on CPUs)")
 
 
-def check(launcher: dict, probe_compile=False, sequential: str | None = None) -> None:
+def check(launcher: dict, probe_compile=False, sequential: str | None = None,
+          device: tuple[str, str] | None = None) -> None:
     """Refuse launcher settings that cannot work, naming the knob (ConfigError: exit 2).
 
     probe_compile: the run's probe.compile. sequential: the noun of a kind whose units continue each
-    other (training segments), which split=bins cannot place. For SLURM, asks sinfo about the
-    partition and its GPUs; call it before planning to fail early.
+    other (training segments), which split=bins cannot place. device: (its key, its setting), e.g.
+    ("probe.device", "cuda:1"): a submitted job must request the GPUs its device setting names. For
+    SLURM, asks sinfo about the partition and its GPUs; call it before planning to fail early.
     """
     name = launcher["name"]
     if name not in LAUNCHERS:
@@ -88,4 +91,29 @@ def check(launcher: dict, probe_compile=False, sequential: str | None = None) ->
     if bad is not None:
         raise ConfigError(f"launcher.{bad[0]}", bad[1], "may hold only letters, digits and _.,:@%+=|&()[]*- "
                           "(it becomes a line of the sbatch script)")
+    if device is not None and not LAUNCHERS[name].in_process:
+        check_device_request(launcher, *device)
     LAUNCHERS[name].check(launcher)
+
+
+def check_device_request(launcher: dict, key: str, setting: str) -> None:
+    """What planning can know of a submitted job's device: the GPUs it requests. Whether they exist is
+    the job's to say, on its node (the planning host, e.g. a SLURM login node, may have none)."""
+    kind, index = parse_device(key, setting)
+    gpus = launcher["gpus_per_node"]
+    if kind == "cuda" and gpus < 1:
+        raise ConfigError("launcher.gpus_per_node", gpus, f"{key}={setting} needs a GPU, and the job would "
+                          f"request none: set launcher.gpus_per_node=1, or {key}=cpu")
+    if index is not None and index >= gpus:
+        raise ConfigError(key, setting, f"the job requests launcher.gpus_per_node={gpus}, which it sees as "
+                          f"cuda:0 to cuda:{gpus - 1}; use {key}=cuda (or auto), or request more GPUs")
+
+
+def device_note(launcher: dict, key: str, setting: str) -> str | None:
+    """What a plan says about a submitted job's device when the config leaves it to the job."""
+    if LAUNCHERS[launcher["name"]].in_process or parse_device(key, setting)[0] != "auto":
+        return None
+    if launcher["gpus_per_node"] == 0:
+        return (f"twinrun: {key}=auto with launcher.gpus_per_node=0: the job requests no GPU and will "
+                "measure on the CPU")
+    return None

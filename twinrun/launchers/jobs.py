@@ -31,17 +31,20 @@ class PairJob(submitit.helpers.Checkpointable):
     exist and verify (a half-measured unit is measured again, whole), so no finished unit is recomputed.
     """
 
-    def __init__(self, run_dir: str | Path, trusted=(), units: list[int] | None = None):
+    def __init__(self, run_dir: str | Path, trusted=(), units: list[int] | None = None,
+                 gpus: int | None = None):
         self.run_dir = str(Path(run_dir).resolve())
         self.trusted = list(trusted)  # builders the submitting user composed or named (plan.load_arms)
         self.units = None if units is None else list(units)
+        self.gpus = gpus  # GPUs the launcher requested for this job: `auto` resolves against it
 
     def __call__(self) -> str:
         run_dir, units = Path(self.run_dir), self.units
         which = "" if units is None else f" (units {', '.join(map(str, units))})"
         print(f"twinrun: {where()}: {run_dir}{which}; {units_done(run_dir)}", flush=True)
         try:
-            return run_job(run_dir, self.trusted, units)["status"]
+            # (A job pickled by an earlier twinrun, requeued across an upgrade, has no `gpus`.)
+            return run_job(run_dir, self.trusted, units, getattr(self, "gpus", None))["status"]
         except TwinrunError as err:
             # One readable line before submitit's traceback; re-raised, so the job ends FAILED.
             print(f"twinrun: error: {err}", file=sys.stderr, flush=True)

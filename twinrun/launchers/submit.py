@@ -63,7 +63,7 @@ def submit(run_dirs: list[Path], launcher: dict, folder_root: Path,
     with submitit.helpers.clean_env():  # submitting from inside an allocation must not inherit it
         try:
             with executor.batch():
-                jobs = [executor.submit(_job(group, trusted)) for group in groups]
+                jobs = [executor.submit(_job(group, trusted, launcher["gpus_per_node"])) for group in groups]
         except UncompletedJobError as err:  # sbatch refused the job
             raise sbatch_refused(err, launcher) from None
     submitted = [(e, job) for group, job in zip(groups, jobs) for e in group]
@@ -89,7 +89,10 @@ def _what(group: tuple[Element, ...]) -> str:
     return f"unit {', '.join(map(str, e.units))} of {e.run_dir}" if e.units is not None else str(e.run_dir)
 
 
-def _job(group: tuple[Element, ...], trusted) -> PairJob | PackedJob:
-    """The callable one job runs: a pack's PackedJob, or the pair job of one run (or of its units)."""
+def _job(group: tuple[Element, ...], trusted, gpus: int) -> PairJob | PackedJob:
+    """The callable one job runs: a pack's PackedJob, or the pair job of one run (or of its units).
+    `gpus`: what the job requests (launcher.gpus_per_node), against which its device is judged."""
     e = group[0]
-    return PackedJob([x.run_dir for x in group], trusted) if e.pack else PairJob(e.run_dir, trusted, e.units)
+    if e.pack:
+        return PackedJob([x.run_dir for x in group], trusted)
+    return PairJob(e.run_dir, trusted, e.units, gpus)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import submitit
 from submitit.core.utils import UncompletedJobError
 
-from twinrun.errors import EXIT_GATE, EXIT_MODEL, EXIT_REFUSED, EXIT_USAGE
+from twinrun.errors import EXIT_GATE, EXIT_MODEL, EXIT_REFUSED, EXIT_USAGE, FAILURE_EXIT_CODES
 from twinrun.launchers.placement import Element
 from twinrun.launchers.record import describe, progress
 from twinrun.launchers.slurm import (
@@ -184,6 +184,8 @@ def _report(e: "Submitted", state: str, tail: list[str]) -> int:
         return EXIT_MODEL
     if failure and failure.get("refused") == "kernel_path":  # the job refused to straddle kernel paths
         return EXIT_REFUSED
+    if failure and failure.get("error") in FAILURE_EXIT_CODES:  # no GPU, too little memory, determinism
+        return FAILURE_EXIT_CODES[failure["error"]]
     return EXIT_GATE if failure else EXIT_USAGE
 
 

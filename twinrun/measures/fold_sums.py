@@ -11,8 +11,8 @@ gradient is ever formed. Two methods compute it (`probe.method`):
   any nn.Module runs (GroupNorm on channels-last views, fused attention, torch.compile), at the
   price of one launch-bound backward per fold chunk when folds are small.
 
-Chunk by chunk, either streams into float64 fold sums, so memory is bounded by the chunk, not by
-n_images x n_draws.
+Chunk by chunk, either streams into float64 fold sums (`probe.accumulator_dtype`), so memory is
+bounded by the chunk, not by n_images x n_draws.
 """
 
 import fnmatch
@@ -30,6 +30,8 @@ CHUNK_IMAGES = 40
 CHUNK_DRAWS = 6
 # What probe.method accepts; `auto` is resolved to one of the others before any bin (twinrun.trial).
 METHODS = ("auto", "vmap", "folds")
+# What probe.accumulator_dtype accepts: the dtype the fold sums are accumulated in (stored as float32).
+ACCUMULATORS = {"float64": torch.float64, "float32": torch.float32}
 
 
 class NonFiniteGradient(TwinrunError):
@@ -90,6 +92,17 @@ def fold_groups(fold_of_image: list[int], n_folds: int, chunk_images: int) -> tu
     return k, groups
 
 
+def call_sizes(fold_of_image: list[int], n_folds: int, chunk_images: int, chunk_draws: int, n_draws: int,
+               method: str) -> tuple[int, int]:
+    """(fold groups, samples) of the probe's largest call: what one forward and backward holds at once.
+    vmap takes several groups of k images per call, folds one group; each takes ≤ chunk_draws draws."""
+    k, groups = fold_groups(fold_of_image, n_folds, chunk_images)
+    d_chunk = n_draws if chunk_draws < 1 else min(chunk_draws, n_draws)
+    per_call = 1 if method == "folds" else min(len(groups), max(1, (len(fold_of_image) if chunk_images < 1
+                                                                    else chunk_images) // k))
+    return per_call, per_call * k * d_chunk
+
+
 def fold_sums(
     model: torch.nn.Module,
     names: list[str],
@@ -104,6 +117,7 @@ def fold_sums(
     method: str = "vmap",
     forward: torch.nn.Module | None = None,
     train_stream: int | None = None,  # train mode: the run's seed keys the model's randomness (folds only)
+    accumulator: torch.dtype = torch.float64,  # the fold sums' dtype while they accumulate
 ) -> torch.Tensor:
     """[n_folds, P] float32: Σ over the fold's images and draws of ∇ loss(image, draw).
 
@@ -122,7 +136,7 @@ def fold_sums(
     assert train_stream is None or method == "folds", "only the folds method shares the model's randomness"
     if method == "folds":
         return plain_fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds,
-                               chunk_images, chunk_draws, forward, train_stream)
+                               chunk_images, chunk_draws, forward, train_stream, accumulator)
     params = dict(model.named_parameters())
     probed = {n: params[n].detach() for n in names}
     frozen = {n: p.detach() for n, p in params.items() if n not in probed}
@@ -143,7 +157,7 @@ def fold_sums(
 
     ends = torch.tensor([probed[n].numel() for n in names]).cumsum(0).tolist()
     columns = list(zip([0, *ends[:-1]], ends))  # each probed parameter's columns in the sums
-    sums = torch.zeros(n_folds, ends[-1], dtype=torch.float64, device=images.device)
+    sums = torch.zeros(n_folds, ends[-1], dtype=accumulator, device=images.device)
     for start in range(0, len(groups), per_call):
         chunk = groups[start : start + per_call]
         # Pad every group to k images with copies of its first image, weighted 0.
@@ -151,7 +165,7 @@ def fold_sums(
         mask = torch.tensor([[1.0] * len(m) + [0.0] * (k - len(m)) for _, m in chunk],
                             dtype=images.dtype, device=images.device)
         folds = [f for f, _ in chunk]
-        # One group per fold, folds in a row (equal folds): add in place, float32 into float64.
+        # One group per fold, folds in a row (equal folds): add in place, float32 into the accumulator.
         rows = slice(folds[0], folds[-1] + 1) if folds == list(range(folds[0], folds[-1] + 1)) else None
         fold_index = torch.tensor(folds, device=images.device)
         for d0 in range(0, n_draws, d_chunk):
@@ -163,7 +177,7 @@ def fold_sums(
                     target = sums[rows, lo:hi].view(g.shape)  # g may be strided: add it as it is
                     target += g
                 else:
-                    sums[:, lo:hi].index_add_(0, fold_index, g.reshape(len(chunk), -1).double())
+                    sums[:, lo:hi].index_add_(0, fold_index, g.reshape(len(chunk), -1).to(accumulator))
     return sums.float()
 
 
@@ -180,6 +194,7 @@ def plain_fold_sums(
     chunk_draws: int = CHUNK_DRAWS,
     forward: torch.nn.Module | None = None,
     train_stream: int | None = None,
+    accumulator: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """`fold_sums` by one plain forward and backward per (fold group, draw chunk): no vmap.
 
@@ -195,7 +210,7 @@ def plain_fold_sums(
     d_chunk = n_draws if chunk_draws < 1 else min(chunk_draws, n_draws)
     weight = float(edm_weight(torch.tensor(float(sigma), dtype=torch.float64), float(model.sigma_data)))
     ends = torch.tensor([p.numel() for p in leaves]).cumsum(0).tolist()
-    sums = torch.zeros(n_folds, ends[-1], dtype=torch.float64, device=images.device)
+    sums = torch.zeros(n_folds, ends[-1], dtype=accumulator, device=images.device)
     with torch.enable_grad():
         for group, (fold, members) in enumerate(groups):
             index = torch.tensor(members, device=images.device)
@@ -212,6 +227,31 @@ def plain_fold_sums(
                 for lo, hi, g in zip([0, *ends[:-1]], ends, grads):
                     sums[fold, lo:hi] += g.reshape(-1)
     return sums.float()
+
+
+def saved_bytes_per_sample(model: torch.nn.Module, images: torch.Tensor, sigma: float) -> int:
+    """Bytes autograd keeps for the backward per sample of one forward (the activations), beyond the
+    parameters and buffers it also keeps: the slope between batches of 1 and 3 of the probe's images."""
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+
+    def saved(n: int) -> int:
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in own:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        x = images[torch.arange(n, device=images.device) % images.shape[0]]
+        sig = torch.full((n,), float(sigma), dtype=x.dtype, device=x.device)
+        devices = [x.device] if x.device.type == "cuda" else []
+        with (torch.random.fork_rng(devices=devices), torch.enable_grad(),  # (train mode: dropout draws)
+              torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+            model(x + sig.view(-1, 1, 1, 1) * torch.ones_like(x), sig, sig)
+        return sum(kept.values())
+
+    return max(0, (saved(3) - saved(1)) // 2)
 
 
 def check_finite(sums: torch.Tensor, arm: str, bin_index: int, sigma: float) -> None:

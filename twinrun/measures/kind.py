@@ -5,6 +5,7 @@ how its run is analysed; planning, the job skeleton (locks, run.json, fingerprin
 records, failures, interrupts, progress) and the launchers are the same for every kind.
 """
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Protocol
 import torch
 from omegaconf import DictConfig
 
+from twinrun.errors import ConfigError, DeviceError
 from twinrun.storage.records import UnitEntry
 from twinrun.storage.store import STORE_FORMAT
 
@@ -77,10 +79,67 @@ class Measure:
     replicate_always: bool = False  # the twin's replicate is an arm of every run (not only arms.replicate)
     chaos_arm: bool = False  # the twin with a one-ulp perturbation, as an arm of every run
     store_format: str = STORE_FORMAT  # the format its stores name (twinrun/storage/store.py)
+    # Whether the config's job runs torch.compile: its compile caches are then the run's own.
+    compiles: Callable[[dict], bool] = lambda config: False
 
 
-def resolve_device(name: str) -> torch.device:
-    """A device setting as a torch device: `auto` is the GPU when this process has one, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+def parse_device(key: str, name) -> tuple[str, int | None]:
+    """A device setting as (auto | cpu | cuda, GPU index or None), or a one-line error naming the key.
+
+    Only the spelling is judged here: whether the GPU exists is the job's to say, on the node that
+    runs it (a SLURM login node that plans the run has none)."""
+    text = str(name)
+    kind, _, index = text.partition(":")
+    if kind in ("auto", "cpu") and not index and ":" not in text:
+        return kind, None
+    if kind == "cuda" and (":" not in text or index.isdigit()):
+        return "cuda", int(index) if index else None
+    if kind in ("auto", "cpu") and index.isdigit():
+        raise ConfigError(key, name, f"{kind} takes no index; use {DEVICE_CHOICES}")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise ConfigError(key, name, f"not a torch device; use {DEVICE_CHOICES}") from None
+    raise ConfigError(key, name, f"twinrun measures on cpu or cuda[:N] only ({device.type} is neither); "
+                      f"use {DEVICE_CHOICES}")
+
+
+def resolve_device(name: str, gpus: int | None = None, key: str = "probe.device") -> torch.device:
+    """The device a job measures on, judged where it runs: `auto` is the GPU when this process has one
+    (cuda:0 of the GPUs it sees, e.g. the one CUDA_VISIBLE_DEVICES gives it), else the CPU.
+
+    `gpus`: how many GPUs the launcher requested for this job (None: in this process, whatever it
+    sees). `auto` with none requested is the CPU; a GPU asked for (cuda[:N], or `auto` with GPUs
+    requested) that this process does not see is a DeviceError (exit 5), before any unit."""
+    kind, index = parse_device(key, name)
+    if kind == "cpu" or (kind == "auto" and gpus == 0):
+        return torch.device("cpu")
+    if kind == "auto" and gpus is None and not torch.cuda.is_available():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        asked = f"{key}={name}" if kind == "cuda" else f"{key}=auto with launcher.gpus_per_node={gpus}"
+        raise DeviceError(f"{asked} asks for a GPU, but this process sees none ({_visible()}): run it "
+                          f"where torch sees a GPU, or set {key}=cpu")
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise DeviceError(f"{key}={name}: this process sees {count} GPU{'s' * (count != 1)} ({_visible()}), "
+                          f"numbered from cuda:0 to cuda:{count - 1}; use {key}=cuda (or auto)")
+    return torch.device("cuda", index or 0)
+
+
+def describe_device(device: torch.device) -> str:
+    """The device a job measures on, in words: recorded in run.json's job record and printed."""
+    if device.type != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(device)
+    return f"{device} ({props.name}; {_visible()})"
+
+
+def _visible() -> str:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"{count} visible, CUDA_VISIBLE_DEVICES={'unset' if where is None else repr(where)}, "
+            f"torch built with CUDA {torch.version.cuda}")

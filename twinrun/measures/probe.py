@@ -9,9 +9,8 @@ measures, resolves probe.method and compile there, and measures one arm of one b
 import itertools
 import math
 import os
-import resource
 import shutil
-import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,14 +20,16 @@ from omegaconf import DictConfig, OmegaConf
 from twinrun import draws
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.reduce import reduce_run
-from twinrun.config import PROTOCOL_KEYS, ProbeConfig, build, typed
+from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build, typed
 from twinrun.errors import ConfigError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, Native, attached
 from twinrun.measures import fold_sums as fs
 from twinrun.measures import trial
-from twinrun.measures.kind import Measure, Plan, resolve_device
+from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.measures.modes import draws_randomness, set_mode
+from twinrun.measures.probe_cost import check_device_memory, estimate_cost, estimate_memory, out_of_memory
+from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.publish.render import render
 from twinrun.publish.report import write_report
@@ -77,24 +78,16 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     for key in ("chunk_images", "chunk_draws"):
         if p[key] == 0 or p[key] < -1:
             raise ConfigError(f"probe.{key}", p[key], "must be ≥ 1, or -1 for no limit")
-    _validate_device(p.device)
+    if p.accumulator_dtype not in fs.ACCUMULATORS:
+        raise ConfigError("probe.accumulator_dtype", p.accumulator_dtype,
+                          f"choose {' or '.join(fs.ACCUMULATORS)}")
+    parse_device("probe.device", p.device)  # its spelling only: the job judges the GPU where it runs
     data = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
     if p.n_images > data[0].shape[0]:
         raise ConfigError("probe.n_images", p.n_images,
                           f"the data set has only {data[0].shape[0]} images; use at most that")
     intervention.check([float(s) for s in grid])
     return data
-
-
-def _validate_device(name: str) -> None:
-    try:
-        device = resolve_device(name)
-    except RuntimeError:
-        raise ConfigError("probe.device", name, "not a torch device; use auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError("probe.device", name, "twinrun measures on cpu or cuda[:N] only (or auto)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("probe.device", name, "CUDA is not available here; use probe.device=cpu")
 
 
 def check_measures_something(intervention: Intervention, grid: list[float]) -> None:
@@ -146,86 +139,6 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
     return store_bytes
 
 
-# ----------------------------------------------------------------------------- the estimate of cost
-
-# What each part of the host-memory estimate grows with: the key a refusal names.
-MEMORY_KEYS = {"the process before measuring": "model", "one probe call": "probe.chunk_images",
-               "draws of a bin": "probe.n_draws", "fold sums and the store": "probe.n_folds"}
-CALIBRATION_MAX_SAMPLES = 1024  # the default chunk (120 x 6) is timed whole; a chunk of -1 on at most this
-
-
-def host_memory(p: ProbeConfig, image_shape, n_params: int, baseline: int, call: int) -> dict[str, int]:
-    """The job's peak host memory by part, in bytes (the CPU side; a GPU's device memory is estimated beside
-    it): the process as planning has it now (torch, the model, the data: the job builds the same); one probe
-    call, measured (its activations and gradients: the growth of the peak resident set while it ran); a
-    bin's draws for every image; the float64 fold sums with their float32 copy, the store's tensors and the
-    bytes written."""
-    return {"the process before measuring": baseline, "one probe call": call,
-            "draws of a bin": 4 * p.n_images * p.n_draws * math.prod(image_shape),
-            "fold sums and the store": (8 + 4 + 4 + 4) * p.n_folds * n_params}
-
-
-def resident_bytes() -> tuple[int, int]:
-    """(resident set now, its peak so far) of this process, in bytes (Linux; (0, 0) elsewhere)."""
-    try:
-        now = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0, 0
-    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def time_one_call(c: "Components", p: ProbeConfig, method: str, sigma: float) -> tuple[float, int, int, int]:
-    """(seconds, images, draws, bytes) of one probe call of the job's chunk shape, timed here, eager, on the
-    twin: the per-sample cost the estimate scales, and the call's memory (the growth of the peak resident
-    set). Timed twice (the faster kept) when a call is short."""
-    images = p.n_images if p.chunk_images < 1 else min(p.chunk_images, p.n_images)
-    n_draws = min(p.n_draws if p.chunk_draws < 1 else min(p.chunk_draws, p.n_draws), CALIBRATION_MAX_SAMPLES)
-    images = max(1, min(images, CALIBRATION_MAX_SAMPLES // n_draws))
-    gen = torch.Generator().manual_seed(trial.TRIAL_SEED)
-    eps = torch.randn((images, n_draws, *c.images.shape[1:]), generator=gen)
-    sigma_cond = torch.tensor(sigma, dtype=torch.float32)
-    best, (_, peak_before) = math.inf, resident_bytes()
-    for _ in range(2):
-        t0 = time.perf_counter()
-        fs.fold_sums(c.model, c.names, c.images[:images], eps, sigma, sigma_cond, c.fold_of_image[:images],
-                     len(c.fold_sizes), p.chunk_images, p.chunk_draws, method=method)
-        best = min(best, time.perf_counter() - t0)
-        if best > 1.0:
-            break
-    return best, images, eps.shape[1], max(0, resident_bytes()[1] - peak_before)
-
-
-def estimate_cost(cfg: DictConfig, c: "Components", method: str, sigma: float, n_stores: int) -> None:
-    """Print, before any compute, the run's measuring time (one call timed here, scaled by samples) and its
-    peak host memory; refuse a run whose memory estimate exceeds the memory it will have (launcher.mem_gb,
-    else this machine's)."""
-    p = typed(ProbeConfig, OmegaConf.to_container(cfg.probe, resolve=True), "probe")
-    baseline = resident_bytes()[0]
-    seconds, images, n_draws, call = time_one_call(c, p, method, sigma)
-    samples = p.n_images * p.n_draws
-    total_s = seconds * samples / (images * n_draws) * n_stores
-    parts = host_memory(p, c.images.shape[1:], sum(g["numel"] for g in c.layout), baseline, call)
-    peak = sum(parts.values())
-    mem_gb = cfg.launcher.get("mem_gb")
-    limit, whose = ((int(mem_gb * 2**30), f"launcher.mem_gb={mem_gb:g}") if mem_gb
-                    else (memory_bytes(), "this machine"))
-    device = resolve_device(p.device).type
-    timed = (f"one probe call of {images} images x {n_draws} draws took {seconds * 1e3:,.1f} ms here (cpu, "
-             f"{torch.get_num_threads()} threads, {method}"
-             + ("" if device == "cpu" else f"; the job runs on {device}, so its time will differ") + ")")
-    memory = ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in parts.items())
-    print(f"twinrun: estimate: {n_stores} stores x {samples:,} samples, {timed} → about {total_s:,.0f} s "
-          f"of measuring ({total_s / 3600:,.2f} h) plus start-up; peak host memory about "
-          f"{peak / 2**30:,.2f} GiB ({memory} GiB), of the {limit / 2**30:,.1f} GiB of {whose}", flush=True)
-    if peak > limit:
-        worst = max(parts, key=parts.get)
-        key = MEMORY_KEYS[worst]
-        raise ConfigError(key, OmegaConf.select(cfg, key) if key != "model" else cfg.model.get("_target_"),
-                          f"the job would need about {peak / 2**30:,.1f} GiB of host memory ({worst}: "
-                          f"{parts[worst] / 2**30:,.1f} GiB), more than the {limit / 2**30:,.1f} GiB of "
-                          f"{whose}; use fewer draws, images, folds or probed parameters")
-
-
 # ----------------------------------------------------------------------------- components
 
 
@@ -248,16 +161,25 @@ def build_components(config: dict, p: ProbeConfig, arms: list, device: torch.dev
                      data: tuple | None = None) -> Components:
     """Model, data and each arm's intervention from the arms' shared resolved config (one level of
     instantiate each), and the probe's parameter selection, layout and folds (`p`: config's probe, typed).
-    data: (images, ids) when the caller has already built them (planning validates their count first)."""
-    model = build(config["model"], "model").to(device)
-    images, image_ids = data if data is not None else build(config["data"], "data")
+    data: (images, ids) when the caller has already built them (planning validates their count first).
+
+    Each builder runs after the job applied determinism: one that changes a numerics switch is named,
+    and set back under determinism.enabled=true (provenance.determinism.switches_kept)."""
+    pinned = typed(DeterminismConfig, config["determinism"], "determinism").enabled
+
+    def built(key: str, node: dict):
+        with switches_kept(f"{key}._target_={node.get('_target_')}", pinned):
+            return build(node, key)
+
+    model = built("model", config["model"]).to(device)
+    images, image_ids = data if data is not None else built("data", config["data"])
     names = fs.select_params(model, list(p.params))
     sizes = fold_sizes(p.n_images, p.n_folds)
     return Components(
         model=model,
         images=images[: p.n_images].to(device),
         image_ids=list(image_ids[: p.n_images]),
-        interventions={a.name: build(a.config["intervention"], "intervention") for a in arms},
+        interventions={a.name: built("intervention", a.config["intervention"]) for a in arms},
         names=names,
         layout=fs.layout(model, names, fs.cond_patterns(model)),
         fold_sizes=sizes,
@@ -282,8 +204,17 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     replicated = any(a.role == "replicate" for a in arms)
     n_stores = len(arms) * len(grid) + (0 if replicated else len(gates))
     store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
-    method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+    try:
+        method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+    except Exception as err:
+        if trial.is_out_of_memory(err):  # this host's memory: named as memory, never as the model's fault
+            raise out_of_memory(err, "the trial run at plan time", None, p, c.device) from err
+        raise
     estimate_cost(cfg, c, method, grid[0], n_stores)
+    if parse_device("probe.device", p.device)[0] != "cpu":  # (on the CPU: host memory, estimate_cost)
+        memory = estimate_memory(p, c, method, grid[0])
+        print(f"twinrun: device memory per arm and bin, estimated for probe.method={method}: "
+              f"{memory.describe(p)}; the job checks it against its GPU's free memory", flush=True)
     payload = 4 * p.n_folds * sum(g["numel"] for g in c.layout)  # float32 [numel, n_folds] per parameter
     units = [{"index": i, "label": bin_label(i, s), "gate": s in gates, "probe": {"sigma": s},
               "file": store_name(i, s), "payload_bytes": payload} for i, s in enumerate(grid)]
@@ -298,7 +229,8 @@ def arithmetic(p: ProbeConfig, method: str, device: str) -> dict:
     kernel path (a resume or a reference under other settings is another path). `method` is the
     resolved one (vmap | folds), never `auto`, and so is `device` (cpu | cuda)."""
     return {"method": method, "compile": p.compile or False, "device": device,  # null compile is eager
-            "chunk_images": p.chunk_images, "chunk_draws": p.chunk_draws}
+            "chunk_images": p.chunk_images, "chunk_draws": p.chunk_draws,
+            "accumulator_dtype": p.accumulator_dtype}
 
 
 class ProbeSession:
@@ -321,9 +253,24 @@ class ProbeSession:
         self.train_stream = self.seed if random_ops else None
         # Resolve probe.method and compile before any bin, so that the compile cache the fingerprint
         # reads next holds every kernel the bins will use.
-        self.method, self.forward, self.compile_mode = trial.job_trial(
-            self.c.model, self.c.names, self.c.images, _first_sigma(config), self.c.interventions, self.p,
-            self.c.fold_of_image, len(self.c.fold_sizes))
+        self.memory = None
+        with self.memory_named("the trial run before the first bin"):
+            self.method, self.forward, self.compile_mode = trial.job_trial(
+                self.c.model, self.c.names, self.c.images, sigma0, self.c.interventions, self.p,
+                self.c.fold_of_image, len(self.c.fold_sizes))
+        # Before the first bin: the bins' memory, estimated on this device, against what it has free.
+        self.memory = estimate_memory(self.p, self.c, self.method, sigma0)
+        check_device_memory(self.memory, self.p, device)
+
+    @contextmanager
+    def memory_named(self, where: str):
+        """Running out of device memory is named as such, with the estimate and the knobs (exit 6)."""
+        try:
+            yield
+        except Exception as err:
+            if trial.is_out_of_memory(err):
+                raise out_of_memory(err, where, self.memory, self.p, self.c.device) from err
+            raise
 
     def arithmetic(self) -> dict:
         # twinrun's own batching changes the arithmetic order, so it joins the kernel path.
@@ -343,11 +290,12 @@ class ProbeSession:
         eps = self.eps.to(c.device)
         intervention = c.interventions[arm]
         sigma_cond = intervention.sigma_cond(torch.tensor(sigma, dtype=torch.float32))
-        with attached(intervention, c.model):
+        with attached(intervention, c.model), self.memory_named(f"arm {arm}, {u['label']}"):
             sums = trial.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
                                         sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
                                         p.chunk_images, p.chunk_draws, method=self.method,
-                                        forward=self.forward, train_stream=self.train_stream)
+                                        forward=self.forward, train_stream=self.train_stream,
+                                        accumulator=fs.ACCUMULATORS[p.accumulator_dtype])
         fs.check_finite(sums, arm, u["index"], sigma)
         meta = {"arm": arm, "bin_index": u["index"], "sigma": sigma, "sigma_cond": float(sigma_cond),
                 "n_images": p.n_images, "n_draws": p.n_draws, "fold_sizes": c.fold_sizes,
@@ -384,4 +332,5 @@ PROBE = Measure(
     report=write_report,
     render=render,
     config_keys=("probe", "sigma_grid"),
+    compiles=lambda config: trial.compile_mode(config["probe"].get("compile")) is not None,
 )

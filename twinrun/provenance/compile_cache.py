@@ -1,5 +1,9 @@
 """torch.compile's caches as the fingerprint sees them: where Inductor and Triton cache, and a digest of
 what they hold (their autotune winners choose kernels, so a cache's content is part of the kernel path).
+
+Every run compiles into a cache of its own (`run_cache_dir`): a cache shared between runs would take
+the entries of whatever other run compiled in between, and a resume would then read another digest
+and be refused as another kernel path. The digest covers every file of the cache.
 """
 
 import getpass
@@ -11,7 +15,28 @@ from pathlib import Path
 
 # Inductor exports these itself on first compile; their resolved paths are read separately.
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-CACHE_WALK_MAX_FILES = 10_000  # keeps a digest of a large shared cache well under a second
+# Beside a run's own inductor/ and triton/ folders: names the run (and marks the folder twinrun's).
+RUN_CACHE_MARKER = "twinrun-run-cache.txt"
+
+
+def run_cache_dir(root: str, run_dir) -> str:
+    """The compile caches of one run under `root` (determinism.compile_cache_dir): `root/runs/<key>`,
+    keyed by the run directory's resolved path, so a resume finds its own cache and no other run
+    writes into it. Safe to delete once the run is finished (a resume would then recompile on
+    another kernel path, and be refused)."""
+    where = os.path.realpath(run_dir)
+    home = os.path.join(os.path.abspath(root), "runs", hashlib.sha256(where.encode()).hexdigest()[:16])
+    os.makedirs(home, exist_ok=True)
+    marker = os.path.join(home, RUN_CACHE_MARKER)
+    if not os.path.isfile(marker):
+        with open(marker, "w", encoding="utf-8") as f:
+            f.write(f"torch.compile caches of the twinrun run at {where}\n")
+    return home
+
+
+def is_run_cache(cache_dir: str) -> bool:
+    """Whether a cache dir (…/inductor, …/triton) is inside a run's own compile cache (twinrun set it)."""
+    return os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(cache_dir)), RUN_CACHE_MARKER))
 
 
 def compile_caches() -> dict:
@@ -37,8 +62,6 @@ def autotune_choices(caches: dict) -> dict:
         if not root or not os.path.isdir(root):
             continue
         for path in sorted(Path(root).rglob("*")):
-            if files >= CACHE_WALK_MAX_FILES:
-                break
             if path.is_file() and not path.is_symlink() and (path.suffix == ".best_config"
                                                              or "autotune" in path.name):
                 h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
@@ -57,22 +80,19 @@ def default_inductor_cache_dir() -> str:
 
 
 def _dir_digest(root: str) -> dict:
-    """sha256 over (relative path, size, mtime) of every file, in sorted walk order, capped.
+    """sha256 over (relative path, size, mtime) of every file, in sorted walk order.
 
     A missing and an empty directory are both "absent": torch creates the empty one on import.
     """
     if not os.path.isdir(root):
-        return {"digest": "absent", "files": 0, "truncated": False}
-    h, files, truncated = hashlib.sha256(), 0, False
+        return {"digest": "absent", "files": 0}
+    h, files = hashlib.sha256(), 0
     for dirpath, dirnames, filenames in os.walk(root):
         # Lock files are rewritten by every compile; they hold no kernels.
         dirnames[:] = sorted(d for d in dirnames if d != "locks")
         for name in sorted(filenames):
             if name.endswith(".lock"):
                 continue
-            if files >= CACHE_WALK_MAX_FILES:
-                truncated = True
-                break
             path = os.path.join(dirpath, name)
             try:
                 st = os.stat(path, follow_symlinks=False)
@@ -80,9 +100,7 @@ def _dir_digest(root: str) -> dict:
                 continue
             h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
             files += 1
-        if truncated:
-            break
-    return {"digest": h.hexdigest() if files else "absent", "files": files, "truncated": truncated}
+    return {"digest": h.hexdigest() if files else "absent", "files": files}
 
 
 def _is_within(path: str, root: str) -> bool:

@@ -11,14 +11,16 @@ once, when it first sets up) and before torch.compile (it binds its cache dirs o
 
 import os
 import warnings
+from contextlib import contextmanager
 
 import torch
 
 from twinrun.errors import ConfigError
-from twinrun.provenance.compile_cache import default_inductor_cache_dir
+from twinrun.provenance.compile_cache import default_inductor_cache_dir, is_run_cache
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"  # one of the two settings cuBLAS documents as deterministic
+DETERMINISTIC_CUBLAS_WORKSPACE_CONFIGS = (":4096:8", ":16:8")
 
 
 def apply_determinism(
@@ -29,8 +31,9 @@ def apply_determinism(
     `float32_matmul_precision` decides TF32 for CUDA matmuls ("highest" = off); cuDNN TF32 is always
     turned off. `compile_cache_dir` moves the Inductor and Triton caches to a durable directory (the
     default lives in /tmp and vanishes on reboot, taking autotune winners with it) unless the user
-    already pointed TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR elsewhere. Disabled, nothing changes
-    and the record only reports current values.
+    already pointed TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR elsewhere; it does so enabled or not
+    (the caches' digest is part of the kernel path either way). Disabled, no switch changes and the
+    record only reports their current values.
     """
     if float32_matmul_precision not in MATMUL_PRECISIONS:
         raise ConfigError(
@@ -47,11 +50,16 @@ def apply_determinism(
         "changed": [],
         "cublas_workspace_config_may_be_ignored": False,
     }
+    # Step: the compile caches, whatever determinism says (their digest is part of the kernel path
+    # either way). First, and judged on what was found: the next steps import torch._inductor.config,
+    # whose import exports the /tmp default cache dir.
+    caches = _cache_env(compile_cache_dir, found)
+    os.environ.update(caches)
+    record["compile_caches"] = caches
     if not enabled:
         return record
 
-    # Step: environment read by cuBLAS and Inductor. First, and judged on what was found: the
-    # next step imports torch._inductor.config, whose import exports the /tmp default cache dir.
+    # Step: environment read by cuBLAS, before CUDA's first use.
     env = {}
     if found["CUBLAS_WORKSPACE_CONFIG"] is None:
         env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
@@ -61,13 +69,10 @@ def apply_determinism(
                 "Call apply_determinism before any CUDA work.",
                 stacklevel=2,
             )
-    if compile_cache_dir is not None:
-        durable = os.path.abspath(compile_cache_dir)
-        for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-            if _not_chosen_by_user(found[name]):
-                env[name] = os.path.join(durable, sub)
-                os.makedirs(env[name], exist_ok=True)
     os.environ.update(env)
+    # A value the user set is kept; cuBLAS is deterministic only under the two it documents.
+    record["cublas_workspace_config_deterministic"] = (
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] in DETERMINISTIC_CUBLAS_WORKSPACE_CONFIGS)
 
     # Step: torch and cuDNN switches.
     torch.use_deterministic_algorithms(True, warn_only=False)
@@ -89,12 +94,24 @@ def apply_determinism(
         "cuda_matmul_allow_tf32",
         "cudnn_allow_tf32",
     )
-    record["set"] = {key: after[key] for key in (*switches, *env)}
+    record["set"] = {key: after[key] for key in (*switches, *env, *caches)}
     record["changed"] = sorted(key for key in after if after[key] != found[key])
     record["cublas_workspace_config_may_be_ignored"] = (
         "CUBLAS_WORKSPACE_CONFIG" in env and record["cuda_initialized"]
     )
     return record
+
+
+def _cache_env(compile_cache_dir: str | None, found: dict) -> dict:
+    """TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR under `compile_cache_dir`, unless the user chose them."""
+    if compile_cache_dir is None:
+        return {}
+    env, durable = {}, os.path.abspath(compile_cache_dir)
+    for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        if _not_chosen_by_user(found[name]):
+            env[name] = os.path.join(durable, sub)
+            os.makedirs(env[name], exist_ok=True)
+    return env
 
 
 def _current() -> dict:
@@ -121,8 +138,45 @@ def _current() -> dict:
 
 
 def _not_chosen_by_user(cache_dir: str | None) -> bool:
-    """Unset, or inside Inductor's /tmp default: importing torch._dynamo exports that itself."""
-    if cache_dir is None:
+    """Unset, inside Inductor's /tmp default (importing torch._dynamo exports that itself), or an earlier
+    run's own cache (a local sweep runs its points' jobs in one process)."""
+    if cache_dir is None or is_run_cache(cache_dir):
         return True
     default = os.path.abspath(default_inductor_cache_dir())
     return os.path.commonpath([os.path.abspath(cache_dir), default]) == default
+
+
+@contextmanager
+def switches_kept(builder: str, restore: bool):
+    """Around one builder of the run (model, data, an intervention), which may run after determinism was
+    applied: a switch it changed (TF32, cuDNN benchmarking, deterministic algorithms …) is named in one
+    line and, with `restore` (determinism.enabled=true), set back before anything is measured."""
+    before = _current()
+    yield
+    after = _current()
+    changed = [key for key in before if after[key] != before[key]]
+    if not changed:
+        return
+    if restore:
+        _restore(before)
+    what = ", ".join(f"{key} {before[key]!r} -> {after[key]!r}" for key in changed)
+    outcome = ("set back, as determinism.enabled=true pins them" if restore else
+               "kept (determinism.enabled=false): the kernel path records them")
+    print(f"twinrun: {builder} changed numerics switches while it was built ({what}); {outcome}", flush=True)
+
+
+def _restore(state: dict) -> None:
+    """Set the switches and variables `_current` read back to `state`."""
+    torch.use_deterministic_algorithms(state["deterministic_algorithms"],
+                                       warn_only=state["deterministic_warn_only"])
+    torch.backends.cudnn.benchmark = state["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = state["cudnn_deterministic"]
+    if state["float32_matmul_precision"] in MATMUL_PRECISIONS:  # also resets the legacy TF32 alias
+        torch.set_float32_matmul_precision(state["float32_matmul_precision"])
+    if isinstance(state["cudnn_allow_tf32"], bool):
+        torch.backends.cudnn.allow_tf32 = state["cudnn_allow_tf32"]
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        if state[name] is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = state[name]

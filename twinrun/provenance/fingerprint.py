@@ -6,14 +6,17 @@
 
 - `kernel_path` must match for two numbers to be comparable bit for bit. Each field can move
   floating-point results by choosing a different kernel or summation order:
-  torch/CUDA/cuDNN/cuBLAS/Triton versions (different kernels and heuristics); GPU name, SM count
-  and capability (cuBLAS is reproducible only on the same architecture and SM count, so MIG
-  slices differ); CPU model, vector-ISA flags and ATen's CPU capability (AVX2 vs AVX512 kernels
-  reduce in different orders); thread counts (reductions and some BLAS calls split work per
-  thread); BLAS/oneDNN/OpenMP backend and versions; the numerics switches (deterministic
-  algorithms, TF32, reduced-precision reductions, cuDNN benchmark, SDPA backends); whether and how
-  torch.compile runs, Inductor's knobs and the content of its caches (they hold autotune
-  winners); environment variables that those libraries read.
+  torch/CUDA/cuDNN/cuBLAS/Triton versions (different kernels and heuristics); the measuring GPU's
+  name, SM count and capability (cuBLAS is reproducible only on the same architecture and SM
+  count, so MIG slices differ; the other GPUs the process sees choose nothing); CPU model,
+  vector-ISA flags and ATen's CPU capability (AVX2 vs AVX512 kernels reduce in different orders);
+  thread counts (reductions and some BLAS calls split work per thread); BLAS/oneDNN/OpenMP backend
+  and versions; the numerics switches (deterministic
+  algorithms, TF32, reduced-precision reductions, cuDNN benchmark, SDPA backends, TunableOp);
+  whether and how torch.compile runs (the options its mode turns on, CUDA graphs among them, and
+  Inductor's knobs, its deterministic mode among them) and the content of its caches (they hold
+  autotune winners); environment variables that those libraries read (the CUDA ones that choose
+  GEMM and convolution kernels too).
 - `info` is recorded, never compared: host, boot, kernel, Python, GPU UUIDs and driver, SLURM
   ids, the twinrun git commit, a digest of installed packages, pid. Two arms on the same path
   may legitimately differ here (e.g. a requeue to another node with identical hardware).
@@ -51,8 +54,15 @@ NUMERICS_ENV = (
     "OPENBLAS_NUM_THREADS",
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
     "TORCH_BLAS_PREFER_CUBLASLT",
+    "TORCH_BLAS_PREFER_HIPBLASLT",
+    "DISABLE_ADDMM_CUDA_LT",  # addmm (a linear's bias epilogue) through cuBLASLt or plain cuBLAS
+    "DISABLE_ADDMM_HIP_LT",
 )
-NUMERICS_ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_")
+# Families of variables that choose kernels: Inductor and Triton; TunableOp (PYTORCH_TUNABLEOP_*: GEMMs
+# tuned at run time, winners in a results file); cuBLAS/cuBLASLt (workspace sizes: other algorithms);
+# cuDNN (TORCH_CUDNN_* heuristics mode and plan cache, CUDNN_* the library's own).
+NUMERICS_ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_", "PYTORCH_TUNABLEOP_", "CUBLAS_", "CUBLASLT_", "CUDNN_",
+                         "TORCH_CUDNN_")
 # Installed packages (normalised names, prefixes) that choose the kernels a probe runs.
 NUMERICS_PACKAGES = ("torch", "triton", "pytorch-triton", "nvidia-", "cuda-", "diffusers", "xformers",
                      "flash-attn", "transformers", "accelerate", "numpy", "safetensors", "intel-openmp",
@@ -69,24 +79,32 @@ SLURM_ENV = (
 )
 
 
-def fingerprint(compile_mode: str | None = None) -> dict:
+def fingerprint(compile_mode: str | None = None, device: torch.device | str | None = None) -> dict:
     """This process's kernel path (compared) and provenance (recorded); see the module docstring.
 
     `compile_mode` is the torch.compile mode the caller uses (None = eager). Only when it is set do
     Inductor's knobs and cache contents join the kernel path: eager numbers never read them.
+    `device` is where the numbers are computed: a GPU's model and SM count join the kernel path (the
+    other GPUs the process sees do not); None or the CPU: no GPU.
     """
     packages = _installed_packages()
+    device = None if device is None else torch.device(device)
     compile_path = {"used": compile_mode is not None, "mode": compile_mode}
     if compile_mode is not None:
         # Before reading the caches: importing Inductor creates its default cache dir.
         compile_path["inductor"] = _inductor_knobs()
+        # What the mode turns on for its compiles (max-autotune: CUDA graphs and autotuning), and the
+        # knobs those compiles then run with: Inductor's deterministic mode (on with deterministic
+        # algorithms since torch 2.10) skips autotuning, so "max-autotune" may not autotune at all.
+        compile_path["mode_options"] = _mode_options(compile_mode)
+        compile_path["effective"] = {**compile_path["inductor"], **compile_path["mode_options"]}
     caches = compile_caches()
     if compile_mode is not None:
         compile_path["caches"] = {name: entry["digest"] for name, entry in caches.items()}
         compile_path["autotune_choices"] = autotune_choices(caches)
     kernel_path = {
         "torch": _torch_build(packages),
-        "gpus": _gpus(),
+        "gpu": _gpu(device),
         "cpu": _cpu(),
         "threads": _threads(),
         "backend": _backend(),
@@ -105,6 +123,8 @@ def fingerprint(compile_mode: str | None = None) -> dict:
         "pid": os.getpid(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "gpu_uuids": _gpu_uuids(),
+        "device": None if device is None else str(device),
+        "device_uuid": _gpu_uuid(device),
         "nvidia_smi": _nvidia_smi(),
         "slurm": {name: os.environ.get(name) for name in SLURM_ENV},
         "git": _git_state(),
@@ -153,20 +173,13 @@ def _torch_build(packages: dict) -> dict:
     }
 
 
-def _gpus() -> list:
-    if not torch.cuda.is_available():
-        return []
-    gpus = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        gpus.append(
-            {
-                "name": props.name,
-                "sm_count": props.multi_processor_count,
-                "capability": f"{props.major}.{props.minor}",
-            }
-        )
-    return gpus
+def _gpu(device: torch.device | None) -> dict | None:
+    """The measuring GPU: the kernels cuBLAS and cuDNN pick depend on its architecture and SM count."""
+    if device is None or device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return {"name": props.name, "sm_count": props.multi_processor_count,
+            "capability": f"{props.major}.{props.minor}"}
 
 
 def _cpu() -> dict:
@@ -240,6 +253,7 @@ def _switches() -> dict:
         "cudnn_allow_tf32": _read(lambda: cudnn.allow_tf32),
         "cudnn_benchmark": cudnn.benchmark,
         "cudnn_deterministic": cudnn.deterministic,
+        "cuda_tunableop_enabled": _read(_tunableop_enabled),
         "mkldnn_enabled": mkldnn.enabled,
         "mkldnn_deterministic": _read(lambda: mkldnn.deterministic),
     }
@@ -266,6 +280,12 @@ def _switches() -> dict:
     return switches
 
 
+def _tunableop_enabled():
+    """TunableOp tunes GEMMs at run time and replays the winners from a results file (CUDA/ROCm)."""
+    tunable = getattr(torch.cuda, "tunable", None)
+    return None if tunable is None or not torch.cuda.is_available() else tunable.is_enabled()
+
+
 def _inductor_knobs() -> dict:
     import torch._inductor.config as inductor  # imported only for compiled runs: it costs ~1.5 s
     import torch.compiler.config as compiler
@@ -283,8 +303,18 @@ def _inductor_knobs() -> dict:
         "fallback_random",
     )
     knobs = {name: _jsonable(getattr(inductor, name)) for name in names if hasattr(inductor, name)}
+    knobs["triton.cudagraphs"] = _jsonable(getattr(inductor.triton, "cudagraphs", None))
+    knobs["triton.cudagraph_trees"] = _jsonable(getattr(inductor.triton, "cudagraph_trees", None))
     knobs["force_disable_caches"] = _jsonable(getattr(compiler, "force_disable_caches", None))
     return knobs
+
+
+def _mode_options(mode: str) -> dict:
+    """Inductor's options for a torch.compile mode, as torch.compile applies them (read from torch, not
+    restated: `max-autotune` is max_autotune, coordinate_descent_tuning and triton.cudagraphs)."""
+    # _inductor_knobs imported torch._inductor.config, so its package is loaded: no import needed here.
+    options = torch._inductor.list_mode_options(mode)
+    return {name: _jsonable(value) for name, value in sorted(options.items())}
 
 
 def _numerics_env() -> dict:
@@ -302,6 +332,12 @@ def _gpu_uuids() -> list | None:
     if not torch.cuda.is_available():
         return None
     return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def _gpu_uuid(device: torch.device | None) -> str | None:
+    if device is None or device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def _nvidia_smi() -> list | None:

@@ -9,6 +9,7 @@ applies it to run.json as it is at the moment a store is recorded.
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -16,9 +17,10 @@ import torch
 from twinrun.config import DeterminismConfig, typed
 from twinrun.errors import KernelPathRefused, StoreError
 from twinrun.files import read_json
+from twinrun.provenance.compile_cache import run_cache_dir
 from twinrun.provenance.determinism import apply_determinism
 from twinrun.provenance.fingerprint import kernel_path_diff
-from twinrun.provenance.sentinel import sentinel
+from twinrun.provenance.sentinel import NOT_REPEATED_OFF, repeats_backward, sentinel
 
 
 def tensors_sha256(named) -> str:
@@ -49,17 +51,20 @@ def default_compile_cache_dir() -> str:
     return str(Path.home() / ".cache" / "twinrun" / "compile")
 
 
-def setup_determinism(cfg: dict) -> dict:
+def setup_determinism(cfg: dict, run_dir: Path | None = None) -> dict:
     """Apply the run's determinism settings first thing in the job; return the record. Keys the
-    config lacks take the schema's defaults (twinrun.config.DeterminismConfig)."""
+    config lacks take the schema's defaults (twinrun.config.DeterminismConfig). With `run_dir`, the
+    compile caches are that run's own, under determinism.compile_cache_dir (compile_cache.run_cache_dir)."""
     d = typed(DeterminismConfig, cfg["determinism"], "determinism")
-    return apply_determinism(d.enabled, d.compile_cache_dir or default_compile_cache_dir(),
-                             d.float32_matmul_precision)
+    root = os.path.expanduser(d.compile_cache_dir or default_compile_cache_dir())
+    cache = root if run_dir is None else run_cache_dir(root, run_dir)
+    return apply_determinism(d.enabled, cache, d.float32_matmul_precision)
 
 
-def model_sentinel_fn(model: torch.nn.Module, device: torch.device, image_shape: tuple):
-    """The probed model's own forward and backward on a fixed input (batch of 8: batch sizes of
-    1–5 take another kernel path than ≥ 6 on CPU), for the sentinel battery."""
+def model_sentinel_fn(model: torch.nn.Module, device: torch.device, image_shape: tuple,
+                      backward: bool = True):
+    """The probed model's own forward and (with `backward`) backward on a fixed input (batch of 8: batch
+    sizes of 1–5 take another kernel path than ≥ 6 on CPU), for the sentinel battery."""
 
     def run():
         x = torch.randn((8, *image_shape), generator=torch.Generator().manual_seed(1234)).to(device)
@@ -68,7 +73,10 @@ def model_sentinel_fn(model: torch.nn.Module, device: torch.device, image_shape:
         # A model probed in train mode may draw randomness (dropout): from a fixed state, so the op repeats.
         with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
             torch.manual_seed(SENTINEL_MODEL_SEED)
-            out = model(x, sigma, sigma)
+            with torch.set_grad_enabled(backward):
+                out = model(x, sigma, sigma)
+            if not backward:
+                return out.detach()
             grads = torch.autograd.grad(out.square().mean(), params, allow_unused=True)
         return (out.detach(), *(g for g in grads if g is not None))
 
@@ -76,7 +84,13 @@ def model_sentinel_fn(model: torch.nn.Module, device: torch.device, image_shape:
 
 
 def read_sentinel(model: torch.nn.Module, device: torch.device, image_shape: tuple) -> dict:
-    return sentinel(model_sentinel_fn(model, device, tuple(image_shape)), device=device)
+    """The sentinel with the model's own op: forward and backward wherever the backward must repeat under
+    the run's determinism setting; on CUDA with determinism off the forward only, and it says so."""
+    backward = repeats_backward(device)
+    reading = sentinel(model_sentinel_fn(model, device, tuple(image_shape), backward), device=device)
+    if not backward:
+        reading["skipped"]["model_backward"] = NOT_REPEATED_OFF
+    return reading
 
 
 def unit_record(fp: dict, sentinel_digest: str) -> dict:
@@ -89,6 +103,7 @@ def unit_record(fp: dict, sentinel_digest: str) -> dict:
         "boot_id": info.get("boot_id"),
         "pid": info.get("pid"),
         "gpu_uuids": info.get("gpu_uuids"),
+        "device_uuid": info.get("device_uuid"),
         "slurm_job_id": slurm.get("SLURM_JOB_ID"),
         "slurm_array_job_id": slurm.get("SLURM_ARRAY_JOB_ID"),
         "slurm_array_task_id": slurm.get("SLURM_ARRAY_TASK_ID"),

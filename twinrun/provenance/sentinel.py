@@ -14,7 +14,8 @@ SEED = 20240611  # fixed forever: changing it changes every sentinel hash on rec
 
 
 def sentinel(model_fn=None, device: str | torch.device = "cpu") -> dict:
-    """Run the battery on `device`; returns {"ops": {name: sha256hex}, "digest": sha256 over all}.
+    """Run the battery on `device`; returns {"ops": {name: sha256hex}, "digest": sha256 over all,
+    "skipped": {name: why}} (ops left out because they need not repeat here, so hash nothing useful).
 
     Inputs are always drawn in the same order, so every op sees the same values whatever is skipped.
 
@@ -28,6 +29,11 @@ def sentinel(model_fn=None, device: str | torch.device = "cpu") -> dict:
     # (atomics). A sentinel must repeat exactly on one path, so they run only where they do.
     exact_cumsum = device.type == "cpu"
     exact_conv_grad = device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
+    skipped = {}
+    if not exact_cumsum:
+        skipped["cumsum"] = "a device-wide scan on CUDA (decoupled look-back) need not repeat"
+    if not exact_conv_grad:
+        skipped["conv2d_grad"] = NOT_REPEATED_OFF
 
     def randn(*shape: int) -> torch.Tensor:
         # Drawn on CPU so inputs are identical on every device; only the ops run on `device`.
@@ -80,7 +86,17 @@ def sentinel(model_fn=None, device: str | torch.device = "cpu") -> dict:
         outputs["model"] = model_fn()
     ops = {name: _hash(value) for name, value in outputs.items()}
     digest = hashlib.sha256("".join(f"{name}={h}\n" for name, h in sorted(ops.items())).encode()).hexdigest()
-    return {"ops": ops, "digest": digest}
+    return {"ops": ops, "digest": digest, "skipped": skipped}
+
+
+# Why an op is left out on CUDA with deterministic algorithms off (determinism.enabled=false).
+NOT_REPEATED_OFF = ("on CUDA with deterministic algorithms off, backward kernels (cuDNN weight gradients, "
+                    "memory-efficient attention, atomics) need not repeat run to run")
+
+
+def repeats_backward(device: torch.device) -> bool:
+    """Whether a backward on `device` must repeat bit for bit under this process's determinism setting."""
+    return torch.device(device).type == "cpu" or torch.are_deterministic_algorithms_enabled()
 
 
 def sentinel_changed(a: dict, b: dict) -> list[str]:

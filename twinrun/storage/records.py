@@ -113,6 +113,7 @@ class JobRecord(TypedDict):
     hostname: str | None
     boot_id: str | None
     slurm_job_id: str | None
+    device: NotRequired[str | None]  # where it measured, resolved in the job: "cpu", "cuda:0 (NVIDIA H200 …)"
 
 
 class RunRecord(TypedDict):

@@ -1,0 +1,124 @@
+"""What chooses kernels on CUDA is on the kernel path (issue 23, point 2): the probe's own GPU, what a
+compile mode really turns on, the CUDA libraries' variables, switches a builder changed; and every run
+compiles into a cache of its own, whose digest covers every file."""
+
+import os
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch._inductor
+from conftest import CPU, TINY, pin_device
+
+from twinrun.measures import probe
+from twinrun.provenance import compile_cache, determinism
+from twinrun.provenance.fingerprint import fingerprint, kernel_path_diff
+from twinrun.provenance.record import kernel_path_sha256, setup_determinism
+
+
+@pytest.fixture(autouse=True)
+def switches_restored():
+    state = determinism._current()
+    yield
+    determinism._restore(state)
+
+
+def test_the_kernel_path_holds_the_probes_gpu_not_every_visible_one(monkeypatch):
+    gpus = [types.SimpleNamespace(name=name, multi_processor_count=sm, major=9, minor=0, uuid=f"GPU-{k}")
+            for k, (name, sm) in enumerate((("NVIDIA H100 80GB HBM3", 132), ("NVIDIA H100 MIG 3g.40gb", 60)))]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: gpus[torch.device(d).index or 0])
+    on_second = fingerprint(device="cuda:1")
+    assert on_second["kernel_path"]["gpu"] == {"name": "NVIDIA H100 MIG 3g.40gb", "sm_count": 60,
+                                               "capability": "9.0"}
+    assert on_second["info"]["device"] == "cuda:1" and on_second["info"]["device_uuid"] == "GPU-1"
+    on_first = fingerprint(device="cuda:0")
+    assert kernel_path_diff(on_first, on_second) == ["gpu.name", "gpu.sm_count"]
+    assert fingerprint(device="cpu")["kernel_path"]["gpu"] is None  # a CPU run: no GPU chose its kernels
+
+
+def test_a_compile_mode_is_recorded_by_what_it_turns_on(monkeypatch):
+    compiled = fingerprint("max-autotune")["kernel_path"]["compile"]
+    assert compiled["mode_options"] == torch._inductor.list_mode_options("max-autotune")  # read from torch
+    assert compiled["effective"]["triton.cudagraphs"] is True
+    assert compiled["effective"]["max_autotune"] is True
+    assert fingerprint("default")["kernel_path"]["compile"]["effective"]["triton.cudagraphs"] is False
+    # Deterministic algorithms put Inductor in its deterministic mode (autotuning skipped): recorded.
+    assert compiled["effective"]["deterministic"] is torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(not torch.are_deterministic_algorithms_enabled())
+    flipped = fingerprint("max-autotune")["kernel_path"]["compile"]
+    assert flipped["effective"]["deterministic"] is not compiled["effective"]["deterministic"]
+
+
+@pytest.mark.parametrize("name, value", [
+    ("PYTORCH_TUNABLEOP_ENABLED", "1"), ("DISABLE_ADDMM_CUDA_LT", "1"), ("CUBLASLT_WORKSPACE_SIZE", "1024"),
+    ("CUDNN_CONV_WSCAP_DBG", "4096"), ("TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "1")])
+def test_cuda_variables_that_choose_kernels_join_the_kernel_path(monkeypatch, name, value):
+    monkeypatch.delenv(name, raising=False)
+    before = fingerprint()
+    monkeypatch.setenv(name, value)
+    after = fingerprint()
+    assert after["kernel_path"]["env"][name] == value
+    assert kernel_path_sha256(after) != kernel_path_sha256(before)
+
+
+def config(enabled: bool, builder: str = "fault_models.flips_switches") -> dict:
+    return {"model": {"_target_": builder}, "data": {"_target_": "twinrun.data.load_heldout_images"},
+            "determinism": {"enabled": enabled}}
+
+
+def test_a_builder_that_turns_tf32_or_benchmarking_back_on_is_named_and_set_back(capsys):
+    determinism.apply_determinism(True, None)
+    p = probe.ProbeConfig(n_images=8, n_folds=4)
+    probe.build_components(config(True), p, [], torch.device("cpu"))
+    said = capsys.readouterr().out
+    assert "model._target_=fault_models.flips_switches changed numerics switches while it was built" in said
+    assert "cudnn_benchmark False -> True" in said and "float32_matmul_precision 'highest' -> 'high'" in said
+    assert "set back" in said
+    assert torch.backends.cudnn.benchmark is False and torch.get_float32_matmul_precision() == "highest"
+    # With determinism off the builder's choice stands, and is said (the kernel path records it).
+    probe.build_components(config(False), p, [], torch.device("cpu"))
+    assert "kept (determinism.enabled=false)" in capsys.readouterr().out and torch.backends.cudnn.benchmark
+    probe.build_components(config(True, "fault_models.tiny"), p, [], torch.device("cpu"))
+    assert "changed numerics switches" not in capsys.readouterr().out  # a builder that changes nothing
+
+
+def test_each_run_compiles_into_its_own_cache(tmp_path, monkeypatch):
+    for name in compile_cache.CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cfg = {"determinism": {"compile_cache_dir": str(tmp_path / "cache")}}
+    setup_determinism(cfg, tmp_path / "run_a")
+    mine = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert mine.startswith(str(tmp_path / "cache" / "runs")) and mine.endswith("inductor")
+    marker = Path(mine).parent / compile_cache.RUN_CACHE_MARKER
+    assert str(tmp_path / "run_a") in marker.read_text()
+    os.makedirs(os.path.join(mine, "fxgraph"))
+    with open(os.path.join(mine, "fxgraph", "entry"), "w") as f:
+        f.write("a's kernel")
+    digest = fingerprint("default")["kernel_path"]["compile"]["caches"]["inductor"]
+    # Another run compiles in between (in this process, as a local sweep does): into its own cache.
+    setup_determinism(cfg, tmp_path / "run_b")
+    theirs = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert theirs != mine and os.environ["TRITON_CACHE_DIR"] != os.path.join(os.path.dirname(mine), "triton")
+    os.makedirs(os.path.join(theirs, "fxgraph"))
+    with open(os.path.join(theirs, "fxgraph", "entry"), "w") as f:
+        f.write("b's kernel, another size")
+    setup_determinism(cfg, tmp_path / "run_a")  # the resume of run a: its own cache, its digest unchanged
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == mine
+    assert fingerprint("default")["kernel_path"]["compile"]["caches"]["inductor"] == digest
+
+
+def test_the_cache_digest_covers_every_file(tmp_path):
+    root = tmp_path / "inductor"
+    root.mkdir()
+    for k in range(10_001):  # one more than the old walk stopped at
+        (root / f"{k:05d}").write_bytes(b"")
+    first = compile_cache._dir_digest(str(root))
+    assert first["files"] == 10_001
+    (root / "10000").write_bytes(b"a kernel")  # the last file of the walk
+    assert compile_cache._dir_digest(str(root))["digest"] != first["digest"]
+
+
+def test_every_test_run_pins_the_cpu_unless_it_names_a_device():
+    """On a GPU box probe.device=auto would move every end-to-end test to CUDA: conftest pins the CPU."""
+    assert pin_device(TINY) == [*TINY, CPU] and pin_device(["probe.device=cuda"]) == ["probe.device=cuda"]

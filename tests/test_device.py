@@ -228,3 +228,21 @@ def test_out_of_memory_at_plan_time_is_exit_6_not_the_models_fault(compose_cfg, 
     with pytest.raises(DeviceMemoryError, match=r"the trial run at plan time: cpu ran out of memory"):
         plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path / "run", dry_run=True)
     assert EXIT_USAGE != EXIT_DEVICE_MEMORY
+
+
+def test_a_training_run_asking_for_a_gpu_plans_here_and_its_job_judges_the_gpu(tmp_path, compose_cfg,
+                                                                               monkeypatch):
+    """train.device is judged as probe.device is: its spelling at plan time (a login node has no GPU),
+    the GPU in the job, before any step."""
+    run_dir = tmp_path / "run"
+    train = ["+experiment=train_scale_lr", "train.steps=2", "train.segment_steps=2", "train.batch_size=8",
+             "train.heldout_images=8"]
+    with pytest.raises(ConfigError, match=r"^train.device='gpu': "):
+        plan_run(compose_cfg([*train, "train.device=gpu"]), tmp_path / "bad")
+    plan_run(compose_cfg([*train, "train.device=cuda:3"]), run_dir)  # no GPU here: planned all the same
+    fake_gpus(monkeypatch, 1)
+    with pytest.raises(DeviceError, match=r"^train.device=cuda:3: this process sees 1 GPU "):
+        run_job(run_dir)
+    index = RunIndex.load(run_dir)
+    assert index.status == "failed" and index.failure["error"] == "device"
+    assert not list(run_dir.glob("arms/*/*.safetensors")) and not index.jobs

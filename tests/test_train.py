@@ -26,6 +26,7 @@ from twinrun.config import register_configs
 from twinrun.errors import ConfigError, TwinrunError
 from twinrun.job import run_job
 from twinrun.measures import train as train_kind
+from twinrun.measures import train_state
 from twinrun.measures import train_streams as streams
 from twinrun.measures.train_step import NonFiniteLoss
 from twinrun.plan import plan_run, trusted_targets
@@ -247,10 +248,10 @@ def test_optimizer_state_round_trips_through_a_store_bit_for_bit(optimizer):
 
     a, opt_a = fresh()
     step(a, opt_a)
-    tensors, meta = train_kind.optimizer_record(opt_a, train_kind.model_names(a))
+    tensors, meta = train_state.optimizer_record(opt_a, train_state.model_names(a))
     b, opt_b = fresh()
     b.load_state_dict(a.state_dict())
-    train_kind.restore_optimizer(opt_b, train_kind.model_names(b), tensors, {"optimizer": meta})
+    train_state.restore_optimizer(opt_b, train_state.model_names(b), tensors, {"optimizer": meta})
     step(a, opt_a)
     step(b, opt_b)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))

@@ -1,0 +1,164 @@
+"""An arm's training state, held in memory for a whole job: the start model (its checkpoint read as
+safetensors, never pickle), each arm's optimizer built around its intervention, the chaos arm's one-ulp
+perturbation, and the weight and optimizer records a segment's store holds and a resume reads back.
+"""
+
+import difflib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import torch
+from safetensors import SafetensorError, safe_open
+
+from twinrun.config import TrainConfig, build
+from twinrun.errors import ConfigError
+from twinrun.interventions import Intervention
+from twinrun.measures import fold_sums as fs
+from twinrun.measures.trial import first_line
+
+
+@dataclass
+class ArmState:
+    """One arm's training state, held in memory for the whole job: its own model and optimizer."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    intervention: Intervention
+    step: int  # the optimizer step its weights are at
+
+
+def load_start(model: torch.nn.Module, path: str) -> None:
+    """Load the start checkpoint (safetensors, never pickle) into the model, or one line saying how
+    it does not match."""
+    try:
+        with safe_open(str(Path(path).expanduser()), framework="pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError) as err:
+        raise ConfigError("train.start_checkpoint", path, f"is not a readable safetensors file "
+                          f"({first_line(err)})") from None
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    extra = sorted(set(tensors) - set(own))
+    shapes = sorted(n for n in set(own) & set(tensors) if tuple(own[n].shape) != tuple(tensors[n].shape))
+    if missing or extra or shapes:
+        parts = [f"{what} {', '.join(names[:3])}{' …' if len(names) > 3 else ''}" for what, names in
+                 (("lacks", missing), ("has unknown", extra), ("has other shapes for", shapes)) if names]
+        raise ConfigError("train.start_checkpoint", path, f"does not match the model: it {'; '.join(parts)}; "
+                          "give a checkpoint of this model's parameters, named as in model.state_dict()")
+    model.load_state_dict(tensors, strict=True)
+
+
+def build_start(config: dict, t: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """The start model every arm copies: the model's builder, then the start checkpoint if one is named."""
+    model = build(config["model"], "model")
+    if t.start_checkpoint is not None:
+        load_start(model, t.start_checkpoint)
+    return model.to(device).train()
+
+
+def build_optimizer(node: dict, model: torch.nn.Module, intervention: Intervention) -> torch.optim.Optimizer:
+    """The optimizer over the model's trainable parameters, at the arm's learning rate (the intervention's
+    `train_lr` of each group's). One level, as Hydra's instantiate would build it: the class named by
+    `_target_`, called with the parameters and the node's other keys (instantiate's own parsing of the
+    node costs 20 ms, once per arm and once per plan)."""
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        optimizer = hydra.utils.get_class(node["_target_"])(params, **kwargs)
+    except Exception as err:  # noqa: BLE001 — the user's optimizer may raise anything: one line, exit 2
+        raise ConfigError("train.optimizer._target_", node.get("_target_"), f"could not be built: "
+                          f"{type(err).__name__}: {first_line(err)}") from None
+    for group in optimizer.param_groups:
+        group["lr"] = intervention.train_lr(group["lr"])
+    return optimizer
+
+
+def perturb(model: torch.nn.Module, name: str, index: int, ulps: int) -> None:
+    """Move one element of one parameter by `ulps` units in the last place (torch.nextafter)."""
+    param = dict(model.named_parameters())[name]
+    flat = param.detach().view(-1)  # parameters are contiguous: the view writes the parameter itself
+    towards = torch.tensor(math.inf if ulps > 0 else -math.inf, dtype=param.dtype, device=param.device)
+    value = flat[index].clone()
+    for _ in range(abs(ulps)):
+        value = torch.nextafter(value, towards)
+    flat[index] = value
+
+
+def check_chaos(model: torch.nn.Module, c) -> None:
+    """The chaos arm's weight must exist, be floating point and hold the element."""
+    params = dict(model.named_parameters())
+    if c.param not in params:
+        near = difflib.get_close_matches(c.param, list(params), n=3, cutoff=0.5) or list(params)[:3]
+        raise ConfigError("train.chaos.param", c.param, f"no such parameter; did you mean {', '.join(near)}? "
+                          f"(one of the {len(params)} names of model.named_parameters())")
+    param = params[c.param]
+    if not param.is_floating_point() or not param.is_contiguous():
+        raise ConfigError("train.chaos.param", c.param, "must be a contiguous floating-point parameter")
+    if not 0 <= c.index < param.numel():
+        raise ConfigError("train.chaos.index", c.index, f"{c.param} has {param.numel()} elements; use 0 … "
+                          f"{param.numel() - 1}")
+
+
+def weight_layout(model: torch.nn.Module) -> list[dict]:
+    """The stored weights: every parameter, in named_parameters() order, with its shape and whether it
+    belongs to the conditioning pathway (the `cond` estimand, as the probe's layout says)."""
+    names = [n for n, _ in model.named_parameters()]
+    return [{"name": g["name"], "shape": g["shape"], "cond": g["cond"]}
+            for g in fs.layout(model, names, fs.cond_patterns(model))]
+
+
+def model_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def buffer_names(model: torch.nn.Module) -> list[str]:
+    """The persistent buffers (in state_dict but not parameters: e.g. running statistics): stored and
+    restored with the weights, so a resumed arm continues exactly where it stopped."""
+    params = {n for n, _ in model.named_parameters()}
+    return [n for n in model.state_dict() if n not in params]
+
+
+def _plain(value):
+    """A param-group value as JSON (a record only: groups are rebuilt from the config on resume)."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    return str(value)
+
+
+def optimizer_record(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, dict]:
+    """(tensors `optim/<parameter>/<key>`, metadata) of an optimizer's state, keyed by parameter name: any
+    torch optimizer's state (a tensor is stored as a tensor, any other value in the metadata)."""
+    sd = optimizer.state_dict()
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    tensors, scalars = {}, {}
+    for i, per in sd["state"].items():
+        for key, value in per.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{order[i]}/{key}"] = value.detach().cpu()
+            else:
+                scalars.setdefault(order[i], {})[key] = _plain(value)
+    groups = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+    cls = type(optimizer)
+    return tensors, {"class": f"{cls.__module__}.{cls.__qualname__}", "param_groups": groups,
+                     "scalars": scalars}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict,
+                      meta: dict) -> None:
+    """The optimizer's state read back from a store (its param groups are the freshly built ones)."""
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    index_of = {n: i for i, n in enumerate(order)}
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim/"):
+            name, _, field = key.removeprefix("optim/").rpartition("/")
+            state.setdefault(index_of[name], {})[field] = value.clone()  # not a view: the store's bytes go
+    for name, values in meta["optimizer"]["scalars"].items():
+        state.setdefault(index_of[name], {}).update(values)
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})

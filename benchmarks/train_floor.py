@@ -1,6 +1,7 @@
 """The chaos floor of the digits denoiser, measured: the figures of docs/training.md.
 
     python benchmarks/train_floor.py [--steps 400] [--segment 20] [--threads 1]
+    python benchmarks/train_floor.py --smoke    # 4 steps on a tiny batch: seconds (a test runs it)
 
 Trains, in one session as a twin run does, the native twin, several chaos arms (one ulp in one weight
 each, different weights) and scale_lr arms of shrinking effect, and prints per stored step each arm's
@@ -57,12 +58,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--segment", type=int, default=20)
     p.add_argument("--determinism", choices=("on", "off"), default="on")
+    p.add_argument("--smoke", action="store_true", help="4 steps, batch 8: every line once, no figure")
     a = p.parse_args()
+    small = ["train.batch_size=8", "train.heldout_images=8"] if a.smoke else []
+    if a.smoke:
+        a.steps, a.segment = 4, 2
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "+experiment=train_scale_lr", f"train.steps={a.steps}", f"train.segment_steps={a.segment}",
-            f"determinism.enabled={a.determinism == 'on'}"])
+            f"determinism.enabled={a.determinism == 'on'}", *small])
     arms = arms_of(cfg)
     config = arms[0].config
     setup_determinism(config)

@@ -39,6 +39,15 @@ def test_round_trip_and_metadata(tmp_path):
     assert not list(tmp_path.glob(".*tmp*")), "the temporary file is renamed into place"
 
 
+@pytest.mark.parametrize("config_hash", ["9120e71234567890", "1234567890123456", "00000000000000e0"])
+def test_a_string_that_reads_as_a_json_number_comes_back_a_string(tmp_path, config_hash):
+    # A config hash of digits and one 'e' is a JSON number too: it came back as 9.12e+74 (or inf) and
+    # the store was refused as damaged (a run hit one in CI).
+    path = tmp_path / "bin00_sigma0.5.safetensors"
+    sha = write_sums(path, torch.ones(3, 8), {**META, "config_hash": config_hash})
+    assert read_store(path, sha).meta["config_hash"] == config_hash
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "missing", "wrong_dtype", "wrong_shape", "foreign"])
 def test_damage_is_a_named_store_error(tmp_path, damage):
     path, sums, sha = real_store(tmp_path)

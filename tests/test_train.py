@@ -9,10 +9,8 @@ one line naming the key, before any compute.
 
 import json
 import math
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -364,16 +362,6 @@ def test_a_training_store_that_was_altered_is_refused(tiny, tmp_path):
         read_train_store(bad)
     with pytest.raises(TwinrunError, match="sha256 does not match run.json"):
         read_train_store(bad, u["stores"]["native"]["sha256"])
-
-
-@pytest.mark.slow
-def test_the_training_benchmark_runs_every_section_in_smoke_mode():
-    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_train.py"
-    proc = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for section in ("per step:", "whole run:", "memory ("):
-        assert section in proc.stdout, proc.stdout
 
 
 def test_on_a_nondeterministic_path_the_replicate_decides_the_gate():

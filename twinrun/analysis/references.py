@@ -120,7 +120,9 @@ def _dead_detail(measured: list[str], kp: list[str], cfg: list[str], rows: list[
     what = [{"model_sha256": "the model as built (its parameters and buffers)",
              "data_sha256": "the probed images"}[k] for k in measured]
     if what:
-        text += f"What was measured changed: {' and '.join(what)} differ: this gap is not the environment's. "
+        keys = f" ({', '.join(model)} changed)" if model else ""
+        text += (f"What was measured changed: {' and '.join(what)} differ{keys}: this gap is not the "
+                 "environment's. ")
     elif model:
         text += f"The model changed ({', '.join(model)}): this gap is the model's, not the environment's. "
     if [k for k in cfg if k not in model]:

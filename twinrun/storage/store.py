@@ -48,7 +48,7 @@ def write_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict, fmt: s
         return _write_streaming(Path(path), tensors, meta)
     digests = {name: hashlib.sha256(t.numpy().tobytes()).hexdigest() for name, t in tensors.items()}
     strings = {"format": fmt, TENSOR_SHA256: json.dumps(digests)}
-    strings.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
+    strings.update({k: _encode(v) for k, v in meta.items()})
     return atomic_write(path, safetensors.torch.save(tensors, metadata=strings))
 
 
@@ -58,7 +58,7 @@ def _write_streaming(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -
     place as atomic_write does (the same temporary name, so a write cut short is found and removed)."""
     digests = {name: hashlib.sha256(_bytes_of(t)).hexdigest() for name, t in tensors.items()}
     strings = {"format": TRAIN_STORE_FORMAT, TENSOR_SHA256: json.dumps(digests)}
-    strings.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
+    strings.update({k: _encode(v) for k, v in meta.items()})
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         safetensors.torch.save_file(tensors, tmp, metadata=strings)
@@ -111,6 +111,15 @@ class Tensor:
     name: str
     start: int
     numel: int
+
+
+def _encode(value) -> str:
+    """A metadata value as the string safetensors keeps: a string as itself when it reads back as itself,
+    anything else as JSON. A digest such as '9120e71234567890' is also a JSON number (it read back as
+    9.12e+74, or inf), and 'true' or '123' are JSON too: those strings are stored JSON-quoted."""
+    if isinstance(value, str) and _decode(value) == value:
+        return value
+    return json.dumps(value)
 
 
 def _decode(value: str):

@@ -28,6 +28,8 @@ from twinrun.measures import train_state
 from twinrun.measures import train_streams as streams
 from twinrun.measures.train_step import NonFiniteLoss
 from twinrun.plan import plan_run, trusted_targets
+from twinrun.publish import publish, table, trackers
+from twinrun.publish.train_report import write_train_report
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.store import read_train_store
 
@@ -381,3 +383,28 @@ def test_on_a_nondeterministic_path_the_replicate_decides_the_gate():
         row = gate_rows(run, records, found, "replicate")[0]
         assert (row["passed"], row["rule"], row["first_tensor"]) == (passed, rule, "w (after step 2)")
         assert not gate_rows(run, records, found, "bit_identical")[0]["passed"]
+
+
+# ----------------------------------------------------------------------------- where researchers work
+
+
+def test_a_training_run_is_a_table_and_a_tracker_payload(tiny):
+    """The table and the trackers read a training run by its steps (they read σ bins only, and a
+    training run raised KeyError in the table and was logged to no tracker)."""
+    publish(tiny, write_train_report)
+    index, summary = tiny.index, tiny.index.run_dir.read_summary()
+    rows = table.run_rows(index.run_dir.path)
+    assert len(rows) == len(index.units) * len(summary["used"]["estimands"])
+    effects = {(e["step"], e["estimand"]): e for e in summary["effects"]}
+    for r in rows:
+        assert r["measure"] == "train" and r["gate_passed"] is True
+        e = effects.get((r["to_step"], r["estimand"]))
+        assert (r.get("cos"), r.get("distance")) == ((None, None) if e is None else (e["cos"], e["distance"]))
+    assert any(r.get("cos") is not None for r in rows)
+    p = trackers.payload(index, summary, [])
+    assert [s["step"] for s in p.steps] == [index.params(u)["to_step"] for u in index.units]
+    last = p.steps[-1]
+    assert last["distance/all"] == effects[last["step"], "all"]["distance"] and "loss_arm/heldout" in last
+    assert all(b["heldout_loss"] is not None for b in p.baseline_steps)
+    assert {k for k in p.verdict if k.startswith("gate/")} == {f"gate/{g['arm']}/step{g['step']}"
+                                                                for g in summary["gates"]}

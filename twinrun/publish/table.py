@@ -1,4 +1,5 @@
-"""The tidy table: a row per run × unit (σ bin) × estimand, across runs and sweeps; the JSON stays the record.
+"""The tidy table: a row per run × unit (σ bin, training segment) × estimand, across runs and sweeps;
+the JSON stays the record.
 
 `load(paths)` reads each run directory (or every point of a sweep directory) through the validated
 owners (RunIndex, RunDir.read_summary) and returns a pandas DataFrame; `rows(paths)` is the same as
@@ -29,6 +30,10 @@ COLUMNS = ("row_kind", "run_dir", "sweep_dir", "verdict", "valid", "passed", "me
            "norm2_se", "norm2_base", "norm2_base_se", "t_crit", "pairing_rho", "pairing_gain",
            "kernel_path_sha256", "seed", "twinrun_version", "twinrun_commit")
 VERDICTS = {True: "valid", False: "instrument broken", None: "not reduced"}
+# How a summary's effects and gates name a unit (a σ bin; a training segment by the step it ends at), and
+# the unit's own field in run.json that holds the same value.
+UNIT_KEY = {"probe": "sigma", "train": "step"}
+UNIT_OWN = {"probe": "sigma", "train": "to_step"}
 
 
 def run_dirs(path: Path) -> tuple[list[Path], Path | None]:
@@ -97,8 +102,12 @@ def run_rows(run_dir: Path, sweep_dir: Path | None = None) -> list[dict]:
     config = rd.read_arm_config(index.arm("intervention")["name"])
     summary = rd.read_summary() if rd.has_summary() else None
     passed = None if summary is None else summary["passed"]
-    effects = {(e["sigma"], e["estimand"]): e for e in (summary or {}).get("effects", [])}
-    gates = {(g["sigma"], g["estimand"]): g["passed"] for g in (summary or {}).get("gates", [])}
+    field = UNIT_KEY[index.measure]
+    effects = {(e[field], e["estimand"]): e for e in (summary or {}).get("effects", [])}
+    gates: dict = {}  # (unit, estimand) -> passed; training gates are per step, every estimand
+    for g in (summary or {}).get("gates", []):
+        key = (g[field], g.get("estimand"))
+        gates[key] = gates.get(key, True) and g["passed"]
     estimands = (summary or {}).get("used", {}).get("estimands") or index.registered["estimands"]
     shared = {"row_kind": "run", "run_dir": str(run_dir),
               "sweep_dir": None if sweep_dir is None else str(sweep_dir), "verdict": VERDICTS[passed],
@@ -110,9 +119,9 @@ def run_rows(run_dir: Path, sweep_dir: Path | None = None) -> list[dict]:
         own = index.params(u)
         paths = {e.get("kernel_path_sha256") for e in u["stores"].values()} - {None}
         for name in estimands:
-            key = (own.get("sigma"), name)
+            key = (own.get(UNIT_OWN[index.measure]), name)
             rows.append({**shared, "unit_index": u["index"], "unit": u["label"], **own, "estimand": name,
-                         "gate": u["gate"], "gate_passed": gates.get(key),
+                         "gate": u["gate"], "gate_passed": gates.get(key, gates.get((key[0], None))),
                          "kernel_path_sha256": ",".join(sorted(paths)) or None,
                          **_effect_fields(effects.get(key)), **overrides})
     return rows

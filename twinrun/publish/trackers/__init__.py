@@ -97,6 +97,36 @@ def _kernel_paths(index: RunIndex) -> str:
     return ",".join(sorted(paths))
 
 
+def _gate_key(g: dict) -> str:
+    """A gate's metric name: gate/<estimand>/sigma<σ> (a probe's bin), gate/<arm>/step<k> (training)."""
+    if "sigma" in g:
+        return f"gate/{g['estimand']}/sigma{g['sigma']:g}"
+    return f"gate/{g['arm']}/step{g['step']}"
+
+
+def _train_steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
+    """(the intervention's rows, the twin's rows), one per stored step of a training run: the distance to
+    the twin, its chaos floor, cos and norm ratio of the updates per estimand, and the held-out losses."""
+    effects = {(e["step"], e["estimand"]): e for e in summary["effects"]}
+    names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
+    loss = {(r["step"], r["role"]): r["heldout_loss"] for r in summary.get("losses", [])}
+    steps, base = [], []
+    for u in index.units:
+        step = index.params(u)["to_step"]
+        row, twin = {"step": step}, {"step": step, "heldout_loss": loss.get((step, "twin"))}
+        row["loss_arm/heldout"] = loss.get((step, "intervention"))
+        for n in names:
+            e = effects.get((step, n))
+            if e is None:
+                continue
+            row[f"distance/{n}"], row[f"floor/{n}"] = e["distance"], e["floor"]
+            row[f"above_floor/{n}"] = float(e["above_floor"])
+            row[f"cos/{n}"], row[f"norm_ratio/{n}"] = e["cos"], e["norm_ratio"]
+        steps.append(row)
+        base.append(twin)
+    return steps, base
+
+
 def _steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
     """(the intervention's rows, the twin's rows), one per σ bin: numbers only where the summary has them
     (a below-noise effect logs below_noise/<estimand> = 1 and no cos or ratio, never a 0)."""
@@ -129,12 +159,12 @@ def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
     config = rd.read_arm_config(arm)
     version = twinrun_version()
     verdict = {"passed": bool(summary["passed"]), "valid": bool(summary["valid"])}
-    verdict.update({f"gate/{g['estimand']}/sigma{g['sigma']:g}": bool(g["passed"]) for g in summary["gates"]})
+    verdict.update({_gate_key(g): bool(g["passed"]) for g in summary["gates"]})
     tags = {"twinrun.run_dir": str(rd.path.resolve()), "twinrun.kernel_path": _kernel_paths(index),
             "twinrun.verdict": "valid" if summary["passed"] else "instrument broken",
             "twinrun.version": version["version"], "twinrun.commit": str(version["commit"]),
             "twinrun.arm": arm, "twinrun.baseline": twin}
-    steps, base = _steps(index, summary)
+    steps, base = (_train_steps if index.measure == "train" else _steps)(index, summary)
     params = {k: str(v) for k, v in flatten(config).items()}
     return Payload(rd.path.name, str(rd.path), arm, twin, config, params, tags, verdict, steps, base,
                    [f for f in files if Path(f).is_file()])

@@ -56,8 +56,8 @@ def log(p, store: Path, project: str) -> str:
     verdict = [Metric(k, float(v), now, 0) for k, v in p.verdict.items()]
     _log_batches(client, pid, _metrics(p.steps, now) + verdict, _params(p.params))
     _log_batches(client, children["baseline"].info.run_id, _metrics(p.baseline_steps, now), [])
-    arm_rows = [{k: v for k, v in row.items() if k == "sigma" or k.startswith("norm2_arm")}
-                for row in p.steps]
+    arm_rows = [{k: v for k, v in row.items()
+                 if k in ("sigma", "step") or k.startswith(("norm2_arm", "loss_arm"))} for row in p.steps]
     _log_batches(client, children["intervention"].info.run_id, _metrics(arm_rows, now), [])
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"

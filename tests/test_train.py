@@ -31,7 +31,7 @@ from twinrun.plan import plan_run, trusted_targets
 from twinrun.publish import publish, table, trackers
 from twinrun.publish.train_report import write_train_report
 from twinrun.storage.rundir import RunIndex
-from twinrun.storage.store import read_train_store
+from twinrun.storage.train_store import read_train_store
 
 # 3 units (start + 2 segments of 2 steps), small batches: a few seconds end to end.
 TINY = ["train.steps=4", "train.segment_steps=2", "train.batch_size=16", "train.heldout_images=16"]

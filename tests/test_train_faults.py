@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import run_twinrun
 
-from twinrun.storage.store import read_train_store
+from twinrun.storage.train_store import read_train_store
 
 # Seven units (the start and six segments of two steps): kills land before, between and inside them.
 FAULT_RUN = ["+experiment=train_scale_lr", "train.steps=12", "train.segment_steps=2", "train.batch_size=32",

@@ -42,8 +42,10 @@ from twinrun.errors import (
 )
 from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.publish.render import pm
+from twinrun.storage.header import store_format
 from twinrun.storage.rundir import ARMS_DIR, RunDir, RunIndex
-from twinrun.storage.store import TRAIN_STORE_FORMAT, StoreReader, read_train_store, store_format
+from twinrun.storage.store import StoreReader
+from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
 
 
 def resolve(path: Path, arm: str) -> tuple[Path | None, dict]:

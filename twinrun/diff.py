@@ -21,13 +21,8 @@ from safetensors import safe_open
 
 from twinrun.errors import EXIT_GATE, EXIT_OK, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
 from twinrun.files import memory_bytes, open_regular
-from twinrun.storage.store import (
-    OLD_STORE_FORMAT,
-    STORE_FORMAT,
-    TRAIN_STORE_FORMAT,
-    StoreReader,
-    read_train_store,
-)
+from twinrun.storage.store import OLD_STORE_FORMAT, STORE_FORMAT, StoreReader
+from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
 
 
 @dataclass

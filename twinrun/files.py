@@ -52,7 +52,7 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
 
 
-def _create_temp(path: Path) -> tuple[int, Path]:
+def create_temp(path: Path) -> tuple[int, Path]:
     """A new file beside `path`, created exclusively: O_EXCL fails on any existing name (a symlink, a hard
     link, a leftover), O_NOFOLLOW on a link, so no byte is ever written into a file outside the directory."""
     for _ in range(TEMP_ATTEMPTS):
@@ -72,7 +72,7 @@ def atomic_write(path: Path, data: bytes) -> str:
     path = Path(path)
     tmp = None
     try:
-        fd, tmp = _create_temp(path)
+        fd, tmp = create_temp(path)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -25,7 +25,7 @@ from twinrun.config import TrainConfig, typed
 from twinrun.errors import StoreError, TwinrunError
 from twinrun.storage.records import TrainSummary
 from twinrun.storage.rundir import RunIndex
-from twinrun.storage.store import TrainStore, read_train_store
+from twinrun.storage.train_store import TrainStore, read_train_store
 
 TWIN = "native"
 

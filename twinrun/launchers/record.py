@@ -17,8 +17,8 @@ from twinrun.errors import StoreError
 from twinrun.files import read_json, safe_name, write_json
 from twinrun.launchers import LAUNCHERS
 from twinrun.launchers.slurm import ACTIVE, unsafe_sbatch_knob
-from twinrun.storage.records import Checker, show
 from twinrun.storage.rundir import RunDir, RunIndex
+from twinrun.storage.typed import Checker, show
 
 LAUNCH_FORMAT = "twinrun-launch/1"
 

@@ -44,7 +44,7 @@ from twinrun.measures.trial import as_model_error, failing_frame, first_line
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.publish.train_report import render_train, write_train_report
 from twinrun.storage.records import UnitEntry
-from twinrun.storage.store import TRAIN_STORE_FORMAT, read_train_store
+from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
 
 # What two training runs must share to have trained on the same thing (a comparison's check).
 TRAIN_PROTOCOL_KEYS = ("data", "seed", "train.steps", "train.segment_steps", "train.batch_size",

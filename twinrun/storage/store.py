@@ -8,9 +8,7 @@ store checks it, and nothing read from a run directory is unpickled or executed.
 
 import hashlib
 import json
-import math
 import os
-import re
 import struct
 import sys
 from dataclasses import dataclass
@@ -21,22 +19,22 @@ import safetensors.torch
 import torch
 
 from twinrun.errors import StoreError
-from twinrun.files import MAX_INT_DIGITS, atomic_write, check_shape, loads, memory_bytes, open_regular
-from twinrun.storage.records import validate_store_meta, validate_train_store_meta
+from twinrun.files import atomic_write, check_shape, loads, memory_bytes, open_regular
+from twinrun.storage.header import (
+    HEX64,
+    MAX_HEADER_BYTES,
+    MAX_STORE_BYTES,
+    TENSOR_SHA256,
+    decode_meta,
+    encode_meta,
+    refuse_sparse,
+    store_format,
+)
+from twinrun.storage.records import validate_store_meta
+from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store, write_train_store
 
 STORE_FORMAT = "twinrun-store/2"  # one float32 [numel, n_folds] tensor per probed parameter
 OLD_STORE_FORMAT = "twinrun-store/1"  # one [n_folds, n_params] matrix `sums`: refused, never migrated
-# A training store: one arm's weights, optimizer state and losses at the end of one training unit.
-TRAIN_STORE_FORMAT = "twinrun-train-store/1"
-TENSOR_SHA256 = "tensor_sha256"  # metadata key: {parameter name: sha256 of its tensor's bytes}
-HEX64 = re.compile(r"[0-9a-f]{64}")
-MAX_HEADER_BYTES = 64 * 1024 * 1024
-MAX_STORE_BYTES = 1 << 44  # 16 TiB: streamed, never held whole; the header must describe the size exactly
-# A store is written whole from memory, so its blocks are all allocated: a file with fewer is sparse (a
-# 64 GiB hole reads as 64 GiB of zeros, hashed before any digest can fail) and is refused. The margin
-# leaves room for file systems that compress (a compressed store of floats shrinks far less than this).
-SPARSE_RATIO = 16
-SPARSE_MIN_BYTES = 64 * 2**20  # below this, reading a hole costs nothing worth refusing
 
 
 def write_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict, fmt: str = STORE_FORMAT) -> str:
@@ -45,47 +43,11 @@ def write_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict, fmt: s
     # Each tensor's own digest travels inside the store, so a store handed around without its
     # run.json still proves its numbers intact (a flipped byte is caught by compare too).
     if fmt == TRAIN_STORE_FORMAT:
-        return _write_streaming(Path(path), tensors, meta)
+        return write_train_store(Path(path), tensors, meta)
     digests = {name: hashlib.sha256(t.numpy().tobytes()).hexdigest() for name, t in tensors.items()}
     strings = {"format": fmt, TENSOR_SHA256: json.dumps(digests)}
-    strings.update({k: _encode(v) for k, v in meta.items()})
+    strings.update({k: encode_meta(v) for k, v in meta.items()})
     return atomic_write(path, safetensors.torch.save(tensors, metadata=strings))
-
-
-def _write_streaming(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> str:
-    """A training store written straight from the tensors' memory (safetensors' save_file: no copy of the
-    state is ever held, so a job holds no second model while it stores one), fsynced and renamed into
-    place as atomic_write does (the same temporary name, so a write cut short is found and removed)."""
-    digests = {name: hashlib.sha256(_bytes_of(t)).hexdigest() for name, t in tensors.items()}
-    strings = {"format": TRAIN_STORE_FORMAT, TENSOR_SHA256: json.dumps(digests)}
-    strings.update({k: _encode(v) for k, v in meta.items()})
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        safetensors.torch.save_file(tensors, tmp, metadata=strings)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            digest = hashlib.sha256()
-            while chunk := os.read(fd, 16 * 2**20):
-                digest.update(chunk)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power loss
-        finally:
-            os.close(dir_fd)
-    except Exception as err:  # noqa: BLE001 — safetensors reports a failed write as its own error type
-        tmp.unlink(missing_ok=True)
-        raise StoreError(path, f"cannot write ({getattr(err, 'strerror', None) or err}); finished stores "
-                         "are kept") from None
-    return digest.hexdigest()
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A CPU tensor's bytes, without a copy (any dtype: viewed as bytes)."""
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def store_size(n_folds: int, n_params: int, n_tensors: int, n_images: int) -> int:
@@ -113,30 +75,6 @@ class Tensor:
     numel: int
 
 
-def _encode(value) -> str:
-    """A metadata value as the string safetensors keeps: a string as itself when it reads back as itself,
-    anything else as JSON. A digest such as '9120e71234567890' is also a JSON number (it read back as
-    9.12e+74, or inf), and 'true' or '123' are JSON too: those strings are stored JSON-quoted."""
-    if isinstance(value, str) and _decode(value) == value:
-        return value
-    return json.dumps(value)
-
-
-def _decode(value: str):
-    """A metadata value as the JSON it encodes, or the string itself (a value that is not JSON, or one too
-    deep or with too long an integer, is then refused by its field's type)."""
-    try:
-        return json.loads(value, parse_int=_short_int)
-    except (ValueError, RecursionError):
-        return value
-
-
-def _short_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(text[:20])
-    return int(text)
-
-
 class StoreReader:
     """One store opened for streaming: its header parsed and checked against the file's size before
     any payload is read; the payload then read front to back, column chunk by column chunk.
@@ -153,7 +91,7 @@ class StoreReader:
         self.path, self.expected_sha256, self.payload_bytes = Path(path), sha256, payload_bytes
         self.fd, size = open_regular(self.path, MAX_STORE_BYTES, "store")
         try:
-            _refuse_sparse(self.path, os.fstat(self.fd))
+            refuse_sparse(self.path, os.fstat(self.fd))
             head = self._parse_header(size)
         except BaseException:
             self.close()
@@ -213,13 +151,14 @@ class StoreReader:
                              f"(stores are now {STORE_FORMAT})")
         if fmt != STORE_FORMAT:
             raise StoreError(self.path, f"not a twinrun store (format {fmt!r}, expected {STORE_FORMAT})")
-        digests = _decode(raw.get(TENSOR_SHA256, "null")) if isinstance(raw.get(TENSOR_SHA256), str) else None
+        given = raw.get(TENSOR_SHA256)
+        digests = decode_meta(given) if isinstance(given, str) else None
         if not (isinstance(digests, dict)
                 and all(isinstance(d, str) and HEX64.fullmatch(d) for d in digests.values())):
             raise StoreError(self.path, f"metadata field {TENSOR_SHA256} is not a map of sha256 "
                              "digests: damaged")
         self.digests = digests
-        decoded = {k: _decode(v) for k, v in raw.items()
+        decoded = {k: decode_meta(v) for k, v in raw.items()
                    if isinstance(v, str) and k not in ("format", TENSOR_SHA256)}
         check_shape(decoded, self.path, "store metadata")
         self.meta = validate_store_meta(self.path, decoded)
@@ -303,13 +242,6 @@ class StoreReader:
                 yield t, lo, min(lo + chunk_params, t.numel)
 
 
-def _refuse_sparse(path: Path, st) -> None:
-    allocated = st.st_blocks * 512
-    if st.st_size > SPARSE_MIN_BYTES and allocated * SPARSE_RATIO < st.st_size:
-        raise StoreError(path, f"a sparse file ({allocated} of its {st.st_size} bytes allocated): twinrun "
-                         "writes every byte of a store, so this one is damaged or planted; refused unread")
-
-
 def verify_store(path: Path, sha256: str | None = None, chunk_bytes: int = 16 * 2**20,
                  payload_bytes: int | None = None) -> dict:
     """Read a store once, front to back, checking everything (no payload kept); return its metadata.
@@ -340,136 +272,3 @@ def read_store(path: Path, sha256: str | None = None) -> Store:
         return Store(Path(path), sums, reader.meta, reader.finish())
 
 
-# ----------------------------------------------------------------------------- training stores
-
-# Tensor dtypes a training store may hold (weights and optimizer state of any torch optimizer).
-TRAIN_DTYPES = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32}
-_DTYPE_BYTES = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
-
-
-@dataclass
-class TrainStore:
-    """A training store read whole and checked: every tensor by name, its metadata, the file's sha256."""
-
-    path: Path
-    tensors: dict[str, torch.Tensor]
-    meta: dict  # decoded metadata, without the format and digest fields
-    digests: dict[str, str]  # each tensor's sha256 (a cheap bit-identity test between two stores)
-    sha256: str
-
-
-def _raw_header(path: Path, data: bytes) -> dict:
-    """The safetensors header of a store's bytes, as JSON (a StoreError if it is not one)."""
-    if len(data) < 8:
-        raise StoreError(path, f"truncated ({len(data)} bytes): not a safetensors store")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > MAX_HEADER_BYTES or 8 + n > len(data):
-        raise StoreError(path, "truncated or corrupt safetensors header")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise StoreError(path, "corrupt safetensors header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise StoreError(path, "corrupt safetensors header")
-    return header
-
-
-def store_format(path: Path) -> str | None:
-    """The format a store's metadata names (read from its header only), None if it names none."""
-    fd, size = open_regular(Path(path), MAX_STORE_BYTES, "store")
-    try:
-        _refuse_sparse(Path(path), os.fstat(fd))  # before any byte is read
-        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0)) if size >= 8 else (0,)
-        head = os.pread(fd, 8 + n, 0) if 8 + n <= min(size, MAX_HEADER_BYTES) else b""
-    finally:
-        os.close(fd)
-    try:
-        meta = _raw_header(Path(path), head).get("__metadata__")
-    except StoreError:
-        return None
-    return meta.get("format") if isinstance(meta, dict) else None
-
-
-def read_train_store(path: Path, sha256: str | None = None) -> TrainStore:
-    """A training store read whole, after its checks: the file's size against memory and its sha256
-    against run.json's, the header (format, metadata fields, dtypes, offsets that tile the payload),
-    every tensor against its own sha256, and no NaN or inf. Never unpickled, never mapped."""
-    path = Path(path)
-    fd, size = open_regular(path, min(MAX_STORE_BYTES, memory_bytes()), "store")
-    data = bytearray(size)  # the tensors are views into it: the store is held once
-    try:
-        if os.preadv(fd, [data], 0) != size:
-            raise StoreError(path, "changed size while being read")
-    except OSError as err:
-        raise StoreError(path, f"cannot read ({err.strerror})") from None
-    finally:
-        os.close(fd)
-    digest = hashlib.sha256(data).hexdigest()
-    if sha256 is not None and digest != sha256:
-        raise StoreError(path, "sha256 does not match run.json: the store was altered or damaged")
-    header = _raw_header(path, data)
-    raw = header.pop("__metadata__", None)
-    fmt = raw.get("format") if isinstance(raw, dict) else None
-    if fmt != TRAIN_STORE_FORMAT:
-        raise StoreError(path, f"not a twinrun training store (format {fmt!r}, expected "
-                         f"{TRAIN_STORE_FORMAT})")
-    try:
-        shapes = _check_train_tensors(path, header, 8 + struct.unpack("<Q", data[:8])[0], len(data))
-        digests = json.loads(raw.get(TENSOR_SHA256, "null"))
-        meta = {k: _decode(v) for k, v in raw.items()
-                if isinstance(v, str) and k not in ("format", TENSOR_SHA256)}
-    except StoreError:
-        raise
-    except Exception as err:  # noqa: BLE001 — a hostile or damaged header ends as a named error
-        raise StoreError(path, f"malformed store header ({type(err).__name__})") from None
-    if not (isinstance(digests, dict) and set(digests) == set(shapes)
-            and all(isinstance(d, str) and HEX64.fullmatch(d) for d in digests.values())):
-        raise StoreError(path, f"metadata field {TENSOR_SHA256} is not one sha256 digest per tensor: damaged")
-    meta = validate_train_store_meta(path, meta, shapes)
-    tensors = _tensors_of(data, header, 8 + struct.unpack("<Q", data[:8])[0])
-    for name, t in tensors.items():
-        if hashlib.sha256(_bytes_of(t)).hexdigest() != digests[name]:
-            raise StoreError(path, f"tensor {name!r} does not match its sha256 in the store's metadata: "
-                             "damaged or altered")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise StoreError(path, f"tensor {name!r} holds NaN or inf (twinrun never writes such a store): "
-                             "damaged or forged")
-    return TrainStore(path, tensors, meta, digests, digest)
-
-
-def _tensors_of(data: bytearray, header: dict, start: int) -> dict[str, torch.Tensor]:
-    """The tensors a checked header describes, as views into the store's bytes (little-endian, as
-    safetensors writes them and as StoreReader reads them)."""
-    assert sys.byteorder == "little", "twinrun reads stores on little-endian machines only"
-    out = {}
-    for name, info in header.items():
-        dtype, shape = TRAIN_DTYPES[info["dtype"]], info["shape"]
-        begin, end = info["data_offsets"]
-        out[name] = (torch.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start + begin)
-                     .view(shape) if end > begin else torch.empty(shape, dtype=dtype))
-    return out
-
-
-def _check_train_tensors(path: Path, header: dict, start: int, size: int) -> dict[str, list[int]]:
-    """{name: shape} of a training store's tensors, once their dtypes and offsets tile the payload exactly."""
-    spans, shapes = [], {}
-    for name, info in header.items():
-        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in TRAIN_DTYPES or not all(type(n) is int and n >= 0 for n in shape):
-            raise StoreError(path, f"tensor {name!r}: dtype {dtype!r} or shape {shape!r} is not a training "
-                             "store's")
-        if not (type(begin) is int and type(end) is int
-                and end - begin == _DTYPE_BYTES[dtype] * math.prod(shape)):
-            raise StoreError(path, f"tensor {name!r}: offsets do not match its shape")
-        spans.append((begin, end))
-        shapes[name] = list(shape)
-    expected = 0
-    for begin, end in sorted(spans):
-        if begin != expected:
-            raise StoreError(path, "tensor offsets overlap or leave gaps: damaged")
-        expected = end
-    if start + expected != size:
-        raise StoreError(path, f"{size} bytes, but its header describes {start + expected}: "
-                         "truncated or padded")
-    return shapes

@@ -280,7 +280,7 @@ def test_split_bins_measures_each_bin_as_an_array_element_with_the_pairs_bits(tm
     assert run["status"] == "measured" and len(run["jobs"]) == 3
     # one kernel path on this one machine: the same bits as the pair measured in one process
     assert store_sums(run_dir) == store_sums(local_reference)
-    assert RunDir(run_dir).read_summary()["valid"] is True
+    assert RunDir(run_dir).read_summary()["checks_passed"] is True
 
 
 def test_split_bins_sweep_is_one_array_of_points_times_bins(tmp_path, slurm_args, model_args,

@@ -60,6 +60,8 @@ def validate_reduce(r: DictConfig) -> None:
         raise ConfigError("reduce.gate_rule", r.gate_rule, f"choose one of {', '.join(GATE_RULES)}")
     if not 0 < r.signal_alpha < 0.5:
         raise ConfigError("reduce.signal_alpha", r.signal_alpha, "must be in (0, 0.5), e.g. 0.05")
+    if not 0 < r.family_alpha < 0.5:
+        raise ConfigError("reduce.family_alpha", r.family_alpha, "must be in (0, 0.5), e.g. 0.05")
 
 
 def check_paths(cfg: DictConfig, run_dir: Path | None) -> None:
@@ -133,6 +135,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
         # The analysis registered before any compute; `reduce` with other settings is a post-hoc view.
         "registered": {"estimands": list(cfg.reduce.estimands), "gate_rule": cfg.reduce.gate_rule,
                        "signal_alpha": float(cfg.reduce.signal_alpha),
+                       "family_alpha": float(cfg.reduce.family_alpha),
                        **({"groups": declared_groups(cfg.reduce)} if cfg.reduce.groups else {})},
         "units": [unit_entry(u, arms) for u in planned.units],
     }

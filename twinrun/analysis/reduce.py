@@ -24,6 +24,7 @@ from twinrun.analysis.checks import (
 )
 from twinrun.analysis.estimands import check_estimands
 from twinrun.analysis.estimator import estimate
+from twinrun.analysis.family import family_verdict
 from twinrun.analysis.gates import gates, replicate_report
 from twinrun.analysis.references import pair_row, reference_report
 from twinrun.errors import EXIT_GATE, EXIT_OK
@@ -75,17 +76,31 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
     elif not gate_rows:
         checks.append(check("has_gate", False, "no bin where the intervention is a no-op and no machinery "
                             "arm: nothing vouches for the instrument"))
-    valid = all(c["passed"] for c in checks)
-    ok = valid and all(g["passed"] for g in gate_rows)
+    checks_passed = all(c["passed"] for c in checks)
+    ok = checks_passed and all(g["passed"] for g in gate_rows)
     effects = [pair_row(estimates[b.index, n], sigma=b.sigma, estimand=n, gate=b.gate)
                for b in bins_of(index) for n in used["estimands"]]
     summary = {"run_dir": str(index.run_dir.path), "arms": index.arm_names, "registered": registered(index),
-               "used": used, "valid": valid, "passed": ok, "checks": checks, "gates": gate_rows,
-               "effects": effects if ok else [], "replicate": replicate_report(index, found)}
+               "used": used, "checks_passed": checks_passed, "passed": ok, "checks": checks,
+               "gates": gate_rows, "effects": effects if ok else [],
+               "family": family_reading(effects, used["family_alpha"]) if ok else None,
+               "replicate": replicate_report(index, found)}
     if index.reference:
         summary["reference"] = reference_report(index, readers, found, inter, Path(index.reference),
                                                 used["signal_alpha"], ok)
     return summary
+
+
+def family_reading(effects: list[dict], level: float) -> dict:
+    """summary.json's family-wise reading of the effect rows (twinrun.analysis.family, Holm at the
+    registered reduce.family_alpha); each row gains `family_p`, its hypothesis's Holm-adjusted p-value."""
+    verdict = family_verdict(effects, level)
+    for row in effects:
+        row["family_p"] = verdict.adjusted_p.get((row["sigma"], row["estimand"]))
+    return {"method": "holm", "level": verdict.level, "n_rows": verdict.n_rows,
+            "n_hypotheses": verdict.n_hypotheses, "effect": verdict.effect,
+            "rejected": [{"sigma": s, "estimand": e} for s, e in verdict.rejected],
+            "detail": verdict.detail()}
 
 
 def view_name(reg: dict, used: dict) -> str:

@@ -25,20 +25,38 @@ def _segments(rows: list[dict]) -> list[list[dict]]:
     return runs + [current] if current else runs
 
 
+def _bar_ends(row: dict, key: str, se_key: str) -> tuple[float, float]:
+    """(lower, upper) of the plotted quantity's 95% interval: the row's printed interval (given that it
+    printed; a side the data do not bound is nan), or value ± t·SE for a summary written before them."""
+    interval = row.get(f"{'cos' if key == 'cos' else 'norm_ratio'}_interval")
+    if interval is None:
+        half = row["t_crit"] * row[se_key]
+        interval = [row[key] - half, row[key] + half]
+    lo, hi = (np.nan if x is None else x for x in interval)
+    return (1 - hi, 1 - lo) if key == "cos" else (lo, hi)  # 1 − cos turns the interval over
+
+
 def _panel(ax, rows: list[dict], key: str, se_key: str, color, label: str) -> None:
-    """One estimand on one axis: segments with 95% t-interval error bars, below-noise bins as x."""
+    """One estimand on one axis: segments with 95% error bars (the printed intervals, asymmetric), a
+    side the data do not bound drawn as an open triangle at the value, below-noise bins as x."""
     for i, seg in enumerate(_segments(rows)):
+        sigma = np.array([r["sigma"] for r in seg])
         value = np.array([1 - r[key] if key == "cos" else r[key] for r in seg])
-        half = np.array([r["t_crit"] * r[se_key] for r in seg])
-        ax.errorbar([r["sigma"] for r in seg], value, yerr=half, marker="o", ms=4, capsize=3, color=color,
+        lo, hi = np.array([_bar_ends(r, key, se_key) for r in seg]).T
+        yerr = np.nan_to_num(np.stack([value - lo, hi - value]), nan=0.0).clip(min=0.0)
+        ax.errorbar(sigma, value, yerr=yerr, marker="o", ms=4, capsize=3, color=color,
                     label=label if i == 0 else None)
+        for ends, marker in ((lo, "v"), (hi, "^")):
+            open_side = np.isnan(ends)
+            if open_side.any():
+                ax.plot(sigma[open_side], value[open_side], marker, mfc="none", color=color, ms=8)
     gaps = [r["sigma"] for r in rows if r["below_noise"]]
     if gaps:
         ax.plot(gaps, [0] * len(gaps) if key == "cos" else [1] * len(gaps), "x", color=color, ms=7)
 
 
 def plot_effect(summary: dict, path: Path) -> Path:
-    """1 − debiased cos and the norm ratio (95% t-intervals) against noising σ per estimand; log σ;
+    """1 − debiased cos and the norm ratio (95% intervals given printed) against noising σ per estimand;
     gate bins marked; below-noise bins drawn as x on the no-effect line, never joined by a line."""
     fig = Figure(figsize=(6.4, 6.4), dpi=110)
     ax_cos, ax_ratio = fig.subplots(2, 1, sharex=True)
@@ -54,7 +72,7 @@ def plot_effect(summary: dict, path: Path) -> Path:
         ax.grid(alpha=0.3, which="both")
     ax_cos.set_ylabel("1 − debiased cos to twin")
     ax_ratio.set_ylabel("norm ratio |μ_arm| / |μ_twin|")
-    ax_ratio.set_xlabel("noising σ   (bars: 95% t-interval; x: below noise)")
+    ax_ratio.set_xlabel("noising σ   (bars: 95% given printed; open ▲▼: unbounded side; x: below noise)")
     ax_cos.set_title("intervention vs native twin")
     ax_cos.legend(fontsize=8)
     fig.tight_layout()
@@ -97,9 +115,9 @@ def swept_variables(points: list[dict]) -> list[str]:
 
 
 def _point_state(point: dict) -> str | None:
-    if point["valid"] is None:
+    if point["checks_passed"] is None:
         return "unfinished"
-    return None if point["valid"] and point["gates_passed"] else "failed"
+    return None if point["checks_passed"] and point["gates_passed"] else "failed"
 
 
 def _cell(effect: dict | None, point_state: str | None) -> tuple[str, float]:

@@ -95,6 +95,7 @@ class Registered(TypedDict):
     estimands: list[str]  # names from the registry (twinrun/analysis/estimands.py)
     gate_rule: str
     signal_alpha: Annotated[float, "positive"]  # in (0, 1)
+    family_alpha: NotRequired[Annotated[float, "positive"]]  # in (0, 0.5); runs planned before it: 0.05
 
 
 class JobRecord(TypedDict):
@@ -161,6 +162,15 @@ class EffectRow(TypedDict):
     norm2_base: float
     norm2_base_se: float
     t_crit: float
+    # The printed 95% intervals, conditional on the row printing ([lo, hi]; a side the data do not bound is
+    # null; the whole field null below noise), near_boundary and the test of no effect (docs/estimator.md).
+    cos_interval: NotRequired[list[float | None] | None]
+    norm_ratio_interval: NotRequired[list[float | None] | None]
+    near_boundary: NotRequired[bool]
+    diff_norm2: NotRequired[float]
+    diff_norm2_se: NotRequired[float]
+    effect_p: NotRequired[float]
+    family_p: NotRequired[float | None]  # its hypothesis's Holm-adjusted p-value (summary.family)
 
 
 class ReferenceReport(TypedDict):
@@ -184,12 +194,13 @@ class Summary(TypedDict):
     arms: list[str]
     registered: dict  # the analysis registered at plan time
     used: dict  # the analysis this summary used (differs from `registered` in a post-hoc view)
-    valid: bool  # every validity check passed
+    checks_passed: bool  # every validity check passed (the gates are not checks: see `passed`)
     passed: bool  # every check and every gate passed: the run's verdict
     checks: list[Check]
     gates: list[GateRow]
     effects: list[EffectRow]
     replicate: dict | None
+    family: NotRequired[dict | None]  # the family-wise reading (Holm at family_alpha); None when failed
     reference: NotRequired[ReferenceReport | None]
     post_hoc: NotRequired[PostHoc]
 
@@ -217,7 +228,7 @@ class TrainSummary(TypedDict):
     arms: list[str]
     registered: dict
     used: dict
-    valid: bool
+    checks_passed: bool
     passed: bool
     verdict: str  # one sentence: above the chaos floor, or not told apart from chaos
     checks: list[Check]
@@ -441,6 +452,8 @@ def _validate_registered(c: Checker, reg: Registered) -> None:
         c.fail("registered.estimands", f"{show(estimands)} must be a non-empty list of names")
     if not 0 < reg["signal_alpha"] < 1:
         c.fail("registered.signal_alpha", f"{reg['signal_alpha']!r} must be in (0, 1)")
+    if "family_alpha" in reg and not 0 < reg["family_alpha"] < 0.5:
+        c.fail("registered.family_alpha", f"{reg['family_alpha']!r} must be in (0, 0.5)")
 
 
 def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str) -> None:

@@ -53,13 +53,18 @@ class Reduction:
         return EXIT_OK if ok else EXIT_GATE
 
 
-def effect_estimates(index: RunIndex, found, sizes, inter: str, names: list[str], alpha: float) -> dict:
+def effect_estimates(found, bins: list[int], sizes, inter: str, names: list[str], alpha: float) -> dict:
     """{(bin index, estimand): Estimate} of the intervention against its twin, every bin."""
     a, t = found.arms.index(inter), found.arms.index(TWIN)
     g = {n: found.gram(n, TWIN) for n in names}
-    return {(b.index, n): estimate(g[n][b.index, a, :, t], g[n][b.index, a, :, a], g[n][b.index, t, :, t],
-                                   sizes, sizes, alpha)
-            for b in bins_of(index) for n in names}
+    return {(b, n): estimate(g[n][b, a, :, t], g[n][b, a, :, a], g[n][b, t, :, t], sizes, sizes, alpha)
+            for b in bins for n in names}
+
+
+def effect_rows(estimates: dict, bins: list, names: list[str]) -> list[dict]:
+    """The summary's effect rows, bin by bin (bins: the run's Bin records), every estimand of `names`."""
+    return [pair_row(estimates[b.index, n], sigma=b.sigma, estimand=n, gate=b.gate)
+            for b in bins for n in names]
 
 
 def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
@@ -68,7 +73,8 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
     checks = validity_checks(index, readers)
     inter = index.arm("intervention")["name"]
     sizes = np.asarray(twin_meta["fold_sizes"], dtype=np.float64)
-    estimates = effect_estimates(index, found, sizes, inter, used["estimands"], used["signal_alpha"])
+    estimates = effect_estimates(found, [b.index for b in bins_of(index)], sizes, inter, used["estimands"],
+                                 used["signal_alpha"])
     gate_rows = gates(index, found, estimates, inter, used["estimands"], used["gate_rule"])
     machinery = index.arms_with_role("machinery")
     if machinery:
@@ -78,8 +84,7 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
                             "arm: nothing vouches for the instrument"))
     checks_passed = all(c["passed"] for c in checks)
     ok = checks_passed and all(g["passed"] for g in gate_rows)
-    effects = [pair_row(estimates[b.index, n], sigma=b.sigma, estimand=n, gate=b.gate)
-               for b in bins_of(index) for n in used["estimands"]]
+    effects = effect_rows(estimates, bins_of(index), used["estimands"])
     summary = {"run_dir": str(index.run_dir.path), "arms": index.arm_names, "registered": registered(index),
                "used": used, "checks_passed": checks_passed, "passed": ok, "checks": checks,
                "gates": gate_rows, "effects": effects if ok else [],

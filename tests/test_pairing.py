@@ -3,10 +3,13 @@ same folds), many times, gives the variance the receipt must predict from one pa
 
 import numpy as np
 import pytest
+import torch
 from sim import pairing_grams
 
 from twinrun.analysis.estimator import estimate_batch
 from twinrun.analysis.pairing import PairingBlocks, pairing_receipt
+from twinrun.measures import fold_sums as fs
+from twinrun.model import DiTDenoiser
 
 P = 200
 FEW = np.where(np.arange(P) < 3, 60.0, 0.1)
@@ -103,3 +106,39 @@ def test_the_gain_on_the_grid(image_var, draw_var, rho, folds):
 def test_the_gain_with_noise_in_a_few_directions_and_other_draw_counts(draws):
     out, _ = measured_and_predicted(FEW, FEW, 0.99, draws=draws, snr=30.0, reps=2000, seed=draws)
     assert_within(out)
+
+
+# ----------------------------------------------------------------------------- the probe's half-draw sums
+
+
+@pytest.fixture(scope="module")
+def tiny_probe():
+    gen = torch.Generator().manual_seed(0)
+    model = DiTDenoiser(width=16, depth=2, heads=2, mlp_ratio=2, sigma_data=0.6)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    images = torch.rand(6, 1, 8, 8, generator=gen) * 2 - 1
+    eps = torch.randn(6, 5, 1, 8, 8, generator=gen)
+    return model, fs.select_params(model, ["*"]), images, eps
+
+
+@pytest.mark.parametrize("method", ["vmap", "folds"])
+@pytest.mark.parametrize("chunk_draws", [-1, 1, 2, 3])
+def test_the_second_half_beside_the_sums_leaves_the_sums_bit_for_bit(tiny_probe, method, chunk_draws):
+    """Summing draws 2.. apart never changes the fold sums' bits (every chunk is differentiated as
+    before), and it is the fold sums of those draws alone."""
+    model, names, images, eps = tiny_probe
+    args = (model, names, images, eps, 0.5, torch.tensor(0.5), torch.tensor([0, 0, 1, 1, 2, 2]), 3, -1,
+            chunk_draws, method)
+    plain = fs.fold_sums(*args)
+    sums, second = fs.fold_sums(*args, second_from=2)
+    assert torch.equal(sums, plain)
+    alone = fs.fold_sums(*args[:3], eps[:, 2:], *args[4:])
+    torch.testing.assert_close(second.float(), alone, rtol=1e-4, atol=1e-5 * alone.abs().max().item())
+
+
+def test_draw_pieces_add_one_extra_chunk_only_where_a_chunk_straddles_the_halves():
+    assert fs.draw_pieces(8, 4, 4) == [(0, 4, (0, 1)), (4, 8, (0, 2))]  # no straddle: no extra work
+    assert fs.draw_pieces(8, 6, 4) == [(0, 6, (0, 1)), (4, 6, (1, 2)), (6, 8, (0, 2))]
+    assert fs.draw_pieces(3, 6, None) == [(0, 3, (0, 1))]

@@ -26,6 +26,7 @@ from twinrun.analysis.estimands import check_estimands
 from twinrun.analysis.estimator import estimate
 from twinrun.analysis.family import family_verdict
 from twinrun.analysis.gates import gates, replicate_report
+from twinrun.analysis.receipts import receipt_fields
 from twinrun.analysis.references import pair_row, reference_report
 from twinrun.errors import EXIT_GATE, EXIT_OK
 from twinrun.storage.records import Summary
@@ -61,10 +62,22 @@ def effect_estimates(found, bins: list[int], sizes, inter: str, names: list[str]
             for b in bins for n in names}
 
 
-def effect_rows(estimates: dict, bins: list, names: list[str]) -> list[dict]:
-    """The summary's effect rows, bin by bin (bins: the run's Bin records), every estimand of `names`."""
-    return [pair_row(estimates[b.index, n], sigma=b.sigma, estimand=n, gate=b.gate)
+def effect_rows(estimates: dict, bins: list, names: list[str], receipts: dict | None = None) -> list[dict]:
+    """The summary's effect rows, bin by bin (bins: the run's Bin records), every estimand of `names`;
+    receipts: {(bin index, estimand): the row's pairing receipt fields} where read."""
+    return [pair_row(estimates[b.index, n], sigma=b.sigma, estimand=n, gate=b.gate,
+                     **(receipts or {}).get((b.index, n), {}))
             for b in bins for n in names]
+
+
+def receipts_of(readers: dict, found, estimates: dict, bins: list, inter: str, names: list[str],
+                groups: dict | None) -> dict:
+    """{(bin index, estimand): pairing receipt fields} of the intervention against its twin, every bin."""
+    a, t = found.arms.index(inter), found.arms.index(TWIN)
+    return {(b.index, n): receipt_fields(readers[TWIN, b.index], readers[inter, b.index],
+                                         found.gram(n, TWIN)[b.index], a, t, n, groups,
+                                         not estimates[b.index, n].below_noise)
+            for b in bins for n in names}
 
 
 def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
@@ -84,7 +97,9 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
                             "arm: nothing vouches for the instrument"))
     checks_passed = all(c["passed"] for c in checks)
     ok = checks_passed and all(g["passed"] for g in gate_rows)
-    effects = effect_rows(estimates, bins_of(index), used["estimands"])
+    receipts = receipts_of(readers, found, estimates, bins_of(index), inter, used["estimands"],
+                           used.get("groups")) if ok else None
+    effects = effect_rows(estimates, bins_of(index), used["estimands"], receipts)
     summary = {"run_dir": str(index.run_dir.path), "arms": index.arm_names, "registered": registered(index),
                "used": used, "checks_passed": checks_passed, "passed": ok, "checks": checks,
                "gates": gate_rows, "effects": effects if ok else [],

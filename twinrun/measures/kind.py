@@ -77,6 +77,7 @@ class Measure:
     replicate_always: bool = False  # the twin's replicate is an arm of every run (not only arms.replicate)
     chaos_arm: bool = False  # the twin with a one-ulp perturbation, as an arm of every run
     store_format: str = STORE_FORMAT  # the format its stores name (twinrun/storage/store.py)
+    twin_first: bool = False  # each unit measures the twin before its other arms (the probe's pairing blocks)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -268,6 +268,11 @@ class ProbeStoreMeta(TypedDict):
     model_sha256: NotRequired[HexDigest]
     data_sha256: NotRequired[HexDigest]
     layout: list[LayoutEntry]
+    # The pairing receipt's inputs: the draws in each half [k1, k2] (None for one draw an image) and the
+    # base64 float64 [n_tensors, F, F] blocks of S and H (twinrun.analysis.receipts reads them); absent in
+    # stores written before them.
+    half_draws: NotRequired[list[int] | None]
+    pairing: NotRequired[dict[str, str] | None]
     env: NotRequired[dict | None]
     kernel_path: NotRequired[dict | None]
 
@@ -497,6 +502,10 @@ def validate_store_meta(path: Path, meta: dict) -> ProbeStoreMeta:
     names = [g["name"] for g in meta["layout"]]
     if len(set(names)) != len(names):
         c.fail("metadata.layout", "parameter names repeat: each names one tensor of the store")
+    halves = meta.get("half_draws")
+    if halves is not None and (len(halves) != 2 or min(halves) < 1 or sum(halves) != meta["n_draws"]):
+        c.fail("metadata.half_draws", f"{show(halves)} must be two positive draw counts summing to "
+               f"n_draws={meta['n_draws']}")
     return meta
 
 

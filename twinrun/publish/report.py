@@ -41,6 +41,32 @@ def effect_table(effects: list[dict]) -> list[str]:
                    "note"], rows)
 
 
+RECEIPT_NOTE = ("What the shared draws bought each row: ρ is the arms' noise correlation, the draw "
+                "share the draw noise's share of the twin's noise, and each gain the variance the estimate "
+                "would have had had the twin consumed draws of its own (same images, same folds) over its "
+                "variance as measured. A gain near 1 says the images carry the variance: sharing draws "
+                "bought little, and the twin's value is the no-op gate and the kernel-path control "
+                "(docs/estimator.md).")
+
+
+def _num(x, spec: str = ".3g") -> str:
+    return "–" if x is None else f"{x:{spec}}"
+
+
+def receipt_table(effects: list[dict]) -> list[str]:
+    """The pairing receipt of every non-gate effect row (a row without one says why)."""
+    rows = []
+    for e in (e for e in effects if not e["gate"] and "pairing_rho" in e):
+        gains = [_num(e[k]) for k in ("pairing_gain", "pairing_gain_ratio", "pairing_gain_effect")]
+        rows.append([f"{e['sigma']:g}", e["estimand"], _num(e["pairing_rho"]), _num(e["draw_share"]), *gains,
+                     e.get("pairing_note") or ""])
+    if not rows:
+        return []
+    return ["", "### Pairing receipt", "", RECEIPT_NOTE, ""] + _table(
+        ["σ", "estimand", "ρ", "draw share", "gain: cos", "gain: norm ratio", "gain: no-effect test", "note"],
+        rows)
+
+
 def family_line(summary: dict) -> list[str]:
     """The registered family-wise reading: how many effect rows, and whether any shows an effect."""
     fam = summary.get("family")
@@ -141,6 +167,7 @@ def write_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
         png = plot_effect(summary, out_dir / EFFECT_PNG)
         lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", ""] + family_line(summary)
         lines += ["", INTERVAL_NOTE, ""] + effect_table(summary["effects"])
+        lines += receipt_table(summary["effects"])
     if summary.get("reference"):
         lines += reference_lines(summary["reference"], summary["effects"])
     env_lines = env_summary(index)

@@ -193,7 +193,8 @@ def test_failing_arm_ends_the_job_failed_and_names_arm_and_bin(tmp_path, slurm_a
     assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "unit_index": 2,
                                                             "unit": "bin 2 (σ=1.2)"}
     # bins 0 and 1 of both arms (+ the gate replicate) stay valid
-    assert len(store_sums(run_dir)) == 2 * 2 + 1
+    # and bin 2's twin, measured first (the pairing receipt), before the intervention failed
+    assert len(store_sums(run_dir)) == 2 * 2 + 1 + 1
 
 
 def test_no_wait_then_status_then_a_cancelled_job_ends_the_wait(tmp_path, slurm_args, model_args, capsys):

@@ -143,7 +143,7 @@ def reduce_in_child(run_dir: Path) -> dict:
         publish(reduction)  # summary.json and report.md, as `python -m twinrun.reduce` writes them
     seconds, io_after = time.perf_counter() - t, proc_io()
     summary, code = reduction.summary, reduction.exit_code
-    return {"seconds": seconds, "scan_s": spent["scan"], "exit_code": code, "valid": summary["valid"],
+    return {"seconds": seconds, "scan_s": spent["scan"], "exit_code": code, "valid": summary["checks_passed"],
             "n_effects": len(summary["effects"]), "peak_rss": peak_rss(),
             "rchar": io_after["rchar"] - io_before["rchar"],
             "read_bytes": io_after["read_bytes"] - io_before["read_bytes"]}

@@ -22,12 +22,18 @@ def test_tiny_run_end_to_end(tmp_path):
     proc, run_dir = tiny_run(tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["valid"] is True
+    assert summary["checks_passed"] is True
     assert [c["passed"] for c in summary["checks"]] == [True] * len(summary["checks"])
     gates = summary["gates"]
     assert {g["estimand"] for g in gates} == {"all", "cond", "residual"}
     assert all(g["sigma"] == 0.5 and g["bit_identical"] and g["rule"] == "bit-identical" for g in gates)
     assert len(summary["effects"]) == 3 * 3
+    for e in summary["effects"]:  # every row carries the printed intervals and its test of no effect
+        assert {"cos_interval", "norm_ratio_interval", "near_boundary", "diff_norm2", "effect_p"} <= set(e)
+        assert (e["cos_interval"] is None) == e["below_noise"]
+    fam = summary["family"]
+    assert fam["method"] == "holm" and fam["level"] == 0.05 and fam["n_rows"] == 2 * 3  # gate bin left out
+    assert "effect rows read" in (run_dir / "report.md").read_text()
     # stores: one per (arm, bin), the fold sums as float32 [n_folds, n_params], identical draws across arms
     index = RunIndex.load(run_dir)
     assert index.measure == "probe" and index.arm_names == ["pin_sigma", "native"]

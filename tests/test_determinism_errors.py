@@ -105,7 +105,7 @@ def test_an_op_refused_mid_run_is_recorded_as_determinisms_and_earlier_bins_stay
     plan_run(cfg, run_dir)  # planning runs its trial at the first σ, without determinism: fine
     with pytest.raises(DeterminismError) as err:
         run_job(run_dir, trusted_targets(cfg))
-    assert "arm pin_sigma, bin 2 (σ=1.2): the op put_" in str(err.value)
+    assert "arm native, bin 2 (σ=1.2): the op put_" in str(err.value)  # (the twin is measured first)
     index = RunIndex.load(run_dir)
     assert index.failure["error"] == "determinism" and index.failure["unit_index"] == 2
     assert "type" not in index.failure  # not recorded as the model's exception

@@ -201,7 +201,7 @@ def test_running_out_of_memory_mid_run_names_the_estimate_and_keeps_earlier_bins
     with pytest.raises(DeviceMemoryError) as err:
         run_job(run_dir, trusted_targets(cfg))
     line = str(err.value)
-    assert line.startswith("arm pin_sigma, bin 2 (σ=1.2): cpu ran out of memory (CUDA out of memory.")
+    assert line.startswith("arm native, bin 2 (σ=1.2): cpu ran out of memory (CUDA out of memory.")
     assert "the estimate was" in line and "probe.n_folds=4" in line and "user code raised" not in line
     index = RunIndex.load(run_dir)
     assert index.failure["error"] == "device_memory" and index.failure["unit_index"] == 2

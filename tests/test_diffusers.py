@@ -59,7 +59,7 @@ def test_end_to_end(tmp_path, experiment, method):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"probe.method=auto chose {method}" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["valid"] is True and summary["effects"]
+    assert summary["checks_passed"] is True and summary["effects"]
     assert all(g["bit_identical"] for g in summary["gates"])
     kernel_path = json.loads(next(Path(run_dir).glob("env/kernel_path-*.json")).read_text())["kernel_path"]
     assert kernel_path["probe"]["method"] == method and "diffusers" in kernel_path["torch"]["packages"]

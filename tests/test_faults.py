@@ -173,13 +173,14 @@ def test_a_permission_error_names_the_path(tmp_path, compose_cfg, monkeypatch):
     cfg = compose_cfg(FAULT_RUN)
     plan_run(cfg, tmp_path)
 
-    def no_write_in_native(path, mode="r", *args, **kwargs):  # root ignores chmod: inject EACCES
-        if "w" in mode and "/arms/native/" in str(path):
+    def no_write_in_arm(path, mode="r", *args, **kwargs):  # root ignores chmod: inject EACCES
+        if "w" in mode and "/arms/pin_sigma/" in str(path):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
         return builtins.open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(twinrun.files, "open", no_write_in_native, raising=False)  # atomic_write's open
-    with pytest.raises(StoreError, match=r"arms/native/bin00.*Permission denied"):
+    monkeypatch.setattr(twinrun.files, "open", no_write_in_arm, raising=False)  # atomic_write's open
+    with pytest.raises(StoreError, match=r"arms/pin_sigma/bin00.*Permission denied"):
         run_job(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["failure"]["arm"] == "native" and run["units"][0]["stores"]["pin_sigma"]["status"] == "done"
+    # the twin is measured first in every bin (the pairing receipt): its store landed before the error
+    assert run["failure"]["arm"] == "pin_sigma" and run["units"][0]["stores"]["native"]["status"] == "done"

@@ -122,7 +122,7 @@ def test_the_determinism_record_and_bit_identical_replicates_on_cuda(tmp_path, m
                         f"probe.method={method}", "arms.replicate=true", "determinism.enabled=true",
                         f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads((run_dir / "summary.json").read_text())["valid"] is True
+    assert json.loads((run_dir / "summary.json").read_text())["checks_passed"] is True
     kernel_path = json.loads(next(run_dir.glob("env/kernel_path-*.json")).read_text())["kernel_path"]
     assert kernel_path["gpu"]["name"] == torch.cuda.get_device_name(0)
     assert kernel_path["probe"]["method"] == method and kernel_path["probe"]["device"] == "cuda"

@@ -265,7 +265,8 @@ def test_failing_arm_is_reported_with_its_bin_and_exit_1(tmp_path, model_args, c
     assert run["status"] == "failed" and run["failure"] == {"arm": "pin_sigma", "unit_index": 2,
                                                             "unit": "bin 2 (σ=1.2)"}
     # bins 0 and 1 of both arms (+ the gate replicate) stay valid
-    assert len(store_sums(run_dir)) == 2 * 2 + 1
+    # and bin 2's twin, measured first (the pairing receipt), before the intervention failed
+    assert len(store_sums(run_dir)) == 2 * 2 + 1 + 1
 
 
 def _children(pid: int) -> list[int]:

@@ -96,7 +96,7 @@ def test_installed_wheel_runs_every_documented_command_from_anywhere(installed):
     print(f"default experiment from the installed wheel: {time.perf_counter() - t0:.0f} s")
     assert run.returncode == 0, run.stderr[-2000:]
     run_dir = installed["cwd"] / "default"
-    assert json.loads((run_dir / "summary.json").read_text())["valid"] is True
+    assert json.loads((run_dir / "summary.json").read_text())["checks_passed"] is True
     # every record names the twinrun that wrote it: a wheel has its version and no git checkout
     for record in ("summary.json", "run.json"):
         assert json.loads((run_dir / record).read_text())["twinrun"]["version"] == "0.1.0"

@@ -131,13 +131,14 @@ def test_model_error_mid_run_is_recorded_and_exits_4(tmp_path):
     assert proc.returncode == EXIT_MODEL, proc.stderr[-2000:]
     assert "probe.method=auto chose vmap" in proc.stdout
     err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and "arm pin_sigma, bin 2 (σ=1.2)" in err[0] and "FloatingPointError" in err[0]
+    # every bin measures the twin first (the pairing receipt), so the twin is the arm that meets the error
+    assert len(err) == 1 and "arm native, bin 2 (σ=1.2)" in err[0] and "FloatingPointError" in err[0]
     run = json.loads((run_dir / "run.json").read_text())
     assert run["status"] == "failed"
     assert {k: run["failure"][k] for k in ("arm", "unit_index", "unit", "type", "message")} == {
-        "arm": "pin_sigma", "unit_index": 2, "unit": "bin 2 (σ=1.2)", "type": "FloatingPointError",
+        "arm": "native", "unit_index": 2, "unit": "bin 2 (σ=1.2)", "type": "FloatingPointError",
         "message": "overflow in my custom layer"}
-    assert [u["stores"]["native"]["status"] for u in run["units"]] == ["done", "done", "pending"]
+    assert [u["stores"]["pin_sigma"]["status"] for u in run["units"]] == ["done", "done", "pending"]
     assert "overflow in my custom layer" in (run_dir / "app.log").read_text()
     (kernel_path,) = run_dir.glob("env/kernel_path-*.json")
     assert json.loads(kernel_path.read_text())["kernel_path"]["probe"]["method"] == "vmap"

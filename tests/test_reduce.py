@@ -41,10 +41,15 @@ def random_sums(arms, seed=0):
 
 def numpy_grams(sums, arms, columns, base="native"):
     """Whole-matrix reduction: every store as one float64 numpy [F, P] matrix; the full Gram over rows
-    (arm, bin, fold), and of the residual rows S − mean_b S^base."""
+    (arm, bin, fold), and of the residual rows S_b − c_b·M: M_f the mean over bins of the base's fold sums
+    each divided by c_b', c_b the base's plain mean-gradient norm at bin b (docs/estimator.md)."""
     rows = np.concatenate([sums[a, b].double().numpy()[:, columns] for a in arms for b in range(N_BINS)])
-    mean = np.stack([sums[base, b].double().numpy()[:, columns] for b in range(N_BINS)]).mean(0)
-    resid = rows - np.tile(mean, (len(arms) * N_BINS, 1))
+    base_sums = np.stack([sums[base, b].double().numpy()[:, columns] for b in range(N_BINS)])  # [B, F, P]
+    n_samples = 4 * N_FOLDS  # stores.meta: 4 images a fold
+    scale = np.linalg.norm(base_sums.sum(1), axis=-1) / n_samples  # [B]
+    mean = (base_sums / scale[:, None, None]).mean(0)
+    c = np.tile(np.repeat(scale, N_FOLDS), len(arms))[:, None]  # each row's bin's c_b
+    resid = rows - c * np.tile(mean, (len(arms) * N_BINS, 1))
     return rows @ rows.T, resid @ resid.T
 
 

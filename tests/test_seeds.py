@@ -86,7 +86,7 @@ def _row(sigma, cos, se, estimand="all", ratio=1.5, ratio_se=0.05, t_crit=2.093)
 
 def _point(seed, effects, extra=(), valid=True):
     return {"run_dir": f"/s/{seed}", "overrides": ["+experiment=pin_sigma", *extra, f"seed={seed}"],
-            "seed": seed, "valid": valid, "gates_passed": valid, "effects": effects}
+            "seed": seed, "checks_passed": valid, "gates_passed": valid, "effects": effects}
 
 
 def test_seed_groups_pool_what_differs_only_in_seed():

@@ -32,13 +32,13 @@ def _effect(sigma, cos, se, estimand="all"):
 def _point(job, overrides, effects=(), valid=True, gates_passed=True, gate_sigmas=(), target="PinSigma"):
     return {"run_dir": f"/sweep/{job}", "overrides": ["+experiment=pin_sigma", *overrides],
             "intervention": {"_target_": f"twinrun.interventions.{target}"}, "status": "measured",
-            "valid": valid, "gates_passed": gates_passed, "effects": list(effects),
+            "checks_passed": valid, "gates_passed": gates_passed, "effects": list(effects),
             "gate_sigmas": list(gate_sigmas)}
 
 
 def _summary(*points):
     return {"sweep_dir": "/sweep", "n_points": len(points), "points": list(points),
-            "all_valid": all(p["valid"] and p["gates_passed"] for p in points)}
+            "all_valid": all(p["checks_passed"] and p["gates_passed"] for p in points)}
 
 
 @pytest.fixture

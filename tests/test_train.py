@@ -132,7 +132,7 @@ def test_chunking_a_batch_changes_the_arithmetic_never_the_samples(tmp_path):
 def test_arms_are_derived_and_the_machinery_gate_passes_bit_identical(tiny):
     red = tiny
     s = red.summary
-    assert s["passed"] and s["valid"], s["checks"]
+    assert s["passed"] and s["checks_passed"], s["checks"]
     roles = {a["name"]: a["role"] for a in red.index.arms}
     assert roles == {"scale_lr": "intervention", "native": "twin", "native_replicate": "replicate",
                      "scale_lr_noop": "machinery", "native_chaos": "chaos"}

@@ -179,6 +179,9 @@ class ReduceConfig:
     # Test of signal: a debiased norm² counts only if norm²/SE > the one-sided t_{F-1} quantile at
     # this level; otherwise "below noise" and no cosine or ratio is printed (docs/estimator.md).
     signal_alpha: float = 0.05
+    # Family-wise reading: Holm over the effect rows' tests of "no effect" at this level, in (0, 0.5); the
+    # report and summary.json say whether the run shows any effect at all (docs/estimator.md).
+    family_alpha: float = 0.05
 
 
 @dataclass

@@ -161,6 +161,8 @@ def measure_units(
     index.set_status("running", units)  # an element never clears a failure recorded at another's unit
 
     kind = measure_of(index.measure)
+    if kind.twin_first:  # a stable sort: the other arms keep their order
+        arms = sorted(arms, key=lambda a: a.role != "twin")
     progress = Progress(sum(len(u["stores"]) for u in todo))
     for u in todo:
         t_unit, timings, landed = time.perf_counter(), [], {}

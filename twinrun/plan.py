@@ -66,6 +66,8 @@ def validate_reduce(r: DictConfig) -> None:
         raise ConfigError("reduce.gate_rule", r.gate_rule, f"choose one of {', '.join(GATE_RULES)}")
     if not signal_alpha_ok(r.signal_alpha):
         raise ConfigError("reduce.signal_alpha", r.signal_alpha, f"must be {SIGNAL_ALPHA_TEXT}, e.g. 0.05")
+    if not signal_alpha_ok(r.family_alpha):  # the same rule: a level in (0, 0.5)
+        raise ConfigError("reduce.family_alpha", r.family_alpha, f"must be {SIGNAL_ALPHA_TEXT}, e.g. 0.05")
 
 
 def check_paths(cfg: DictConfig, run_dir: Path | None) -> None:
@@ -174,6 +176,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
         # The analysis registered before any compute; `reduce` with other settings is a post-hoc view.
         "registered": {"estimands": list(cfg.reduce.estimands), "gate_rule": cfg.reduce.gate_rule,
                        "signal_alpha": float(cfg.reduce.signal_alpha),
+                       "family_alpha": float(cfg.reduce.family_alpha),
                        **({"groups": declared_groups(cfg.reduce)} if cfg.reduce.groups else {})},
         "units": [unit_entry(u, arms) for u in planned.units],
         "twinrun": twinrun_version(),  # which twinrun planned it (version, git commit where there is one)

@@ -60,7 +60,8 @@ def registered(index: RunIndex) -> dict:
     reg = index.registered
     out = {"estimands": list(reg.get("estimands") or defaults.estimands),
            "gate_rule": reg.get("gate_rule", defaults.gate_rule),
-           "signal_alpha": float(reg.get("signal_alpha", defaults.signal_alpha))}
+           "signal_alpha": float(reg.get("signal_alpha", defaults.signal_alpha)),
+           "family_alpha": float(reg.get("family_alpha", defaults.family_alpha))}
     if reg.get("groups"):  # named parameter groups (reduce.groups); absent when none were declared
         out["groups"] = {k: list(v) for k, v in reg["groups"].items()}
     return out

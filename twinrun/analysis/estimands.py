@@ -2,8 +2,8 @@
 
 An estimand is one registry entry: which parameters it reads (a selection over the store's layout)
 and, for a derived view, a `derive` entry saying how its Gram blocks follow from what the scan
-accumulates. The built-ins are `all`, `cond` and `residual` (derived: the base arm's mean over bins
-removed); `reduce.groups` adds one entry per named group of fnmatch patterns over parameter names
+accumulates. The built-ins are `all`, `cond` and `residual` (derived: the base arm's mean direction
+over bins removed); `reduce.groups` adds one entry per named group of fnmatch patterns over parameter names
 (e.g. `block0: ["blocks.0.*"]`), so a per-layer estimand needs only config. Config validation, the
 reducer, the report's ordering, references and `compare` all read `registry()`. Since every view is
 linear in the sums, nothing extra is ever stored. The Gram blocks are accumulated by
@@ -18,31 +18,36 @@ from fnmatch import fnmatchcase
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from twinrun.analysis.estimator import residual_gram
 from twinrun.errors import ConfigError
 
 GROUP_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
 class MinusBaseMean:
-    """A derived view: every bin's fold sums minus the base arm's mean over bins (shared structure removed).
+    """A derived view: each bin's mean gradient minus the base arm's mean *direction* over the bins, scaled
+    to that bin's base norm (shared structure removed; docs/estimator.md, "The residual view").
 
-    R_{b,a,f} = S_{b,a,f} − M_f with M_f = mean_b' S^{base}_{b',f}, so
-    ⟨R,R'⟩ = ⟨S,S'⟩ − ⟨S,M⟩ − ⟨M,S'⟩ + ⟨M,M⟩: besides the within-bin products the scan needs only
-    every row against the F rows of M (`partials`, summed over column chunks)."""
+    Per fold R_{b,a,f} = S_{b,a,f} − c_b·M_f, with c_b the base arm's plain mean-gradient norm at bin b and
+    M_f = (1/B) Σ_b' S_{b',base,f} / c_b': every bin weighs the same in the mean direction, whatever its
+    |μ|. Its Gram follows from the within-bin products and every row against every bin's base rows
+    (`partials`, summed over column chunks; twinrun.analysis.estimator.residual_gram)."""
 
-    def partials(self, x: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(⟨S_{b,a,f}, M_g⟩ [bins, arms, F, F], ⟨M_f, M_g⟩ [F, F]) of one column chunk
+    def partials(self, x: torch.Tensor, base: int) -> torch.Tensor:
+        """cross[b, a, f, b', g] = ⟨S_{b,a,f}, S_{b',base,g}⟩ [bins, arms, F, bins, F] of one column chunk
         x [bins, arms, F, width]."""
         n_bins, n_arms, n_folds, width = x.shape
-        mean = x[:, base].mean(0)
-        return (x.view(-1, width) @ mean.T).view(n_bins, n_arms, n_folds, n_folds), mean @ mean.T
+        rows = x.reshape(n_bins * n_arms * n_folds, width)
+        return (rows @ x[:, base].reshape(n_bins * n_folds, width).T).view(n_bins, n_arms, n_folds, n_bins,
+                                                                             n_folds)
 
-    def gram(self, g: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor], n_arms: int) -> torch.Tensor:
+    def gram(self, g: torch.Tensor, cross: torch.Tensor, n_arms: int, base: int,
+             n_samples: float) -> torch.Tensor:
         """The derived view's within-bin Gram blocks [bins, arms·F, arms·F] from the plain ones `g`."""
-        s_m, m_m = partials
-        n_bins, n_folds = s_m.shape[0], s_m.shape[-1]
-        rows_m = s_m.view(n_bins, n_arms * n_folds, n_folds).repeat(1, 1, n_arms)
-        return g - rows_m - rows_m.transpose(1, 2) + m_m.repeat(n_arms, n_arms)
+        n_bins, n_folds = cross.shape[0], cross.shape[-1]
+        within = g.view(n_bins, n_arms, n_folds, n_arms, n_folds).numpy()
+        out = residual_gram(within, cross.numpy(), base, n_samples)
+        return torch.from_numpy(out).view(n_bins, n_arms * n_folds, n_arms * n_folds)
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,8 @@ ESTIMANDS = {e.name: e for e in (
     Estimand(SHIFT_VIEW, "every probed parameter", lambda entry: True),
     Estimand("cond", "the conditioning pathway (the model's COND_PARAM_PATTERNS)",
              lambda entry: bool(entry["cond"])),
-    Estimand("residual", "each bin's direction minus the twin's mean direction over bins", lambda entry: True,
-             derive=MinusBaseMean()),
+    Estimand("residual", "each bin's mean gradient minus the twin's mean direction over the grid's bins, "
+             "scaled to the bin's twin norm", lambda entry: True, derive=MinusBaseMean()),
 )}
 
 

@@ -24,7 +24,9 @@ from twinrun.analysis.checks import (
 )
 from twinrun.analysis.estimands import check_estimands
 from twinrun.analysis.estimator import estimate
+from twinrun.analysis.family import family_verdict
 from twinrun.analysis.gates import gates, replicate_report
+from twinrun.analysis.receipts import receipt_fields
 from twinrun.analysis.references import pair_row, reference_report
 from twinrun.errors import EXIT_GATE, EXIT_OK
 from twinrun.storage.records import Summary
@@ -52,13 +54,30 @@ class Reduction:
         return EXIT_OK if ok else EXIT_GATE
 
 
-def effect_estimates(index: RunIndex, found, sizes, inter: str, names: list[str], alpha: float) -> dict:
+def effect_estimates(found, bins: list[int], sizes, inter: str, names: list[str], alpha: float) -> dict:
     """{(bin index, estimand): Estimate} of the intervention against its twin, every bin."""
     a, t = found.arms.index(inter), found.arms.index(TWIN)
     g = {n: found.gram(n, TWIN) for n in names}
-    return {(b.index, n): estimate(g[n][b.index, a, :, t], g[n][b.index, a, :, a], g[n][b.index, t, :, t],
-                                   sizes, sizes, alpha)
-            for b in bins_of(index) for n in names}
+    return {(b, n): estimate(g[n][b, a, :, t], g[n][b, a, :, a], g[n][b, t, :, t], sizes, sizes, alpha)
+            for b in bins for n in names}
+
+
+def effect_rows(estimates: dict, bins: list, names: list[str], receipts: dict | None = None) -> list[dict]:
+    """The summary's effect rows, bin by bin (bins: the run's Bin records), every estimand of `names`;
+    receipts: {(bin index, estimand): the row's pairing receipt fields} where read."""
+    return [pair_row(estimates[b.index, n], sigma=b.sigma, estimand=n, gate=b.gate,
+                     **(receipts or {}).get((b.index, n), {}))
+            for b in bins for n in names]
+
+
+def receipts_of(readers: dict, found, estimates: dict, bins: list, inter: str, names: list[str],
+                groups: dict | None) -> dict:
+    """{(bin index, estimand): pairing receipt fields} of the intervention against its twin, every bin."""
+    a, t = found.arms.index(inter), found.arms.index(TWIN)
+    return {(b.index, n): receipt_fields(readers[TWIN, b.index], readers[inter, b.index],
+                                         found.gram(n, TWIN)[b.index], a, t, n, groups,
+                                         not estimates[b.index, n].below_noise)
+            for b in bins for n in names}
 
 
 def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
@@ -67,7 +86,8 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
     checks = validity_checks(index, readers)
     inter = index.arm("intervention")["name"]
     sizes = np.asarray(twin_meta["fold_sizes"], dtype=np.float64)
-    estimates = effect_estimates(index, found, sizes, inter, used["estimands"], used["signal_alpha"])
+    estimates = effect_estimates(found, [b.index for b in bins_of(index)], sizes, inter, used["estimands"],
+                                 used["signal_alpha"])
     gate_rows = gates(index, found, estimates, inter, used["estimands"], used["gate_rule"])
     machinery = index.arms_with_role("machinery")
     if machinery:
@@ -75,17 +95,32 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
     elif not gate_rows:
         checks.append(check("has_gate", False, "no bin where the intervention is a no-op and no machinery "
                             "arm: nothing vouches for the instrument"))
-    valid = all(c["passed"] for c in checks)
-    ok = valid and all(g["passed"] for g in gate_rows)
-    effects = [pair_row(estimates[b.index, n], sigma=b.sigma, estimand=n, gate=b.gate)
-               for b in bins_of(index) for n in used["estimands"]]
+    checks_passed = all(c["passed"] for c in checks)
+    ok = checks_passed and all(g["passed"] for g in gate_rows)
+    receipts = receipts_of(readers, found, estimates, bins_of(index), inter, used["estimands"],
+                           used.get("groups")) if ok else None
+    effects = effect_rows(estimates, bins_of(index), used["estimands"], receipts)
     summary = {"run_dir": str(index.run_dir.path), "arms": index.arm_names, "registered": registered(index),
-               "used": used, "valid": valid, "passed": ok, "checks": checks, "gates": gate_rows,
-               "effects": effects if ok else [], "replicate": replicate_report(index, found)}
+               "used": used, "checks_passed": checks_passed, "passed": ok, "checks": checks,
+               "gates": gate_rows, "effects": effects if ok else [],
+               "family": family_reading(effects, used["family_alpha"]) if ok else None,
+               "replicate": replicate_report(index, found)}
     if index.reference:
         summary["reference"] = reference_report(index, readers, found, inter, Path(index.reference),
                                                 used["signal_alpha"], ok)
     return summary
+
+
+def family_reading(effects: list[dict], level: float) -> dict:
+    """summary.json's family-wise reading of the effect rows (twinrun.analysis.family, Holm at the
+    registered reduce.family_alpha); each row gains `family_p`, its hypothesis's Holm-adjusted p-value."""
+    verdict = family_verdict(effects, level)
+    for row in effects:
+        row["family_p"] = verdict.adjusted_p.get((row["sigma"], row["estimand"]))
+    return {"method": "holm", "level": verdict.level, "n_rows": verdict.n_rows,
+            "n_hypotheses": verdict.n_hypotheses, "effect": verdict.effect,
+            "rejected": [{"sigma": s, "estimand": e} for s, e in verdict.rejected],
+            "detail": verdict.detail()}
 
 
 def view_name(reg: dict, used: dict) -> str:

@@ -7,6 +7,7 @@ every bin, or, on a kernel path today's replicate proves nondeterministic, no fu
 twin than the replicate is (max relative difference of the sums). Otherwise dead.
 """
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,28 @@ from twinrun.storage.rundir import RunDir
 from twinrun.storage.store import StoreReader
 
 
+def json_interval(interval, unbounded: tuple[float, float]) -> list | None:
+    """A printed interval as [lo, hi] for summary.json: a side the data do not bound (it reads the search
+    limit, e.g. ±1 for a cosine, 0 or inf for a ratio) is null; None where nothing printed."""
+    if interval is None:
+        return None
+    lo, hi = interval
+    if lo == hi:  # exact: identical arms or folds that agree exactly; nothing left unbounded
+        return [lo, hi]
+    return [None if lo <= unbounded[0] else lo, None if hi >= unbounded[1] else hi]
+
+
 def pair_row(est, **keys) -> dict:
-    """One estimate as a summary row: every number beside its SE, norm² always shown."""
+    """One estimate as a summary row: every number beside its SE, norm² always shown; the printed 95%
+    intervals (conditional on printing), near_boundary and the row's test of no effect."""
     return {**keys, "cos": est.cos, "se": est.se, "norm_ratio": est.norm_ratio,
             "norm_ratio_se": est.norm_ratio_se, "cos_naive": est.cos_naive, "below_noise": est.below_noise,
             "norm2": est.norm2_a, "norm2_se": est.norm2_a_se, "norm2_base": est.norm2_b,
-            "norm2_base_se": est.norm2_b_se, "t_crit": est.t_crit}
+            "norm2_base_se": est.norm2_b_se, "t_crit": est.t_crit,
+            "cos_interval": json_interval(est.cos_interval, (-1.0, 1.0)),
+            "norm_ratio_interval": json_interval(est.norm_ratio_interval, (0.0, math.inf)),
+            "near_boundary": est.near_boundary, "diff_norm2": est.diff_norm2,
+            "diff_norm2_se": est.diff_norm2_se, "effect_p": est.effect_p}
 
 
 def cross_scan(sides: dict[str, dict], pairs: list[tuple[str, str]], names: list[str] | None,

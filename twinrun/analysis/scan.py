@@ -92,7 +92,8 @@ def scan(readers: dict[tuple[str, int], StoreReader], gram_arms: list[str], n_bi
     n_folds, entry_of = first.n_folds, {g["name"]: g for g in first.layout}
     keys = list(readers)
     chunk = max(1, min(chunk_params, BUFFER_BYTES // (len(keys) * n_folds * 8)))
-    acc = _Grams(gram_arms, n_bins, n_folds, chunk, names, groups, bases)
+    n_samples = float(sum(first.meta["fold_sizes"]))  # residual views scale by the base's plain norm
+    acc = _Grams(gram_arms, n_bins, n_folds, chunk, names, groups, bases, n_samples)
     pair_names = list(dict.fromkeys([*names, SHIFT_VIEW]))  # always: the replicate and references read it
     found = {(x, y, b): Pair() for x, y in pairs for b in range(n_bins)
              if (x, b) in readers and (y, b) in readers}
@@ -122,8 +123,8 @@ class _Grams:
     """Within-bin Gram blocks of every estimand, accumulated chunk by chunk in float64; a derived
     estimand also accumulates its `derive` entry's partial sums against each base arm."""
 
-    def __init__(self, arms, n_bins, n_folds, chunk, names, groups, bases):
-        self.arms, self.n_bins, self.n_folds = list(arms), n_bins, n_folds
+    def __init__(self, arms, n_bins, n_folds, chunk, names, groups, bases, n_samples):
+        self.arms, self.n_bins, self.n_folds, self.n_samples = list(arms), n_bins, n_folds, n_samples
         self.width = len(arms) * n_folds  # rows of one bin's block
         known = registry(groups)
         self.names = list(names)
@@ -132,7 +133,7 @@ class _Grams:
         # reused: no page faults per chunk
         self.buffer = torch.empty(n_bins * self.width * chunk, dtype=torch.float64)
         self.g = {n: torch.zeros(n_bins, self.width, self.width, dtype=torch.float64) for n in names}
-        self.partials = {}  # (derived estimand, base arm) -> its derive entry's partial sums so far
+        self.partials = {}  # (derived estimand, base arm) -> its derive entry's cross products so far
 
     def add(self, chunks: dict, width: int, these: tuple[str, ...]) -> None:
         if not these:
@@ -150,7 +151,7 @@ class _Grams:
             for m in self.bases:
                 new = self.derived[n].partials(x, self.arms.index(m))
                 old = self.partials.get((n, m))
-                self.partials[n, m] = new if old is None else tuple(o + p for o, p in zip(old, new))
+                self.partials[n, m] = new if old is None else old + new
 
     def result(self) -> dict:
         shape = (self.n_bins, len(self.arms), self.n_folds, len(self.arms), self.n_folds)
@@ -160,6 +161,6 @@ class _Grams:
                 out[n, None] = self.g[n].view(shape).numpy()
                 continue
             for m in self.bases:
-                out[n, m] = self.derived[n].gram(self.g[n], self.partials[n, m],
-                                                 len(self.arms)).view(shape).numpy()
+                out[n, m] = self.derived[n].gram(self.g[n], self.partials[n, m], len(self.arms),
+                                                 self.arms.index(m), self.n_samples).view(shape).numpy()
         return out

@@ -339,13 +339,13 @@ def analyse(run: Run, records: list[dict], losses: list[dict], found: dict, used
     gates = gate_rows(run, records, found, used["gate_rule"])
     if not gates:
         checks.append(check("has_gate", False, "no machinery arm: nothing vouches for the instrument"))
-    valid = all(c["passed"] for c in checks)
-    ok = valid and all(g["passed"] for g in gates)
+    checks_passed = all(c["passed"] for c in checks)
+    ok = checks_passed and all(g["passed"] for g in gates)
     floor, effects = effect_rows(run, records, found, used["estimands"])
     firsts = [first_difference(records, arm, run.layout) for arm in run.index.arm_names if arm != TWIN]
     summary: TrainSummary = {
         "measure": "train", "run_dir": str(run.index.run_dir.path), "arms": run.index.arm_names,
-        "registered": registered(run.index), "used": used, "valid": valid, "passed": ok,
+        "registered": registered(run.index), "used": used, "checks_passed": checks_passed, "passed": ok,
         "verdict": (verdict(effects, used["estimands"][0], run.margin) if ok else
                     "INSTRUMENT BROKEN: a validity check or the machinery gate failed; effects are withheld"),
         "checks": checks, "gates": gates, "replicate": replicate_report(run, records, found),

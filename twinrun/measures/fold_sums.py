@@ -118,8 +118,12 @@ def fold_sums(
     forward: torch.nn.Module | None = None,
     train_stream: int | None = None,  # train mode: the run's seed keys the model's randomness (folds only)
     accumulator: torch.dtype = torch.float64,  # the fold sums' dtype while they accumulate
-) -> torch.Tensor:
+    second_from: int | None = None,  # also sum draws ≥ this one apart (the pairing receipt's halves)
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[n_folds, P] float32: Σ over the fold's images and draws of ∇ loss(image, draw).
+
+    second_from=k1: also return the float64 sums over draws k1.. alone, [n_folds, P] (draw_pieces: the
+    fold sums themselves are computed exactly as without it, chunk for chunk).
 
     A fold's sum is the gradient of the fold's summed loss, so no per-sample gradient is ever
     formed. Images are packed into groups of one fold each (`fold_groups`); each group gets its own
@@ -136,7 +140,7 @@ def fold_sums(
     assert train_stream is None or method == "folds", "only the folds method shares the model's randomness"
     if method == "folds":
         return plain_fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds,
-                               chunk_images, chunk_draws, forward, train_stream, accumulator)
+                               chunk_images, chunk_draws, forward, train_stream, accumulator, second_from)
     params = dict(model.named_parameters())
     probed = {n: params[n].detach() for n in names}
     frozen = {n: p.detach() for n, p in params.items() if n not in probed}
@@ -158,6 +162,8 @@ def fold_sums(
     ends = torch.tensor([probed[n].numel() for n in names]).cumsum(0).tolist()
     columns = list(zip([0, *ends[:-1]], ends))  # each probed parameter's columns in the sums
     sums = torch.zeros(n_folds, ends[-1], dtype=accumulator, device=images.device)
+    second = None if second_from is None else torch.zeros_like(sums)
+    pieces = draw_pieces(n_draws, d_chunk, second_from)
     for start in range(0, len(groups), per_call):
         chunk = groups[start : start + per_call]
         # Pad every group to k images with copies of its first image, weighted 0.
@@ -168,17 +174,35 @@ def fold_sums(
         # One group per fold, folds in a row (equal folds): add in place, float32 into the accumulator.
         rows = slice(folds[0], folds[-1] + 1) if folds == list(range(folds[0], folds[-1] + 1)) else None
         fold_index = torch.tensor(folds, device=images.device)
-        for d0 in range(0, n_draws, d_chunk):
+        for d0, d1, into in pieces:
             copies = {n: p.expand(len(chunk), *p.shape).requires_grad_() for n, p in probed.items()}
-            loss = vmap(group_loss)(copies, images[index], eps[index, d0 : d0 + d_chunk], mask).sum()
+            loss = vmap(group_loss)(copies, images[index], eps[index, d0:d1], mask).sum()
             grads = torch.autograd.grad(loss, [copies[n] for n in names])
             for (lo, hi), g in zip(columns, grads):  # per parameter: no [G, P] temporaries
-                if rows is not None:
-                    target = sums[rows, lo:hi].view(g.shape)  # g may be strided: add it as it is
-                    target += g
-                else:
-                    sums[:, lo:hi].index_add_(0, fold_index, g.reshape(len(chunk), -1).to(accumulator))
-    return sums.float()
+                for acc in (sums, second)[into[0]:into[1]]:
+                    if rows is not None:
+                        target = acc[rows, lo:hi].view(g.shape)  # g may be strided: add it as it is
+                        target += g
+                    else:
+                        acc[:, lo:hi].index_add_(0, fold_index, g.reshape(len(chunk), -1).to(accumulator))
+    return sums.float() if second is None else (sums.float(), second.double())
+
+
+def draw_pieces(n_draws: int, d_chunk: int, second_from: int | None) -> list[tuple[int, int, tuple]]:
+    """The draw ranges one fold group is differentiated over: (d0, d1, (first, last) of (sums, second)
+    they add into). The fold sums' chunks are those of d_chunk, always, so their bits never depend on
+    second_from; a chunk that straddles second_from is differentiated once more over its draws from
+    second_from on, for the second half's sums alone (at most one extra chunk per group)."""
+    out = []
+    for d0 in range(0, n_draws, d_chunk):
+        d1 = min(d0 + d_chunk, n_draws)
+        if second_from is None or d1 <= second_from:
+            out.append((d0, d1, (0, 1)))
+        elif d0 >= second_from:
+            out.append((d0, d1, (0, 2)))
+        else:
+            out += [(d0, d1, (0, 1)), (second_from, d1, (1, 2))]
+    return out
 
 
 def plain_fold_sums(
@@ -195,7 +219,8 @@ def plain_fold_sums(
     forward: torch.nn.Module | None = None,
     train_stream: int | None = None,
     accumulator: torch.dtype = torch.float64,
-) -> torch.Tensor:
+    second_from: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`fold_sums` by one plain forward and backward per (fold group, draw chunk): no vmap.
 
     Each call sees images of one fold only, so the gradient of its summed loss is that chunk's
@@ -211,11 +236,12 @@ def plain_fold_sums(
     weight = float(edm_weight(torch.tensor(float(sigma), dtype=torch.float64), float(model.sigma_data)))
     ends = torch.tensor([p.numel() for p in leaves]).cumsum(0).tolist()
     sums = torch.zeros(n_folds, ends[-1], dtype=accumulator, device=images.device)
+    second = None if second_from is None else torch.zeros_like(sums)
     with torch.enable_grad():
         for group, (fold, members) in enumerate(groups):
             index = torch.tensor(members, device=images.device)
-            for d0 in range(0, n_draws, d_chunk):
-                e = eps[index, d0 : d0 + d_chunk]
+            for d0, d1, into in draw_pieces(n_draws, d_chunk, second_from):
+                e = eps[index, d0:d1]
                 clean = images[index].unsqueeze(1).expand_as(e).reshape(-1, *images.shape[1:])
                 sig = torch.full((clean.shape[0],), float(sigma), dtype=images.dtype, device=images.device)
                 noisy = clean + sig.view(-1, 1, 1, 1) * e.flatten(0, 1)
@@ -225,8 +251,9 @@ def plain_fold_sums(
                 loss = weight * (denoised - clean).square().flatten(1).mean(1).sum()
                 grads = torch.autograd.grad(loss, leaves)
                 for lo, hi, g in zip([0, *ends[:-1]], ends, grads):
-                    sums[fold, lo:hi] += g.reshape(-1)
-    return sums.float()
+                    for acc in (sums, second)[into[0]:into[1]]:
+                        acc[fold, lo:hi] += g.reshape(-1)
+    return sums.float() if second is None else (sums.float(), second.double())
 
 
 def saved_bytes_per_sample(model: torch.nn.Module, images: torch.Tensor, sigma: float) -> int:

@@ -81,6 +81,7 @@ class Measure:
     store_format: str = STORE_FORMAT  # the format its stores name (twinrun/storage/store.py)
     # Whether the config's job runs torch.compile: its compile caches are then the run's own.
     compiles: Callable[[dict], bool] = lambda config: False
+    twin_first: bool = False  # each unit measures the twin before its other arms (the probe's pairing blocks)
 
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"

@@ -6,6 +6,7 @@ will build (on the CPU) and runs the trial eagerly; the job's session builds it 
 measures, resolves probe.method and compile there, and measures one arm of one bin at a time.
 """
 
+import base64
 import itertools
 import math
 import os
@@ -243,6 +244,9 @@ class ProbeSession:
         self.c = build_components(config, self.p, arms, device)
         self.image_shape = tuple(self.c.images.shape[1:])
         self.eps = None
+        self.twin = next(a.name for a in arms if a.role == "twin")
+        self.halves = half_draws(self.p.n_draws)
+        self.twin_sums = None  # this bin's twin (S, H), measured first (Measure.twin_first)
         sigma0 = _first_sigma(config)
         set_mode(self.c.model, self.c.images, sigma0, self.p.train_mode, announce=False)
         # What is measured, on every store: the model as built (weights loaded) and the probed images.
@@ -283,6 +287,7 @@ class ProbeSession:
         # This bin's draws, keyed by (seed, σ, image id, draw): the same for every arm.
         self.eps = draws.noise(self.seed, u["probe"]["sigma"], self.c.image_ids, self.p.n_draws,
                                self.image_shape)
+        self.twin_sums = None
 
     def measure(self, u: UnitEntry, arm: str, stamp: dict) -> tuple[dict, dict]:
         """Probe this arm at this bin (its σ_cond, its hooks on and off again), as the store's tensors."""
@@ -290,19 +295,67 @@ class ProbeSession:
         eps = self.eps.to(c.device)
         intervention = c.interventions[arm]
         sigma_cond = intervention.sigma_cond(torch.tensor(sigma, dtype=torch.float32))
+        second_from = None if self.halves is None else self.halves[0]
         with attached(intervention, c.model), self.memory_named(f"arm {arm}, {u['label']}"):
-            sums = trial.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
-                                        sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
-                                        p.chunk_images, p.chunk_draws, method=self.method,
-                                        forward=self.forward, train_stream=self.train_stream,
-                                        accumulator=fs.ACCUMULATORS[p.accumulator_dtype])
+            out = trial.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
+                                       sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
+                                       p.chunk_images, p.chunk_draws, method=self.method,
+                                       forward=self.forward, train_stream=self.train_stream,
+                                       accumulator=fs.ACCUMULATORS[p.accumulator_dtype],
+                                       second_from=second_from)
+        sums, second = out if second_from is not None else (out, None)
         fs.check_finite(sums, arm, u["index"], sigma)
+        pairing = None
+        if second is not None:
+            h = half_difference(sums, second, self.halves)
+            s = sums.double()  # the stored float32 sums: the blocks agree with what the reducer reads
+            if arm == self.twin:
+                self.twin_sums = (s, h)
+            assert arm == self.twin or self.twin_sums is not None, "the twin is measured first in every bin"
+            pairing = pairing_meta(s, h, None if arm == self.twin else self.twin_sums, c.layout)
         meta = {"arm": arm, "bin_index": u["index"], "sigma": sigma, "sigma_cond": float(sigma_cond),
                 "n_images": p.n_images, "n_draws": p.n_draws, "fold_sizes": c.fold_sizes,
                 "image_ids": c.image_ids, "seed": self.seed, "draws_digest": draws.digest(eps, sigma),
                 "config_hash": stamp["config_hash"], **self.identity, "layout": c.layout,
+                "half_draws": self.halves, "pairing": pairing,
                 "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
         return fold_tensors(sums, c.layout), meta
+
+
+def half_draws(n_draws: int) -> list[int] | None:
+    """[k1, k2]: the draws an image contributes to each half of its fold's sum (k1 = ⌊D/2⌋), None for one
+    draw (no halves: no pairing receipt)."""
+    return None if n_draws < 2 else [n_draws // 2, n_draws - n_draws // 2]
+
+
+def half_difference(sums: torch.Tensor, second: torch.Tensor, halves: list[int]) -> torch.Tensor:
+    """H_f = sqrt(k1·k2)·(S_f1/k1 − S_f2/k2) [F, P] float64: the images' share cancels (every image is in
+    both halves), the draw noise keeps the whole sum's covariance (twinrun.analysis.pairing)."""
+    k1, k2 = halves
+    return math.sqrt(k1 * k2) * ((sums.double() - second) / k1 - second / k2)
+
+
+def encode_blocks(x: torch.Tensor) -> str:
+    """A float64 [n_tensors, F, F] block as base64 of its little-endian bytes (exact, in the metadata the
+    file's sha256 covers)."""
+    return base64.b64encode(x.cpu().contiguous().numpy().astype("<f8").tobytes()).decode("ascii")
+
+
+def tensor_blocks(x: torch.Tensor, y: torch.Tensor, layout: list[dict]) -> torch.Tensor:
+    """[n_tensors, F, F] float64: ⟨x_f, y_g⟩ over each probed parameter's columns (x, y: [F, P])."""
+    return torch.stack([x[:, g["offset"] : g["offset"] + g["numel"]] @ y[:, g["offset"] : g["offset"]
+                                                                         + g["numel"]].T for g in layout])
+
+
+def pairing_meta(s: torch.Tensor, h: torch.Tensor, twin: tuple | None, layout: list[dict]) -> dict:
+    """The store's pairing blocks (docs/estimator.md, "The pairing receipt"): ⟨S,H⟩ and ⟨H,H⟩ of this arm
+    and, for any arm but the twin (twin = its (S, H), measured first), ⟨S,H^tw⟩, ⟨S^tw,H⟩ and ⟨H,H^tw⟩."""
+    blocks = {"s_h": tensor_blocks(s, h, layout), "h_h": tensor_blocks(h, h, layout)}
+    if twin is not None:
+        s_tw, h_tw = twin
+        blocks |= {"s_htwin": tensor_blocks(s, h_tw, layout), "stwin_h": tensor_blocks(s_tw, h, layout),
+                   "h_htwin": tensor_blocks(h, h_tw, layout)}
+    return {k: encode_blocks(v) for k, v in blocks.items()}
 
 
 def _first_sigma(config: dict) -> float:
@@ -333,4 +386,5 @@ PROBE = Measure(
     render=render,
     config_keys=("probe", "sigma_grid"),
     compiles=lambda config: trial.compile_mode(config["probe"].get("compile")) is not None,
+    twin_first=True,  # every other arm's pairing blocks need the twin's sums and half-draw differences
 )

@@ -74,6 +74,17 @@ def _segments(rows: list[dict]) -> list[list[dict]]:
     return runs + [current] if current else runs
 
 
+def _bar_ends(row: dict, key: str, se_key: str) -> tuple[float, float]:
+    """(lower, upper) of the plotted quantity's 95% interval: the row's printed interval (given that it
+    printed; a side the data do not bound is nan), or value ± t·SE for a summary written before them."""
+    interval = row.get(f"{'cos' if key == 'cos' else 'norm_ratio'}_interval")
+    if interval is None:
+        half = row["t_crit"] * row[se_key]
+        interval = [row[key] - half, row[key] + half]
+    lo, hi = (np.nan if x is None else x for x in interval)
+    return (1 - hi, 1 - lo) if key == "cos" else (lo, hi)  # 1 − cos turns the interval over
+
+
 def _estimand_names(effects: list[dict]) -> list[str]:
     """Estimands in the order the reducer wrote them (the registry's)."""
     return list(dict.fromkeys(e["estimand"] for e in effects))
@@ -125,7 +136,8 @@ def _no_effects_figure(title: str, summary: dict) -> Figure:
 def plot_effect(summary: dict, path: Path, *, intervention: dict | None = None, protocol: dict | None = None,
                 sigmas: list[float] | None = None) -> Path:
     """effect.png: per estimand, 1 − debiased cos, the norm ratio and each arm's debiased |μ|² against
-    noising σ, with 95% t-intervals; below-noise bins a labelled band, gate bins a dashed line.
+    noising σ, with the printed 95% intervals (|μ|²: t-intervals); below-noise bins a labelled band,
+    gate bins a dashed line.
 
     summary: summary.json as the reducer writes it (effects, gates, arms, passed).
     intervention: the intervention arm's `intervention` config node (`_target_` and its settings), from
@@ -147,7 +159,9 @@ def effect_caption(summary: dict) -> str:
         return "No effects are drawn: " + why
     rows = ("One column per estimand. Rows: 1 − debiased cos to the native twin (0: no change of direction), "
             "the norm ratio |μ_arm| / |μ_twin| on a log axis (1: no change of size), and each arm's debiased "
-            "|μ|² on a symlog axis; bars are 95% t-intervals; σ ticks are the run's bins.")
+            "|μ|² on a symlog axis; bars are the printed 95% intervals (given that a value prints, so "
+            "asymmetric near the noise floor; an open ▲ or ▼ marks a side the data do not bound) and 95% "
+            "t-intervals for |μ|²; σ ticks are the run's bins.")
     parts = [rows]
     if not all(has_number(e) for e in effects):
         parts.append("Grey hatched bands: below noise, where an arm's |μ|² is not signal, so no cosine or "
@@ -160,8 +174,8 @@ def effect_caption(summary: dict) -> str:
 def _effect_column(axes, rows: list[dict], bins: list[float], gate_sigmas: list[float]) -> None:
     """One estimand: its three rows of axes, sharing the σ axis."""
     ax_cos, ax_ratio, ax_signal = axes
-    _values(ax_cos, rows, lambda r: 1 - r["cos"], "se")
-    _values(ax_ratio, rows, lambda r: r["norm_ratio"], "norm_ratio_se")
+    _values(ax_cos, rows, "cos", "se")
+    _values(ax_ratio, rows, "norm_ratio", "norm_ratio_se")
     _signal(ax_signal, rows)
     ax_cos.axhline(0, color="k", lw=0.8, zorder=1)
     ax_ratio.axhline(1, color="k", lw=0.8, zorder=1)
@@ -175,13 +189,20 @@ def _effect_column(axes, rows: list[dict], bins: list[float], gate_sigmas: list[
         ax.grid(alpha=0.3)
 
 
-def _values(ax, rows: list[dict], value_of, se_key: str) -> None:
-    """Measured bins as points with 95% t-interval bars, joined only between neighbours with a number."""
+def _values(ax, rows: list[dict], key: str, se_key: str) -> None:
+    """Measured bins as points with their printed 95% intervals (conditional on printing, so asymmetric
+    near the detection boundary; a side the data do not bound is an open triangle at the value), joined
+    only between neighbours with a number. key: "cos" (drawn as 1 − cos) or "norm_ratio"."""
     for seg in _segments(rows):
-        value = np.array([value_of(r) for r in seg])
-        half = np.array([r["t_crit"] * r[se_key] for r in seg])
-        ax.errorbar([r["sigma"] for r in seg], value, yerr=half, marker="o", ms=4, capsize=3,
-                    color=EFFECT_COLOR)
+        sigma = np.array([r["sigma"] for r in seg])
+        value = np.array([1 - r["cos"] if key == "cos" else r[key] for r in seg])
+        lo, hi = np.array([_bar_ends(r, key, se_key) for r in seg]).T
+        yerr = np.nan_to_num(np.stack([value - lo, hi - value]), nan=0.0).clip(min=0.0)
+        ax.errorbar(sigma, value, yerr=yerr, marker="o", ms=4, capsize=3, color=EFFECT_COLOR)
+        for ends, marker in ((lo, "v"), (hi, "^")):
+            open_side = np.isnan(ends)
+            if open_side.any():
+                ax.plot(sigma[open_side], value[open_side], marker, mfc="none", color=EFFECT_COLOR, ms=8)
 
 
 def _signal(ax, rows: list[dict]) -> None:
@@ -269,7 +290,8 @@ def _sigma_axis(ax, bins: list[float]) -> None:
 def _effect_legend(fig: Figure, measured: bool, below_noise: bool, gates: bool) -> None:
     """One legend for the figure, of proxies for what is drawn: never empty (the |μ|² of both arms is
     always there), so matplotlib never warns, and nothing in it that the plot lacks."""
-    handles = [Line2D([], [], color=EFFECT_COLOR, marker="o", ms=4, label="measured: value ± 95% t-interval")]
+    handles = [Line2D([], [], color=EFFECT_COLOR, marker="o", ms=4,
+                      label="measured: value, 95% interval given printed (open ▲▼: unbounded side)")]
     handles = handles if measured else []
     handles += [Line2D([], [], color="k", lw=0.8, label="no effect (1 − cos = 0; ratio = 1); |μ|² = 0"),
                 Line2D([], [], color=ARM_COLOR, marker="o", ms=3.5,
@@ -352,9 +374,9 @@ def swept_variables(points: list[dict]) -> list[str]:
 
 
 def _point_state(point: dict) -> str | None:
-    if point["valid"] is None:
+    if point["checks_passed"] is None:
         return "unfinished"
-    return None if point["valid"] and point["gates_passed"] else "failed"
+    return None if point["checks_passed"] and point["gates_passed"] else "failed"
 
 
 def _cell(effect: dict | None, point_state: str | None) -> tuple[str, float, float]:

@@ -10,6 +10,13 @@ def pm(x: float | None, se: float | None, spec: str = ".4f", se_spec: str = ".1e
     return "below noise" if x is None else f"{x:{spec}} ± {se:{se_spec}}"
 
 
+def interval_text(interval: list | None, spec: str = ".4f") -> str:
+    """A printed interval `[lo, hi]`, asymmetric as computed; — for a side the data do not bound."""
+    if interval is None:
+        return ""
+    return "[" + ", ".join("—" if x is None else f"{x:{spec}}" for x in interval) + "]"
+
+
 def noise_note(row: dict) -> str:
     """Each arm's debiased squared norm ± SE (what decided "below noise")."""
     return (f"|μ|² = {row['norm2']:.2e} ± {row['norm2_se']:.1e}, "
@@ -39,14 +46,20 @@ def render(summary: dict) -> str:
         lines += ["", ("INSTRUMENT BROKEN: a validity check or no-op gate failed. Effects are withheld; "
                        "nothing else from this run should be read.")]
         return "\n".join(lines)
-    lines += ["", ("effects (debiased cos and norm ratio |μ_arm| / |μ_twin| to the twin, ± jackknife SE; 95% "
-                   "interval = value ± t_{F−1}·SE; 1 − cos is the change of direction, "
-                   "the ratio the change of size):"),
-              f"  {'σ':>6}  {'estimand':<9} {'cos ± se':>22} {'norm ratio ± se':>22} {'naive cos':>10}"]
+    lines += ["", ("effects (debiased cos and norm ratio |μ_arm| / |μ_twin| to the twin, ± jackknife SE, and "
+                   "95% intervals given that the row printed, — where unbounded; 1 − cos is the change of "
+                   "direction, the ratio the change of size):"),
+              (f"  {'σ':>6}  {'estimand':<9} {'cos ± se':>22} {'interval':>18} {'norm ratio ± se':>22} "
+               f"{'interval':>18}")]
     for x in summary["effects"]:
         if x["below_noise"]:
             lines.append(f"  {x['sigma']:>6g}  {x['estimand']:<9} {'below noise':>22} ({noise_note(x)})")
             continue
+        near = f"  near the detection boundary: {noise_note(x)}" if x.get("near_boundary") else ""
         lines.append(f"  {x['sigma']:>6g}  {x['estimand']:<9} {pm(x['cos'], x['se']):>22} "
-                     f"{pm(x['norm_ratio'], x['norm_ratio_se']):>22} {x['cos_naive']:>10.4f}")
+                     f"{interval_text(x.get('cos_interval')):>18} "
+                     f"{pm(x['norm_ratio'], x['norm_ratio_se']):>22} "
+                     f"{interval_text(x.get('norm_ratio_interval')):>18}{near}")
+    if summary.get("family"):
+        lines += ["", f"family-wise: {summary['family']['detail']}"]
     return "\n".join(lines)

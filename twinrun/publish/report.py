@@ -11,7 +11,7 @@ from twinrun.errors import StoreError
 from twinrun.files import atomic_write, read_json
 from twinrun.provenance.version import version_text
 from twinrun.publish.plots import effect_caption, plot_effect
-from twinrun.publish.render import noise_note, pm
+from twinrun.publish.render import interval_text, noise_note, pm
 from twinrun.storage.rundir import EFFECT_PNG, REPORT_MD, RunIndex
 
 
@@ -21,20 +21,65 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
         "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
-def _interval(row: dict) -> str:
-    half = row["t_crit"] * row["se"]
-    return f"[{row['cos'] - half:.4f}, {row['cos'] + half:.4f}]"
+INTERVAL_NOTE = ("Intervals are 95% given that the row printed (the test of signal selects the rows it "
+                 "prints; docs/estimator.md); they may be asymmetric, and — marks a side the data do not "
+                 "bound. A row near the detection boundary shows each arm's |μ|² ± SE: there the cosine "
+                 "reads towards the arms' noise correlation and the ratio low.")
 
 
 def effect_table(effects: list[dict]) -> list[str]:
     rows = []
     for e in effects:
         if e["below_noise"]:
-            rows.append([f"{e['sigma']:g}", e["estimand"], "below noise", "", "", noise_note(e)])
+            rows.append([f"{e['sigma']:g}", e["estimand"], "below noise", "", "", "", noise_note(e)])
             continue
-        rows.append([f"{e['sigma']:g}", e["estimand"], pm(e["cos"], e["se"]), _interval(e),
-                     pm(e["norm_ratio"], e["norm_ratio_se"]), f"naive cos {e['cos_naive']:.4f}"])
-    return _table(["σ", "estimand", "debiased cos ± se", "95% interval (t)", "norm ratio ± se", "note"], rows)
+        note = (f"**near the detection boundary**: {noise_note(e)}" if e.get("near_boundary")
+                else f"naive cos {e['cos_naive']:.4f}")
+        rows.append([f"{e['sigma']:g}", e["estimand"], pm(e["cos"], e["se"]),
+                     interval_text(e.get("cos_interval")), pm(e["norm_ratio"], e["norm_ratio_se"]),
+                     interval_text(e.get("norm_ratio_interval")), note])
+    return _table(["σ", "estimand", "debiased cos ± se", "95% interval", "norm ratio ± se", "95% interval",
+                   "note"], rows)
+
+
+RECEIPT_NOTE = ("What the shared draws bought each row: ρ is the arms' noise correlation, the draw "
+                "share the draw noise's share of the twin's noise, and each gain the variance the estimate "
+                "would have had had the twin consumed draws of its own (same images, same folds) over its "
+                "variance as measured. A gain near 1 says the images carry the variance: sharing draws "
+                "bought little, and the twin's value is the no-op gate and the kernel-path control "
+                "(docs/estimator.md).")
+
+
+def _num(x, spec: str = ".3g") -> str:
+    return "–" if x is None else f"{x:{spec}}"
+
+
+def receipt_table(effects: list[dict]) -> list[str]:
+    """The pairing receipt of every non-gate effect row (a row without one says why)."""
+    rows = []
+    for e in (e for e in effects if not e["gate"] and "pairing_rho" in e):
+        gains = [_num(e[k]) for k in ("pairing_gain", "pairing_gain_ratio", "pairing_gain_effect")]
+        rows.append([f"{e['sigma']:g}", e["estimand"], _num(e["pairing_rho"]), _num(e["draw_share"]), *gains,
+                     e.get("pairing_note") or ""])
+    if not rows:
+        return []
+    return ["", "### Pairing receipt", "", RECEIPT_NOTE, ""] + _table(
+        ["σ", "estimand", "ρ", "draw share", "gain: cos", "gain: norm ratio", "gain: no-effect test", "note"],
+        rows)
+
+
+def family_line(summary: dict) -> list[str]:
+    """The registered family-wise reading: how many effect rows, and whether any shows an effect."""
+    fam = summary.get("family")
+    if not fam:
+        return []
+    if not fam["n_hypotheses"]:
+        return [f"0 effect rows read; family-wise (Holm, α={fam['level']:g}): nothing to read."]
+    named = ", ".join(f"σ={r['sigma']:g} {r['estimand']}" for r in fam["rejected"])
+    found = (f"an effect in {len(fam['rejected'])} rows ({named})" if fam["effect"]
+             else "no row shows an effect")
+    return [(f"{fam['n_rows']} effect rows read ({fam['n_hypotheses']} distinct hypotheses of no effect: "
+             f"`residual` tests what `all` tests); family-wise (Holm, α={fam['level']:g}): {found}.")]
 
 
 def gate_table(gates: list[dict]) -> list[str]:
@@ -142,7 +187,9 @@ def write_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
     if summary["passed"]:
         png = plot_effect(summary, out_dir / EFFECT_PNG, **plot_context(index))
         lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", "", effect_caption(summary), ""]
-        lines += effect_table(summary["effects"])
+        lines += family_line(summary)
+        lines += ["", INTERVAL_NOTE, ""] + effect_table(summary["effects"])
+        lines += receipt_table(summary["effects"])
     if summary.get("reference"):
         lines += reference_lines(summary["reference"], summary["effects"])
     env_lines = env_summary(index)

@@ -82,7 +82,7 @@ def _cell(group: dict, sigma: float, estimand: str, alpha: float) -> dict:
     """One σ × estimand pooled over the group's seeds."""
     rows, below, missing = [], [], []
     for p in group["points"]:
-        if not (p.get("valid") and p.get("gates_passed")):
+        if not (p.get("checks_passed") and p.get("gates_passed")):
             missing.append(p.get("seed"))
             continue
         row = next((e for e in p["effects"] if e["sigma"] == sigma and e["estimand"] == estimand), None)

@@ -23,11 +23,11 @@ def _point(run_dir: Path) -> dict:
     intervention, protocol, seed = _intervention(index)
     point = {"run_dir": str(run_dir), "overrides": point_overrides(run_dir), "intervention": intervention,
              "axis": sweep_axis(intervention), "protocol": protocol, "seed": seed, "status": index.status,
-             "valid": None, "gates_passed": None, "effects": []}
+             "checks_passed": None, "gates_passed": None, "effects": []}
     rd = index.run_dir
     if rd.has_summary():
         summary = rd.read_summary()
-        point["valid"] = summary["valid"]
+        point["checks_passed"] = summary["checks_passed"]
         # `passed`: every check and gate, the machinery arm's included (an intervention with a no-op
         # setting may have no gate bin at all).
         point["gates_passed"] = summary["passed"]
@@ -53,7 +53,7 @@ def _intervention(index: RunIndex) -> tuple[dict, dict | None, int | None]:
 
 def _missing(sd: SweepDir, number: int, overrides: list[str]) -> dict:
     return {"run_dir": str(sd.point(number)), "overrides": overrides, "intervention": {},
-            "axis": None, "protocol": None, "seed": None, "status": "missing", "valid": None,
+            "axis": None, "protocol": None, "seed": None, "status": "missing", "checks_passed": None,
             "gates_passed": None, "effects": []}
 
 
@@ -65,12 +65,13 @@ def write_sweep_report(sd: SweepDir, summary: dict) -> Path:
     swept = swept_variables(summary["points"])
     lines = ["# twinrun sweep report", "", f"{n} {'point' if n == 1 else 'points'}; {verdict}.",
              f"Swept: {', '.join(f'`{k}`' for k in swept) or 'nothing (one point)'}.",
-             "", "| point | overrides | status | valid | gates passed | report |",
+             "", "| point | overrides | status | checks passed | gates passed | report |",
              "|---|---|---|---|---|---|"]
     for p in summary["points"]:
         rel = Path(p["run_dir"]).relative_to(sd.path)
-        lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} | {_yes_no(p['valid'])} "
-                     f"| {_yes_no(p['gates_passed'])} | [report]({rel}/report.md) |")
+        lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} "
+                     f"| {_yes_no(p['checks_passed'])} | {_yes_no(p['gates_passed'])} "
+                     f"| [report]({rel}/report.md) |")
     lines += seed_lines(summary.get("pooled_over_seeds") or [])
     png = plot_sweep(summary, sd.heatmap_png, protocol=_shared_protocol(summary["points"]))
     if png is not None:
@@ -154,7 +155,8 @@ def write_sweep_summary(sweep_dir: Path) -> dict:
                                "effect": None if e["cos"] is None else 1 - e["cos"], "cos": e["cos"],
                                "se": e["se"], "run_dir": p["run_dir"]})
     summary = {"sweep_dir": str(sd.path), "n_points": len(points),
-               "all_valid": all(p["valid"] and p["gates_passed"] for p in points) if points else False,
+               "all_valid": (all(p["checks_passed"] and p["gates_passed"] for p in points) if points
+                             else False),
                "points": points, "effects": effect_map, "pooled_over_seeds": pool_seeds(points),
                "twinrun": twinrun_version()}
     write_json(sd.summary_json, summary)

@@ -24,8 +24,8 @@ except ImportError:
 
 EXTRA_HINT = "pip install 'twinrun[table]' (pandas and pyarrow)"
 # The columns every row has, in this order; an effect row's further fields follow, then the overrides.
-COLUMNS = ("row_kind", "run_dir", "sweep_dir", "verdict", "valid", "passed", "measure", "unit_index", "unit",
-           "sigma", "estimand", "gate", "gate_passed", "below_noise", "effect", "cos", "se", "cos_lo",
+COLUMNS = ("row_kind", "run_dir", "sweep_dir", "verdict", "checks_passed", "passed", "measure", "unit_index",
+           "unit", "sigma", "estimand", "gate", "gate_passed", "below_noise", "effect", "cos", "se", "cos_lo",
            "cos_hi", "norm_ratio", "norm_ratio_se", "norm_ratio_lo", "norm_ratio_hi", "cos_naive", "norm2",
            "norm2_se", "norm2_base", "norm2_base_se", "t_crit", "pairing_rho", "pairing_gain",
            "kernel_path_sha256", "seed", "twinrun_version", "twinrun_commit")
@@ -111,7 +111,7 @@ def run_rows(run_dir: Path, sweep_dir: Path | None = None) -> list[dict]:
     estimands = (summary or {}).get("used", {}).get("estimands") or index.registered["estimands"]
     shared = {"row_kind": "run", "run_dir": str(run_dir),
               "sweep_dir": None if sweep_dir is None else str(sweep_dir), "verdict": VERDICTS[passed],
-              "valid": None if summary is None else summary["valid"], "passed": passed,
+              "checks_passed": None if summary is None else summary["checks_passed"], "passed": passed,
               "measure": index.measure, "seed": config.get("seed"), **_version(summary)}
     overrides = {k: v for k, v in _overrides(run_dir, config).items() if k not in COLUMNS}
     rows = []

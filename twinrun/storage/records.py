@@ -99,6 +99,8 @@ class Registered(TypedDict):
     estimands: list[str]  # names from the registry (twinrun/analysis/estimands.py)
     gate_rule: str  # one of config.GATE_RULES
     signal_alpha: Annotated[float, "positive"]  # in config.SIGNAL_ALPHA_RANGE, as reduce.signal_alpha is
+    # as reduce.family_alpha is (runs planned before it have none: 0.05)
+    family_alpha: NotRequired[Annotated[float, "positive"]]
 
 
 class JobRecord(TypedDict):
@@ -167,6 +169,15 @@ class EffectRow(TypedDict):
     norm2_base: float
     norm2_base_se: float
     t_crit: float
+    # The printed 95% intervals, conditional on the row printing ([lo, hi]; a side the data do not bound is
+    # null; the whole field null below noise), near_boundary and the test of no effect (docs/estimator.md).
+    cos_interval: NotRequired[list[float | None] | None]
+    norm_ratio_interval: NotRequired[list[float | None] | None]
+    near_boundary: NotRequired[bool]
+    diff_norm2: NotRequired[float]
+    diff_norm2_se: NotRequired[float]
+    effect_p: NotRequired[float]
+    family_p: NotRequired[float | None]  # its hypothesis's Holm-adjusted p-value (summary.family)
 
 
 class ReferenceReport(TypedDict):
@@ -190,12 +201,13 @@ class Summary(TypedDict):
     arms: list[str]
     registered: dict  # the analysis registered at plan time
     used: dict  # the analysis this summary used (differs from `registered` in a post-hoc view)
-    valid: bool  # every validity check passed
+    checks_passed: bool  # every validity check passed (the gates are not checks: see `passed`)
     passed: bool  # every check and every gate passed: the run's verdict
     checks: list[Check]
     gates: list[GateRow]
     effects: list[EffectRow]
     replicate: dict | None
+    family: NotRequired[dict | None]  # the family-wise reading (Holm at family_alpha); None when failed
     reference: NotRequired[ReferenceReport | None]
     post_hoc: NotRequired[PostHoc]
     twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
@@ -224,7 +236,7 @@ class TrainSummary(TypedDict):
     arms: list[str]
     registered: dict
     used: dict
-    valid: bool
+    checks_passed: bool
     passed: bool
     verdict: str  # one sentence: above the chaos floor, or not told apart from chaos
     checks: list[Check]
@@ -268,6 +280,11 @@ class ProbeStoreMeta(TypedDict):
     model_sha256: NotRequired[HexDigest]
     data_sha256: NotRequired[HexDigest]
     layout: list[LayoutEntry]
+    # The pairing receipt's inputs: the draws in each half [k1, k2] (None for one draw an image) and the
+    # base64 float64 [n_tensors, F, F] blocks of S and H (twinrun.analysis.receipts reads them); absent in
+    # stores written before them.
+    half_draws: NotRequired[list[int] | None]
+    pairing: NotRequired[dict[str, str] | None]
     env: NotRequired[dict | None]
     kernel_path: NotRequired[dict | None]
 
@@ -338,6 +355,9 @@ def _validate_registered(c: Checker, reg: Registered) -> None:
     if not signal_alpha_ok(reg["signal_alpha"]):
         c.fail("registered.signal_alpha", f"{reg['signal_alpha']!r} must be {SIGNAL_ALPHA_TEXT}, as "
                "reduce.signal_alpha is")
+    if "family_alpha" in reg and not signal_alpha_ok(reg["family_alpha"]):
+        c.fail("registered.family_alpha", f"{reg['family_alpha']!r} must be {SIGNAL_ALPHA_TEXT}, as "
+               "reduce.family_alpha is")
     if reg["gate_rule"] not in GATE_RULES:
         c.fail("registered.gate_rule", f"{show(reg['gate_rule'])} is not one of {', '.join(GATE_RULES)}")
 
@@ -396,6 +416,10 @@ def validate_store_meta(path: Path, meta: dict) -> ProbeStoreMeta:
     if len(set(names)) != len(names):
         c.fail("metadata.layout", "parameter names repeat: each names one tensor of the store")
     _validate_kernel_path(c, meta)
+    halves = meta.get("half_draws")
+    if halves is not None and (len(halves) != 2 or min(halves) < 1 or sum(halves) != meta["n_draws"]):
+        c.fail("metadata.half_draws", f"{show(halves)} must be two positive draw counts summing to "
+               f"n_draws={meta['n_draws']}")
     return meta
 
 

@@ -158,7 +158,7 @@ def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
     arm, twin = index.arm("intervention")["name"], index.arm("twin")["name"]
     config = rd.read_arm_config(arm)
     version = twinrun_version()
-    verdict = {"passed": bool(summary["passed"]), "valid": bool(summary["valid"])}
+    verdict = {"passed": bool(summary["passed"]), "checks_passed": bool(summary["checks_passed"])}
     verdict.update({_gate_key(g): bool(g["passed"]) for g in summary["gates"]})
     tags = {"twinrun.run_dir": str(rd.path.resolve()), "twinrun.kernel_path": _kernel_paths(index),
             "twinrun.verdict": "valid" if summary["passed"] else "instrument broken",

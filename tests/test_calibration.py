@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from sim import FEW, FEW_ALIGNED, FEW_HEAVY, HEAVY, ISOTROPIC, sample_grams, truth_means
 
-from twinrun.analysis.estimator import estimate_batch, t_quantile
+from twinrun.analysis.estimator import estimate_batch
+from twinrun.analysis.fold_moments import t_quantile
 
 ALPHA = 0.05  # reduce.signal_alpha's default
 NOISES = {"isotropic": ISOTROPIC, "heavy": HEAVY, "few": FEW, "few_heavy": FEW_HEAVY,

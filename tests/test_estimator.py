@@ -7,24 +7,21 @@ import numpy as np
 import pytest
 from conftest import run_twinrun
 
-from twinrun.analysis.estimator import (
+from twinrun.analysis.estimator import estimate, estimate_batch, residual_gram
+from twinrun.analysis.fold_moments import (
     corrected_variance,
     debiased_inner,
-    estimate,
-    estimate_batch,
     fold_means_gram,
     fold_pair_variance,
     jackknife_se,
     kernel_moments,
     leave_one_out_inner,
     pair_corrected_se,
-    replicates,
-    residual_gram,
-    selective_intervals,
     signal_threshold,
     t_quantile,
     u_statistic,
 )
+from twinrun.analysis.selective import replicates, selective_intervals
 
 ALPHA = 0.05
 

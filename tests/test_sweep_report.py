@@ -8,7 +8,8 @@ import pytest
 from matplotlib.patches import Rectangle
 
 from twinrun.interventions import sweep_axis
-from twinrun.publish.plots import (
+from twinrun.publish.sweep import write_sweep_report
+from twinrun.publish.sweep_plots import (
     CELL_STYLES,
     EFFECT_CMAP,
     EFFECT_GAMMA,
@@ -21,7 +22,6 @@ from twinrun.publish.plots import (
     sweep_figure,
     sweep_grid,
 )
-from twinrun.publish.sweep import write_sweep_report
 from twinrun.storage.sweepdir import SweepDir
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from twinrun.analysis.estimator import fold_means_gram, kernel_moments, moment_matrix, u_statistic
+from twinrun.analysis.fold_moments import fold_means_gram, kernel_moments, moment_matrix, u_statistic
 
 
 @dataclass

@@ -41,6 +41,15 @@ def test_the_printed_size_is_the_size_on_disk(compose_cfg, tmp_path, capsys):
     assert abs(size - on_disk) / on_disk < 0.25  # the payload exactly, the header estimated
 
 
+def test_a_store_header_its_reader_would_refuse_is_refused_at_plan_time(compose_cfg, tmp_path):
+    # The pairing blocks grow with F²: at 200 folds of the default model's tensors a header would pass
+    # the 64 MiB a reader accepts, so every store of the run would be written and then refused.
+    cfg = compose_cfg(["+experiment=pin_sigma", *TINY, "probe.n_images=200", "probe.n_folds=200"])
+    with pytest.raises(ConfigError, match=r"^probe.n_folds=200: each store's header would take about .* MiB"):
+        plan_run(cfg, tmp_path / "run", dry_run=True)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_file_system_too_small_is_refused_at_plan_time(compose_cfg, tmp_path, monkeypatch):
     monkeypatch.setattr(DISK_USAGE, lambda path: DiskUsage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(ConfigError) as err:

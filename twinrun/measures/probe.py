@@ -34,8 +34,9 @@ from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.publish.render import render
 from twinrun.publish.report import write_report
+from twinrun.storage.header import MAX_HEADER_BYTES
 from twinrun.storage.records import UnitEntry
-from twinrun.storage.store import store_size
+from twinrun.storage.store import header_size, store_size
 
 
 def store_name(bin_index: int, sigma: float) -> str:
@@ -122,7 +123,15 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
                           f"would take {noise_bytes / 2**30:.1f} GiB, over half this machine's "
                           f"{memory / 2**30:.0f} GiB; use fewer draws or images")
     n_params = sum(numels)  # numels: one per probed parameter tensor
-    store_bytes = n_stores * store_size(p.n_folds, n_params, len(numels), p.n_images)
+    pairing = half_draws(p.n_draws) is not None
+    header = header_size(p.n_folds, len(numels), p.n_images, pairing)
+    if header > MAX_HEADER_BYTES:  # a store whose header its own reader refuses: never written
+        raise ConfigError("probe.n_folds", p.n_folds, f"each store's header would take about "
+                          f"{header / 2**20:,.0f} MiB ({len(numels):,} probed tensors x {p.n_folds}² "
+                          f"fold pairs of pairing blocks), over the {MAX_HEADER_BYTES // 2**20} MiB a "
+                          "store's header may hold; use fewer folds or probe fewer parameter tensors "
+                          "(probe.params)")
+    store_bytes = n_stores * store_size(p.n_folds, n_params, len(numels), p.n_images, pairing)
     where = Path(run_dir) if run_dir is not None else Path.cwd()
     while not os.path.exists(where):  # (os.path: a name too long is "absent", not an OSError)
         where = where.parent

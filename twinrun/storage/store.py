@@ -50,10 +50,20 @@ def write_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict, fmt: s
     return atomic_write(path, safetensors.torch.save(tensors, metadata=strings))
 
 
-def store_size(n_folds: int, n_params: int, n_tensors: int, n_images: int) -> int:
-    """A store's size on disk, for planning: the payload exactly, the header estimated (its metadata:
-    the layout and a digest per tensor, the image ids, the environment record)."""
-    return 4 * n_folds * n_params + 16 * 1024 + 400 * n_tensors + 8 * n_images
+# The probe's pairing receipt: up to 5 blocks of [n_tensors, F, F] float64 per store, base64 in its header.
+PAIRING_BLOCKS = 5
+
+
+def header_size(n_folds: int, n_tensors: int, n_images: int, pairing: bool = True) -> int:
+    """A store's header estimated, in bytes: the layout and a digest per tensor, the image ids, the
+    environment record and (pairing) the receipt's blocks, base64 (4 bytes per 3)."""
+    blocks = PAIRING_BLOCKS * n_tensors * n_folds**2 * 8 * 4 // 3 if pairing else 0
+    return 16 * 1024 + 400 * n_tensors + 8 * n_images + blocks
+
+
+def store_size(n_folds: int, n_params: int, n_tensors: int, n_images: int, pairing: bool = True) -> int:
+    """A store's size on disk, for planning: the payload exactly, the header estimated."""
+    return 4 * n_folds * n_params + header_size(n_folds, n_tensors, n_images, pairing)
 
 
 @dataclass

@@ -118,3 +118,13 @@ def tiny_run(tmp_path_factory) -> Path:
     proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={root / 'run'}"], cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return root / "run"
+
+
+def cli(main, argv, capsys) -> tuple[int, str, str]:
+    """An entry point in process: its exit code and output; any exception but SystemExit fails the test."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err

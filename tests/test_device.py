@@ -89,6 +89,10 @@ def test_a_submitted_job_must_request_the_gpus_its_device_names():
     with pytest.raises(ConfigError, match=r"device='cuda:1': the job requests launcher.gpus_per_node=1"):
         launchers.check(launcher(name="submitit_local", gpus_per_node=1), device=("probe.device", "cuda:1"))
     launchers.check(launcher(name="submitit_local", gpus_per_node=2), device=("probe.device", "cuda:1"))
+    with pytest.raises(ConfigError, match=r"^probe.device='cuda:1': launcher.pack=2 gives each run one GPU"):
+        launchers.check(launcher(name="submitit_local", gpus_per_node=2, pack=2),
+                        device=("probe.device", "cuda:1"))
+    launchers.check(launcher(name="submitit_local", gpus_per_node=2, pack=2), device=("probe.device", "cuda"))
     # In this process: judged where it runs, by the job.
     launchers.check(launcher(name="local", gpus_per_node=0), device=("probe.device", "cuda"))
     note = launchers.device_note(launcher(name="submitit_local", gpus_per_node=0), "probe.device", "auto")

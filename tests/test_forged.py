@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import safetensors.torch
-from conftest import TINY
+from conftest import TINY, cli
 
 from twinrun import compare, reduce, resume, status
 from twinrun.errors import ConfigError
@@ -29,13 +29,6 @@ def run(tiny_run, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_run, tmp_path / "run", symlinks=True))
 
 
-def cli(main, argv, capsys) -> tuple[int, str, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def refused(main, argv, capsys, *words) -> str:

@@ -233,3 +233,10 @@ def test_a_sparse_store_is_refused_before_reading(tmp_path):
         f.truncate(path.stat().st_size + (1 << 30))  # 1 GiB of hole: reads as zeros, costs no disk
     with pytest.raises(StoreError, match="a sparse file"):
         read_store(path)
+
+
+def test_a_summary_written_before_checks_passed_says_reduce_again(tmp_path):
+    from twinrun.storage.records import validate_summary
+
+    with pytest.raises(StoreError, match=r"written by an older twinrun .*`python -m twinrun.reduce RUN_DIR`"):
+        validate_summary(tmp_path / "summary.json", {"valid": True, "passed": True})

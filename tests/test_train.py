@@ -9,6 +9,8 @@ one line naming the key, before any compute.
 
 import json
 import math
+import os
+import stat
 import sys
 import textwrap
 from types import SimpleNamespace
@@ -21,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from twinrun.analysis.train_reduce import Run, compare_stores, gate_rows, reduce_train
 from twinrun.app import CONF_DIR
 from twinrun.config import register_configs
-from twinrun.errors import ConfigError, TwinrunError
+from twinrun.errors import ConfigError, DeviceMemoryError, TwinrunError
 from twinrun.job import run_job
 from twinrun.measures import train as train_kind
 from twinrun.measures import train_state
@@ -408,3 +410,66 @@ def test_a_training_run_is_a_table_and_a_tracker_payload(tiny):
     assert all(b["heldout_loss"] is not None for b in p.baseline_steps)
     assert {k for k in p.verdict if k.startswith("gate/")} == {f"gate/{g['arm']}/step{g['step']}"
                                                                 for g in summary["gates"]}
+
+
+def test_a_post_hoc_residual_view_of_a_training_run_is_refused(tiny):
+    # It read as a plain selection of the weights and printed the `all` numbers labelled `residual`.
+    with pytest.raises(ConfigError, match=r"^--estimands=\['residual'\]: \['residual'\] are views over σ"):
+        reduce_train(tiny.index.run_dir.path, estimands=["residual"])
+    assert not tiny.index.run_dir.view_dir("estimands-residual").exists()
+
+
+def test_a_training_store_is_a_safetensors_file_with_the_umasks_mode_and_no_leftover(tiny, tmp_path):
+    # safetensors' save_file wrote its own .tmpXXXXXX (never found as a leftover) and left stores 0600,
+    # unreadable to anyone else who shares the run directory.
+    from safetensors import safe_open
+
+    index = tiny.index
+    umask = os.umask(0)
+    os.umask(umask)
+    for u in index.units:
+        for arm in u["stores"]:
+            path = index.store_path(u, arm)
+            assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+            store = read_train_store(path, u["stores"][arm]["sha256"])
+            with safe_open(str(path), framework="pt") as f:  # safetensors' own reader agrees
+                assert set(f.keys()) == set(store.tensors)
+                assert all(torch.equal(f.get_tensor(k), store.tensors[k]) for k in f.keys())  # noqa: SIM118
+    assert not [p for p in index.run_dir.path.rglob(".*tmp*")]
+
+
+def test_a_resubmitted_training_run_is_held_to_the_launcher_rules_of_its_config(tiny):
+    # resume read only probe.compile from the run: a launch.json saying split=bins (or a GPU count its
+    # train.device contradicts) was resubmitted without the refusal planning gives.
+    from omegaconf import OmegaConf
+
+    from twinrun import launchers
+    from twinrun.config import LauncherConfig
+    from twinrun.pipeline import _launch_rules
+
+    compiled, sequential, device = _launch_rules(tiny.index.run_dir)
+    assert sequential == train_kind.TRAIN.unit_noun and device == ("train.device", "auto")
+    launcher = {**OmegaConf.to_container(OmegaConf.structured(LauncherConfig)), "name": "submitit_local",
+                "split": "bins"}
+    with pytest.raises(ConfigError, match=r"^launcher.split='bins'"):
+        launchers.check(launcher, compiled, sequential, device)
+
+
+def test_running_out_of_memory_while_training_is_the_devices_not_the_models(tmp_path, monkeypatch):
+    # It was recorded as the model's exception (exit 4, "resume after fixing it"), not as exit 6.
+    real = train_kind.TrainSession._train
+
+    def out_of_memory_in_the_second_segment(self, s, seg):
+        if seg.steps and seg.steps[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real(self, s, seg)
+
+    monkeypatch.setattr(train_kind.TrainSession, "_train", out_of_memory_in_the_second_segment)
+    cfg, run_dir = tiny_cfg(), tmp_path / "run"
+    plan_run(cfg, run_dir)
+    with pytest.raises(DeviceMemoryError) as err:
+        run_job(run_dir, trusted_targets(cfg))
+    assert err.value.exit_code == 6 and "segment 2 (steps 3–4): cpu ran out of memory" in str(err.value)
+    index = RunIndex.load(run_dir)
+    assert index.failure["error"] == "device_memory" and "type" not in index.failure
+    assert [u["index"] for u in index.whole_units()] == [0, 1]  # measured before the error: kept

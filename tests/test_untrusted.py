@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY, run_twinrun
+from conftest import TINY, cli, run_twinrun
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,13 +28,10 @@ pytestmark = pytest.mark.slow
 READERS = {"reduce": reduce.main, "status": status.main, "compare": compare.main}
 
 
-@pytest.fixture(scope="module")
-def made_run(tmp_path_factory) -> Path:
-    """One finished tiny run, copied by each test that damages it."""
-    root = tmp_path_factory.mktemp("made")
-    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={root / 'run'}"], cwd=root)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return root / "run"
+@pytest.fixture
+def made_run(tiny_run) -> Path:
+    """The session's finished tiny run (conftest.tiny_run), copied by each test that damages it."""
+    return tiny_run
 
 
 @pytest.fixture
@@ -42,14 +39,6 @@ def run_copy(made_run, tmp_path) -> Path:
     return Path(shutil.copytree(made_run, tmp_path / "copy", symlinks=True))
 
 
-def cli(main, argv, capsys) -> tuple[int, str, str]:
-    """An entry point in process: its exit code and output; any exception but SystemExit fails the test."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def entry(name, run_dir, other):

@@ -60,7 +60,7 @@ class Interrupted(BaseException):
     code (a builder, the trial, a model) and every `except TwinrunError` that turns a point's error into
     its exit code must let it through, or a signal would be swallowed or become exit 2 or 4."""
 
-    def __init__(self, exit_code: int, detail: str = "finished bins are kept: resume with "
+    def __init__(self, exit_code: int, detail: str = "finished units (bins, segments) are kept: resume with "
                  "`python -m twinrun.resume RUN_DIR`"):
         name = "SIGINT" if exit_code == EXIT_INTERRUPTED else "SIGTERM"
         super().__init__(f"interrupted by {name}; {detail}")

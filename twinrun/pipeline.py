@@ -102,17 +102,22 @@ def resume_run(rd: RunDir, local: bool, trusted: list[str]) -> int:
     """Measure what is missing (here, or by resubmitting a SLURM run), then reduce; the exit code."""
     launcher = None if local else submitted_launcher(rd)
     if launcher is not None:
-        # launch.json's settings are held to the rules a config's are (split=bins with a compiled probe)
-        launchers.check(launcher, _probe_compile(rd))
+        # launch.json's settings are held to the rules a config's are (split=bins with a compiled probe or
+        # sequential units, the GPUs the device setting names)
+        launchers.check(launcher, *_launch_rules(rd))
         return submit_and_collect([rd.path], launcher, rd.path, trusted)
     run_job(rd.path, trusted)
     return reduce_and_publish(rd.path)
 
 
-def _probe_compile(rd: RunDir):
-    """The run's probe.compile, read from its twin's config (the launcher rules depend on it)."""
+def _launch_rules(rd: RunDir) -> tuple:
+    """What the launcher rules depend on, read from the run's twin config: (probe.compile, the noun of
+    sequential units or None, (the kind's device key, its setting))."""
     index = RunIndex.load(rd)
-    return (rd.read_arm_config(index.arm("twin")["name"]).get("probe") or {}).get("compile")
+    kind = measure_of(index.measure)
+    config = rd.read_arm_config(index.arm("twin")["name"])
+    return ((config.get("probe") or {}).get("compile"), kind.unit_noun if kind.sequential_units else None,
+            (f"{kind.settings_key}.device", str(kind.device(config))))
 
 
 def submit_sweep(points: list[Point], sweep_dir: Path) -> int:

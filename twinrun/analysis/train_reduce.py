@@ -18,11 +18,11 @@ from scipy import stats
 
 from twinrun import arms as arms_mod
 from twinrun.analysis.checks import check, provenance_checks, registered
-from twinrun.analysis.estimands import SHIFT_VIEW, check_estimands, registry
+from twinrun.analysis.estimands import ESTIMANDS, SHIFT_VIEW, check_estimands, registry
 from twinrun.analysis.gates import decide
 from twinrun.analysis.reduce import Reduction, view_name
 from twinrun.config import TrainConfig, typed
-from twinrun.errors import StoreError, TwinrunError
+from twinrun.errors import ConfigError, StoreError, TwinrunError
 from twinrun.storage.records import TrainSummary
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.train_store import TrainStore, read_train_store
@@ -354,9 +354,20 @@ def analyse(run: Run, records: list[dict], losses: list[dict], found: dict, used
     return summary
 
 
+def refuse_derived(names, key: str = "reduce.estimands") -> None:
+    """A training run reads parameter groups only: a derived view (the probe's `residual`, over σ bins)
+    would read as a plain selection of the weights and print another estimand's numbers under its name."""
+    derived = [n for n in names if n in ESTIMANDS and ESTIMANDS[n].derive is not None]
+    if derived:
+        raise ConfigError(key, list(names), f"{derived} are views over σ bins of the probe; a training run "
+                          "reads parameter groups: all, cond or reduce.groups")
+
+
 def reduce_train(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None) -> Reduction:
     """The registered analysis and, when any setting differs, a post-hoc view; every store read once.
     The registered verdict is recomputed from the stores, never read from summary.json."""
+    if estimands is not None:
+        refuse_derived(estimands, "--estimands")
     reg = registered(RunIndex.load(run_dir))
     used = {**reg, "estimands": list(estimands or reg["estimands"]),
             "gate_rule": gate_rule or reg["gate_rule"],

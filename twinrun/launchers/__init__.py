@@ -104,6 +104,10 @@ def check_device_request(launcher: dict, key: str, setting: str) -> None:
     if kind == "cuda" and gpus < 1:
         raise ConfigError("launcher.gpus_per_node", gpus, f"{key}={setting} needs a GPU, and the job would "
                           f"request none: set launcher.gpus_per_node=1, or {key}=cpu")
+    pack = launcher.get("pack", 1)
+    if index is not None and index > 0 and pack > 1:  # each run of a pack sees its own GPU, as cuda:0
+        raise ConfigError(key, setting, f"launcher.pack={pack} gives each run one GPU of the job, which it "
+                          f"sees as cuda:0; use {key}=cuda (or auto)")
     if index is not None and index >= gpus:
         raise ConfigError(key, setting, f"the job requests launcher.gpus_per_node={gpus}, which it sees as "
                           f"cuda:0 to cuda:{gpus - 1}; use {key}=cuda (or auto), or request more GPUs")

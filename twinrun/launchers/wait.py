@@ -174,11 +174,16 @@ def _final_state(job, state: str) -> str:
 
 def _report(e: "Submitted", state: str, tail: list[str]) -> int:
     failure = RunIndex.load(e.run_dir).own_failure(e.units)
-    where = f"arm {failure['arm']} failed at {failure['unit']}" if failure else "the job failed"
-    print(f"twinrun: error: {_label(e)}: job {e.job.job_id} {state}: {where}; finished units are kept "
-          "(submit the same run directory again to resume)", file=sys.stderr)
-    for line in tail:
-        print(f"  | {line}", file=sys.stderr)
+    said = failure.get("message") if failure and (failure.get("error") in FAILURE_EXIT_CODES
+                                                  or failure.get("refused")) else None
+    if said:  # twinrun refused in the job (no GPU, too little memory, determinism, a kernel path): its line
+        print(f"twinrun: error: {_label(e)}: job {e.job.job_id} {state}: {said}", file=sys.stderr)
+    else:
+        where = f"arm {failure['arm']} failed at {failure['unit']}" if failure else "the job failed"
+        print(f"twinrun: error: {_label(e)}: job {e.job.job_id} {state}: {where}; finished units are kept "
+              "(submit the same run directory again to resume)", file=sys.stderr)
+        for line in tail:
+            print(f"  | {line}", file=sys.stderr)
     print(f"  logs: {e.job.paths.stderr}", file=sys.stderr, flush=True)
     if failure and failure.get("type"):  # the model raised (run.json records its exception): exit 4
         return EXIT_MODEL

@@ -123,7 +123,8 @@ def resolve_device(name: str, gpus: int | None = None, key: str = "probe.device"
     if not torch.cuda.is_available():
         asked = f"{key}={name}" if kind == "cuda" else f"{key}=auto with launcher.gpus_per_node={gpus}"
         raise DeviceError(f"{asked} asks for a GPU, but this process sees none ({_visible()}): run it "
-                          f"where torch sees a GPU, or set {key}=cpu")
+                          f"where torch sees a GPU, or measure again with {key}=cpu into a new run "
+                          "directory (the setting is part of the run's config)")
     count = torch.cuda.device_count()
     if index is not None and index >= count:
         raise DeviceError(f"{key}={name}: this process sees {count} GPU{'s' * (count != 1)} ({_visible()}), "

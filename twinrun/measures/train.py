@@ -15,15 +15,16 @@ import copy
 import json
 import math
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from twinrun.analysis.estimands import ESTIMANDS, check_estimands, declared_groups
-from twinrun.analysis.train_reduce import reduce_train
+from twinrun.analysis.estimands import check_estimands, declared_groups
+from twinrun.analysis.train_reduce import reduce_train, refuse_derived
 from twinrun.config import TrainConfig, build, typed
-from twinrun.errors import ConfigError, StoreError, TwinrunError
+from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_step as ts
@@ -40,7 +41,7 @@ from twinrun.measures.train_state import (
     weight_layout,
 )
 from twinrun.measures.train_streams import Segment, draw_segment, dropout_seed, heldout_draws
-from twinrun.measures.trial import as_model_error, failing_frame, first_line
+from twinrun.measures.trial import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.publish.train_report import render_train, write_train_report
 from twinrun.storage.records import UnitEntry
@@ -90,11 +91,7 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if cfg.reference is not None:
         raise ConfigError("reference", cfg.reference, "a training run takes no reference: compare two "
                           "training runs with `python -m twinrun.compare RUN_A RUN_B`")
-    derived = [n for n in cfg.reduce.estimands if n in ESTIMANDS and ESTIMANDS[n].derive is not None]
-    if derived:
-        raise ConfigError("reduce.estimands", list(cfg.reduce.estimands), f"{derived} are views over σ "
-                          "bins of the probe; a training run reads parameter groups: all, cond or "
-                          "reduce.groups")
+    refuse_derived(cfg.reduce.estimands)
     check_training_intervention(intervention)
     (train_x, train_ids), (held_x, held_ids) = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
     if t.batch_size > train_x.shape[0]:
@@ -308,13 +305,27 @@ class TrainSession:
         self.segment = Segment(seg.steps, seg.positions.to(self.device), seg.normal.to(self.device),
                                seg.eps.to(self.device), seg.digest)
 
+    @contextmanager
+    def memory_named(self, arm: str, u: UnitEntry):
+        """Running out of memory is the device's, never the model's fault: exit 6, naming the knobs."""
+        try:
+            yield
+        except Exception as err:
+            if is_out_of_memory(err):
+                raise DeviceMemoryError(f"arm {arm}, {u['label']}: {self.device} ran out of memory "
+                                        f"({first_line(err)}); every arm's model and optimizer state is held "
+                                        "at once: lower train.batch_size or train.chunk_samples (the "
+                                        "activations), or train a smaller model") from err
+            raise
+
     def measure(self, u: UnitEntry, arm: str, stamp: dict) -> tuple[dict, dict]:
         """Train this arm through the segment, then its held-out loss; the store's tensors and metadata."""
         s, seg = self.arms[arm], self.segment
         assert s.step == u["train"]["from_step"], (arm, s.step, u["label"])
-        losses, digests = as_model_error(arm, u, self._train, s, seg)
-        held = as_model_error(arm, u, ts.heldout_losses, s.model, s.intervention, self.held_x,
-                              self.held_normal, self.held_eps, self.chunk)
+        with self.memory_named(arm, u):
+            losses, digests = as_model_error(arm, u, self._train, s, seg)
+            held = as_model_error(arm, u, ts.heldout_losses, s.model, s.intervention, self.held_x,
+                                  self.held_normal, self.held_eps, self.chunk)
         check_finite(arm, u, losses, held, s.model, seg.steps)
         s.step = u["train"]["to_step"]
         state = s.model.state_dict()

@@ -394,6 +394,9 @@ def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str
 def validate_summary(path: Path, summary: dict) -> Summary | TrainSummary:
     """summary.json against its kind's type (a training run's says `"measure": "train"`)."""
     schema = TrainSummary if isinstance(summary, dict) and summary.get("measure") == "train" else Summary
+    if isinstance(summary, dict) and "valid" in summary and "checks_passed" not in summary:
+        raise StoreError(path, "written by an older twinrun (its field `valid` is now `checks_passed`): "
+                         "reduce the run again, `python -m twinrun.reduce RUN_DIR`")
     return check_typed(Checker(path), summary, schema, "")
 
 

@@ -11,10 +11,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
-from twinrun.errors import StoreError
+from twinrun.errors import StoreError, TwinrunError
 from twinrun.files import create_temp, memory_bytes, open_regular
 from twinrun.storage.header import (
     HEX64,
@@ -46,41 +45,60 @@ class TrainStore:
     sha256: str
 
 
+def safetensors_header(tensors: dict[str, torch.Tensor], strings: dict[str, str]) -> bytes:
+    """The safetensors file's head for `tensors` laid out in order: the 8-byte little-endian length and
+    the JSON header (dtypes, shapes, offsets, metadata), padded with spaces to 8 bytes as safetensors does."""
+    names = {dtype: name for name, dtype in TRAIN_DTYPES.items()}
+    entries, offset = {"__metadata__": strings}, 0
+    for name, t in tensors.items():
+        if t.dtype not in names:
+            raise TwinrunError(f"tensor {name!r} of a training store is {t.dtype}: a training store holds "
+                               f"{', '.join(map(str, names))} only")
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + n]}
+        offset += n
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
+
+
+def _write_all(fd: int, data, digest) -> None:
+    view = memoryview(data).cast("B")
+    digest.update(view)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def write_train_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> str:
-    """A training store written straight from the tensors' memory (safetensors' save_file: no copy of the
-    state is ever held, so a job holds no second model while it stores one), fsynced and renamed into
-    place as atomic_write does (the same temporary name, so a write cut short is found and removed)."""
+    """A training store written straight from the tensors' memory (no copy of the state is ever held, so
+    a job holds no second model while it stores one) into a temporary file created exclusively under a
+    random name beside it (as atomic_write's: no planted link is followed, a leftover is found and
+    removed, the file has the umask's mode), fsynced and renamed into place; the file's sha256."""
+    tensors = {name: t.detach().contiguous() for name, t in tensors.items()}
     digests = {name: hashlib.sha256(bytes_of(t)).hexdigest() for name, t in tensors.items()}
     strings = {"format": TRAIN_STORE_FORMAT, TENSOR_SHA256: json.dumps(digests)}
     strings.update({k: encode_meta(v) for k, v in meta.items()})
-    tmp = None
+    digest, tmp = hashlib.sha256(), None
     try:
-        # The temporary name is created exclusively first (random, O_EXCL|O_NOFOLLOW: no link planted at
-        # it can be followed), then written by name: safetensors opens the file itself.
         fd, tmp = create_temp(path)
-        os.close(fd)
-        safetensors.torch.save_file(tensors, tmp, metadata=strings)
-        fd = os.open(tmp, os.O_RDONLY)
         try:
+            _write_all(fd, safetensors_header(tensors, strings), digest)
+            for t in tensors.values():
+                _write_all(fd, bytes_of(t), digest)
             os.fsync(fd)
-            digest = hashlib.sha256()
-            while chunk := os.read(fd, 16 * 2**20):
-                digest.update(chunk)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(dir_fd)  # the rename itself survives a power loss
         finally:
             os.close(dir_fd)
-    except StoreError:
-        raise
-    except Exception as err:  # noqa: BLE001 — safetensors reports a failed write as its own error type
+    except OSError as err:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        raise StoreError(path, f"cannot write ({getattr(err, 'strerror', None) or err}); finished stores "
-                         "are kept") from None
+        raise StoreError(path, f"cannot write ({err.strerror or err}); finished stores are kept") from None
     return digest.hexdigest()
 
 

@@ -60,7 +60,7 @@ def test_replicate_reports_bit_identity(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["replicate"]["n_differ"] == 0 and summary["replicate"]["n_tensors"] == 3
-    assert "0 / 3 tensors differ" in proc.stdout
+    assert "0 / 3 bins differ" in proc.stdout
     assert sorted(p.name for p in (run_dir / "arms").iterdir()) == ["native", "native_replicate", "pin_sigma"]
 
 

@@ -247,7 +247,7 @@ class DeterminismConfig:
 @dataclass
 class ArmsConfig:
     # Measure the native twin a second time in the same job: the within-environment determinism
-    # control (the reducer reports "k / N tensors differ", the max difference and the cosine).
+    # control (the reducer reports "k / N bins differ", the max difference and the cosine).
     replicate: bool = False
 
 

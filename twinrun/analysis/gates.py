@@ -84,7 +84,8 @@ def replicate_report(index, found) -> dict | None:
              "max_abs_diff": 0.0 if p.identical else p.max_abs_diff,
              "max_shift": 0.0 if p.identical else p.shift(SHIFT_VIEW)} for b, p in bins]
     differ = sum(not r["bit_identical"] for r in rows)
-    detail = f"{differ} / {len(rows)} tensors differ between the native twin and its replicate"
+    detail = (f"{differ} / {len(rows)} bins differ between the native twin and its replicate (each bin's "
+              "fold sums compared bit for bit)")
     if differ:
         detail += (f"; max |Δ| = {max(r['max_abs_diff'] for r in rows):.3e}, max relative difference "
                    f"{max(r['max_shift'] for r in rows):.3e}: this kernel path is nondeterministic")

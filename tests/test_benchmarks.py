@@ -19,7 +19,7 @@ SECTIONS = {
     "bench_probe.py": ["speed, one bin and arm:", "twin cost", "peak RSS, one probe call", "throughput:",
                        "chunk sweep", "end to end:"],
     "bench_reduce.py": ["self-check:", "reduce_run (fresh process", "summary written: True"],
-    "bench_gpu.py": ["eager  vmap:", "eager folds:", "total"],
+    "bench_gpu.py": ["eager  vmap (", "eager folds (", "total"],
     "bench_index.py": ["100 units", "1,000 units"],
     "bench_train.py": ["per step: plain", "whole run:", "peak RSS growth"],
     "train_floor.py": ["train_floor: torch", "median chaos floor at the last step"],

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import measured, run_twinrun
+from conftest import measured, pin_device, run_twinrun
 
 from twinrun.errors import StoreError
 from twinrun.job import run_job
@@ -39,6 +39,8 @@ SLOW_FSYNC = textwrap.dedent("""
 
 
 def start(args, cwd, env):
+    if args[0] == "twinrun":  # as run_twinrun does: the device pinned, so the config (and its hash) is ref's
+        args = ["twinrun", *pin_device(args[1:])]
     return subprocess.Popen([sys.executable, "-m", *args], cwd=cwd, env={**os.environ, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -166,19 +168,20 @@ def test_disk_full_is_a_clear_error_and_finished_bins_stay_valid(tmp_path, compo
 
 
 def test_a_permission_error_names_the_path(tmp_path, compose_cfg, monkeypatch):
-    import builtins
 
     import twinrun.files
 
     cfg = compose_cfg(FAULT_RUN)
     plan_run(cfg, tmp_path)
 
-    def no_write_in_arm(path, mode="r", *args, **kwargs):  # root ignores chmod: inject EACCES
-        if "w" in mode and "/arms/pin_sigma/" in str(path):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-        return builtins.open(path, mode, *args, **kwargs)
+    real_open = os.open
 
-    monkeypatch.setattr(twinrun.files, "open", no_write_in_arm, raising=False)  # atomic_write's open
+    def no_write_in_arm(path, flags, *args, **kwargs):  # root ignores chmod: inject EACCES
+        if flags & os.O_CREAT and "/arms/pin_sigma/" in str(path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(twinrun.files.os, "open", no_write_in_arm)  # atomic_write's exclusive temp file
     with pytest.raises(StoreError, match=r"arms/pin_sigma/bin00.*Permission denied"):
         run_job(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())

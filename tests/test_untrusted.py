@@ -28,10 +28,13 @@ pytestmark = pytest.mark.slow
 READERS = {"reduce": reduce.main, "status": status.main, "compare": compare.main}
 
 
-@pytest.fixture
-def made_run(tiny_run) -> Path:
-    """The session's finished tiny run (conftest.tiny_run), copied by each test that damages it."""
-    return tiny_run
+@pytest.fixture(scope="module")
+def made_run(tmp_path_factory) -> Path:
+    """One finished tiny run, copied by each test that damages it."""
+    root = tmp_path_factory.mktemp("made")
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, f"hydra.run.dir={root / 'run'}"], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "run"
 
 
 @pytest.fixture

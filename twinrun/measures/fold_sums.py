@@ -188,6 +188,12 @@ def fold_sums(
     return sums.float() if second is None else (sums.float(), second.double())
 
 
+def half_draws(n_draws: int) -> list[int] | None:
+    """[k1, k2]: the draws an image contributes to each half of its fold's sum (k1 = ⌊D/2⌋), None for one
+    draw (no halves: no pairing receipt)."""
+    return None if n_draws < 2 else [n_draws // 2, n_draws - n_draws // 2]
+
+
 def draw_pieces(n_draws: int, d_chunk: int, second_from: int | None) -> list[tuple[int, int, tuple]]:
     """The draw ranges one fold group is differentiated over: (d0, d1, (first, last) of (sums, second)
     they add into). The fold sums' chunks are those of d_chunk, always, so their bits never depend on

@@ -123,7 +123,7 @@ def check_sizes(cfg: DictConfig, image_shape, numels: list[int], n_stores: int, 
                           f"would take {noise_bytes / 2**30:.1f} GiB, over half this machine's "
                           f"{memory / 2**30:.0f} GiB; use fewer draws or images")
     n_params = sum(numels)  # numels: one per probed parameter tensor
-    pairing = half_draws(p.n_draws) is not None
+    pairing = fs.half_draws(p.n_draws) is not None
     header = header_size(p.n_folds, len(numels), p.n_images, pairing)
     if header > MAX_HEADER_BYTES:  # a store whose header its own reader refuses: never written
         raise ConfigError("probe.n_folds", p.n_folds, f"each store's header would take about "
@@ -254,7 +254,7 @@ class ProbeSession:
         self.image_shape = tuple(self.c.images.shape[1:])
         self.eps = None
         self.twin = next(a.name for a in arms if a.role == "twin")
-        self.halves = half_draws(self.p.n_draws)
+        self.halves = fs.half_draws(self.p.n_draws)
         self.twin_sums = None  # this bin's twin (S, H), measured first (Measure.twin_first)
         sigma0 = _first_sigma(config)
         set_mode(self.c.model, self.c.images, sigma0, self.p.train_mode, announce=False)
@@ -329,12 +329,6 @@ class ProbeSession:
                 "half_draws": self.halves, "pairing": pairing,
                 "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
         return fold_tensors(sums, c.layout), meta
-
-
-def half_draws(n_draws: int) -> list[int] | None:
-    """[k1, k2]: the draws an image contributes to each half of its fold's sum (k1 = ⌊D/2⌋), None for one
-    draw (no halves: no pairing receipt)."""
-    return None if n_draws < 2 else [n_draws // 2, n_draws - n_draws // 2]
 
 
 def half_difference(sums: torch.Tensor, second: torch.Tensor, halves: list[int]) -> torch.Tensor:

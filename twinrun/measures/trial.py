@@ -130,8 +130,9 @@ def warm_up(model, forward, names, images, sigma, sigma_cond, p: ProbeConfig, fo
     the same cache finds the same digest instead of the entries the first job's bins added."""
     gen = torch.Generator().manual_seed(TRIAL_SEED)
     eps = torch.randn((images.shape[0], p.n_draws, *images.shape[1:]), generator=gen).to(images.device)
+    halves = fs.half_draws(p.n_draws)  # the pairing receipt's second-half pieces are shapes of their own
     fs.fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, p.chunk_images,
-                    p.chunk_draws, method="folds", forward=forward)
+                 p.chunk_draws, method="folds", forward=forward, second_from=halves and halves[0])
     # The sentinel's model op as the job will read it (forward only where its backward need not repeat).
     model_sentinel_fn(forward, images.device, tuple(images.shape[1:]), repeats_backward(images.device))()
 

@@ -66,17 +66,19 @@ def create_temp(path: Path) -> tuple[int, Path]:
                      f"planted beside it?); remove the files named .{path.name}.tmp-* and run again")
 
 
-def atomic_write(path: Path, data: bytes) -> str:
-    """Write bytes via an exclusive temp file + fsync + rename (+ fsync of the directory); return their
-    sha256. The rename replaces whatever entry `path` was (a symlink, a hard link), never its target."""
+def write_through_temp(path: Path, fill) -> None:
+    """`fill(fd)` writes the file's bytes into an exclusive temporary file beside `path`; it is then
+    fsynced and renamed into place (+ fsync of the directory). The rename replaces whatever entry `path`
+    was (a symlink, a hard link), never its target. An OSError removes the temporary file."""
     path = Path(path)
     tmp = None
     try:
         fd, tmp = create_temp(path)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            fill(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -90,6 +92,19 @@ def atomic_write(path: Path, data: bytes) -> str:
         except OSError:
             pass  # a read-only file system: there is no temporary file to remove either
         raise StoreError(path, f"cannot write ({err.strerror or err}); finished stores are kept") from None
+
+
+def write_all(fd: int, data) -> None:
+    """Every byte of `data` (bytes or a buffer) to `fd`: os.write may write fewer than it is given."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def atomic_write(path: Path, data: bytes) -> str:
+    """Write bytes through an exclusive temporary file renamed into place (write_through_temp); return
+    their sha256."""
+    write_through_temp(path, lambda fd: write_all(fd, data))
     return hashlib.sha256(data).hexdigest()
 
 

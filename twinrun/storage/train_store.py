@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from twinrun.errors import StoreError, TwinrunError
-from twinrun.files import create_temp, memory_bytes, open_regular
+from twinrun.files import memory_bytes, open_regular, write_all, write_through_temp
 from twinrun.storage.header import (
     HEX64,
     MAX_STORE_BYTES,
@@ -63,13 +63,6 @@ def safetensors_header(tensors: dict[str, torch.Tensor], strings: dict[str, str]
     return struct.pack("<Q", len(header)) + header
 
 
-def _write_all(fd: int, data, digest) -> None:
-    view = memoryview(data).cast("B")
-    digest.update(view)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def write_train_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> str:
     """A training store written straight from the tensors' memory (no copy of the state is ever held, so
     a job holds no second model while it stores one) into a temporary file created exclusively under a
@@ -79,26 +72,14 @@ def write_train_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict) 
     digests = {name: hashlib.sha256(bytes_of(t)).hexdigest() for name, t in tensors.items()}
     strings = {"format": TRAIN_STORE_FORMAT, TENSOR_SHA256: json.dumps(digests)}
     strings.update({k: encode_meta(v) for k, v in meta.items()})
-    digest, tmp = hashlib.sha256(), None
-    try:
-        fd, tmp = create_temp(path)
-        try:
-            _write_all(fd, safetensors_header(tensors, strings), digest)
-            for t in tensors.values():
-                _write_all(fd, bytes_of(t), digest)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power loss
-        finally:
-            os.close(dir_fd)
-    except OSError as err:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        raise StoreError(path, f"cannot write ({err.strerror or err}); finished stores are kept") from None
+    digest = hashlib.sha256()
+
+    def fill(fd: int) -> None:
+        for part in (safetensors_header(tensors, strings), *(bytes_of(t) for t in tensors.values())):
+            digest.update(part)
+            write_all(fd, part)
+
+    write_through_temp(path, fill)
     return digest.hexdigest()
 
 

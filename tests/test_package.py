@@ -57,7 +57,7 @@ def test_wheel_declares_the_twinrun_command(wheel):
     dist_info = next(n for n in zipfile.ZipFile(wheel).namelist()
                      if n.endswith(".dist-info/entry_points.txt"))
     entry_points = zipfile.ZipFile(wheel).read(dist_info).decode()
-    assert "[console_scripts]" in entry_points and "twinrun = twinrun.app:main" in entry_points
+    assert "[console_scripts]" in entry_points and "twinrun = twinrun.__main__:main" in entry_points
 
 
 @pytest.fixture(scope="module")

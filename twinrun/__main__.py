@@ -1,4 +1,6 @@
-"""`python -m twinrun +experiment=pin_sigma`: a seed-twin run on the embedded default."""
+"""`python -m twinrun +experiment=pin_sigma` and the `twinrun` command: a seed-twin run on the embedded
+default. The console script enters here too, not at twinrun.app, so that a signal while torch and Hydra
+import is one line for both spellings (a Ctrl-C there was a KeyboardInterrupt traceback from `twinrun`)."""
 
 from twinrun.errors import exit_on_signals
 
@@ -6,4 +8,5 @@ exit_on_signals()  # before the seconds of importing torch and Hydra: a signal t
 
 from twinrun.app import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,6 @@
 """User-facing errors and the exit codes every twinrun command shares."""
 
+import os
 import signal
 import sys
 import threading
@@ -86,11 +87,17 @@ def raise_on_signals() -> None:
 def exit_on_signals() -> None:
     """Before an entry point's heavy imports (torch, Hydra: seconds): a signal then ends the process at
     once, one line and exit 130 / 143, not a KeyboardInterrupt traceback from inside an import. The
-    entry point replaces these with `raise_on_signals` once it runs."""
+    entry point replaces these with `raise_on_signals` once it runs.
+
+    os._exit, not SystemExit: an exception raised inside an import leaves that module half-initialised,
+    and the interpreter's shutdown then touched half-imported numpy and died in a RecursionError traceback
+    with exit 1 (seen once in 40 SIGTERMs at start-up). Nothing was written yet, so nothing needs cleanup."""
 
     def _exit(signum, frame):
         print(f"twinrun: error: {Interrupted(SIGNAL_EXIT[signum], 'nothing was started')}", file=sys.stderr)
-        raise SystemExit(SIGNAL_EXIT[signum])
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(SIGNAL_EXIT[signum])
 
     if threading.current_thread() is threading.main_thread():
         for signum in SIGNAL_EXIT:

@@ -3,15 +3,17 @@ through RunIndex (which units are whole, which kernel path they hold, which unit
 
 import copy
 import json
+import os
 import re
+import signal
 import typing
 
 import pytest
 from conftest import TINY
 from rundirs import create, done, run_doc
 
-from twinrun import job
-from twinrun.errors import KernelPathRefused, StoreError
+from twinrun import job, plan
+from twinrun.errors import Interrupted, KernelPathRefused, StoreError, raise_on_signals
 from twinrun.job import run_job
 from twinrun.plan import plan_run
 from twinrun.provenance.record import kernel_path_sha256, straddling_rule
@@ -190,3 +192,29 @@ def test_an_element_hashes_only_its_own_units_stores(tmp_path, monkeypatch):
     assert set(read) == {files[1]}
     read.clear()
     assert [u["index"] for u in index.pending_units(None)] == [0, 1, 2] and set(read) == set(files[:2])
+
+
+def test_a_signal_while_the_plan_is_written_leaves_a_planned_run_not_configs_without_run_json(
+        tmp_path, compose_cfg, monkeypatch):
+    """SIGINT between the first arm config and run.json (a real signal, sent to this process from
+    inside the write loop) acts only once run.json exists: a run that resumes, never a half plan."""
+    written = []
+
+    def write_then_signal(path, data):
+        written.append(path)
+        real_write(path, data)
+        if len(written) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    real_write = plan.atomic_write
+    monkeypatch.setattr(plan, "atomic_write", write_then_signal)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    raise_on_signals()
+    try:
+        with pytest.raises(Interrupted):
+            plan_run(compose_cfg(["+experiment=pin_sigma", *TINY]), tmp_path)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert len(written) > 1, "the signal acted inside the write loop"
+    assert RunIndex.load(RunDir(tmp_path)).status == "planned"

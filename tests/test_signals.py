@@ -69,7 +69,7 @@ def _interrupt(tmp_path, phase: str, sig: signal.Signals, env: dict | None = Non
     run_dir = tmp_path / "run"
     prefix, (low, high) = PHASES[phase]
     proc, lines = _start(run_dir, env or {}, command)
-    reached = _wait_for(proc, lines, prefix)
+    reached = _wait_for(proc, lines, prefix) and _wait_for_handlers(proc)
     if phase == "reducing":  # the job closes (the sentinel read again) before the run is "measured"
         reached = reached and _wait_for_status(proc, run_dir / "run.json", "measured")
     delay = random.uniform(low, high)  # a random instant of the phase (printed with the result)
@@ -86,6 +86,23 @@ def _interrupt(tmp_path, phase: str, sig: signal.Signals, env: dict | None = Non
         proc.kill()
         pytest.fail(f"{sig.name} in {phase} was ignored for 120 s")
     return proc.returncode, time.monotonic() - sent, err, run_dir, _status_due(lines, sent)
+
+
+def _wait_for_handlers(proc, deadline_s: float = 60) -> bool:
+    """Until the process catches SIGTERM (its handler installed by twinrun's first line; Linux shows the
+    caught signals in /proc/PID/status). Before that the interpreter itself is starting (importing site,
+    tens of ms): a signal there ends it as Python does, before any line of twinrun ran."""
+    deadline = time.monotonic() + deadline_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return proc.poll() is None
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught >> (signal.SIGTERM - 1) & 1:
+            return True
+        time.sleep(0.002)
+    return False
 
 
 def _wait_for_status(proc, run_json: Path, status: str, deadline_s: float = 120) -> bool:

@@ -4,6 +4,7 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 
 EXIT_OK = 0  # every validity check and gate passed
 EXIT_GATE = 1  # a validity check or a no-op gate failed: the instrument is broken, effects withheld
@@ -82,6 +83,28 @@ def raise_on_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         for signum in SIGNAL_EXIT:
             signal.signal(signum, _raise)
+
+
+@contextmanager
+def signals_held():
+    """SIGINT and SIGTERM wait until the block ends, then act as the handlers before it say: for the few
+    milliseconds that write a run's plan (its arm configs, then run.json), so a signal leaves either no
+    run or a planned one that resumes, never arm configs without their run.json (seen once in 20
+    planning-phase SIGINTs). Handlers, not a signal mask: the kernel hands a process's signal to any
+    thread not masking it, and torch's threads do not."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
+                for signum in SIGNAL_EXIT}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught:
+            signal.raise_signal(caught[0])  # the restored handler acts now (raises Interrupted, or ends)
 
 
 def exit_on_signals() -> None:

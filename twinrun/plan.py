@@ -27,7 +27,7 @@ from twinrun.config import (
     protocol_differences,
     signal_alpha_ok,
 )
-from twinrun.errors import ConfigError, StoreError
+from twinrun.errors import ConfigError, StoreError, signals_held
 from twinrun.files import atomic_write, make_dir, write_json
 from twinrun.interventions import check_protocol
 from twinrun.measures.kind import Measure
@@ -186,13 +186,14 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     rd = RunDir(run_dir)
     if rd.is_run():
         return _resume_plan(rd, run)
-    if any(GATE_REPLICATE in u["stores"] for u in run["units"]):
-        make_dir(rd.arm_dir(GATE_REPLICATE))
-    for arm in arms:
-        make_dir(rd.arm_dir(arm.name))
-        atomic_write(rd.arm_config(arm.name), yaml.safe_dump(arm.config, sort_keys=False).encode())
-    write_json(rd.config_diff_json, diff)
-    return RunIndex.create(rd, run).doc
+    with signals_held():  # the arms' configs and run.json land together, or not at all
+        if any(GATE_REPLICATE in u["stores"] for u in run["units"]):
+            make_dir(rd.arm_dir(GATE_REPLICATE))
+        for arm in arms:
+            make_dir(rd.arm_dir(arm.name))
+            atomic_write(rd.arm_config(arm.name), yaml.safe_dump(arm.config, sort_keys=False).encode())
+        write_json(rd.config_diff_json, diff)
+        return RunIndex.create(rd, run).doc
 
 
 def foreign_keys(kind: Measure) -> tuple[str, ...]:

@@ -296,6 +296,13 @@ def test_bad_input_is_one_error_naming_the_key_before_compute(tmp_path, override
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+def test_a_group_matching_no_parameter_names_the_pattern_not_the_probes_setting(tmp_path):
+    # a training run compares every parameter of the model: there is no probe.params to fix
+    with pytest.raises(ConfigError) as err:
+        plan_run(tiny_cfg(['reduce.groups={nothing:["no_such_layer.*"]}']), tmp_path / "run")
+    assert str(err.value).startswith("reduce.groups.nothing=") and "probe." not in str(err.value), err.value
+
+
 def test_another_optimizer_is_a_config_choice(tmp_path):
     red = train_run(tmp_path / "run", ["train/optimizer=sgd"])
     store = read_train_store(red.index.store_path(red.index.units[-1], "native"))

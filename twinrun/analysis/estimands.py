@@ -105,11 +105,12 @@ def check_groups(groups) -> None:
 
 
 def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduce.estimands",
-                    groups_what: str = "reduce.groups") -> None:
+                    groups_what: str = "reduce.groups", params_key: str | None = "probe.params") -> None:
     """Refuse, as one line naming the key, an unknown estimand or a group that selects no probed parameter
     (every group declared, listed among `names` or not: it is registered with the run either way).
 
-    layout None: the names only (the parameters are not known yet)."""
+    layout None: the names only (the parameters are not known yet). params_key: the setting that chose
+    the parameters (None: every parameter of the model, as a training run compares them)."""
     check_groups(groups)
     known = registry(groups)
     unknown = [n for n in names if n not in known]
@@ -120,12 +121,13 @@ def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduc
         return
     for name in groups:
         if not any(known[name].selects(entry) for entry in layout):
-            raise ConfigError(f"{groups_what}.{name}", list(groups[name]), "matches no probed parameter "
+            raise ConfigError(f"{groups_what}.{name}", list(groups[name]), "matches no parameter "
                               f"(parameters look like {', '.join(e['name'] for e in layout[:3])}); fix the "
-                              "pattern or probe.params")
+                              f"pattern{f' or {params_key}' if params_key else ''}")
     if "cond" in names and not any(known["cond"].selects(entry) for entry in layout):
-        raise ConfigError(what, list(names), "`cond` needs conditioning parameters among probe.params (the "
-                          "model declares none among them); drop `cond` or probe them")
+        among = f" among {params_key}" if params_key else ""
+        raise ConfigError(what, list(names), f"`cond` needs conditioning parameters{among} (the model "
+                          f"declares none{among}); drop `cond`{' or probe them' if params_key else ''}")
 
 
 def declared_groups(r: DictConfig) -> dict[str, list[str]]:

@@ -124,7 +124,7 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
         weights = {arm: _weights(s) for arm, s in stores.items()}
         if start is None:
             start, layout = weights[TWIN], stores[TWIN].meta["layout"]
-            check_estimands(names, groups, layout, "estimands")
+            check_estimands(names, groups, layout, "estimands", params_key=None)
             sel = selections(layout, names, groups)
             if chaos is not None:
                 moved = {n: int((w != weights[chaos][n]).sum()) for n, w in start.items()}

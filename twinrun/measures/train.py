@@ -164,7 +164,7 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     model = build_start(arms[0].config, t, torch.device("cpu"))
     check_chaos(model, t.chaos)
     layout = weight_layout(model)
-    check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), layout)
+    check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), layout, params_key=None)
     intervention.check_model(model)
     state_bytes = smoke_step(model, arms, t, data)
     units = plan_units(t)

@@ -186,3 +186,16 @@ def test_estimands_are_chosen_at_reduce_time_as_a_post_hoc_view(tmp_path):
             and summary["post_hoc"]["used"]["estimands"] == ["all"])
     bad = run_twinrun([str(run_dir), "--estimands", "all,curvature"], cwd=tmp_path, module="twinrun.reduce")
     assert bad.returncode == 2 and "curvature" in bad.stderr and "Traceback" not in bad.stderr
+
+def test_a_family_wise_level_is_chosen_at_reduce_time_as_a_post_hoc_view(tmp_path):
+    proc, run_dir = tiny_run(tmp_path)
+    assert proc.returncode == 0
+    again = run_twinrun([str(run_dir), "--family-alpha", "0.001"], cwd=tmp_path, module="twinrun.reduce")
+    assert again.returncode == 0, again.stderr
+    view = json.loads((run_dir / "views" / "family_alpha-0.001" / "summary.json").read_text())
+    registered = json.loads((run_dir / "summary.json").read_text())
+    assert view["family"]["level"] == 0.001 and view["post_hoc"]["used"]["family_alpha"] == 0.001
+    assert registered["family"]["level"] == 0.05  # the registered reading is left as it was
+    bad = run_twinrun([str(run_dir), "--family-alpha", "0.7"], cwd=tmp_path, module="twinrun.reduce")
+    assert (bad.returncode == 2 and bad.stderr.strip() == "twinrun: error: --family-alpha=0.7: must be in "
+            "(0, 0.5), e.g. 0.05")

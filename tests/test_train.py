@@ -426,6 +426,11 @@ def test_a_post_hoc_residual_view_of_a_training_run_is_refused(tiny):
     assert not tiny.index.run_dir.view_dir("estimands-residual").exists()
 
 
+def test_a_post_hoc_family_wise_level_of_a_training_run_is_refused(tiny):
+    with pytest.raises(ConfigError, match=r"^--family-alpha=0.01: a training run has no family-wise reading"):
+        reduce_train(tiny.index.run_dir.path, family_alpha=0.01)
+
+
 def test_a_training_store_is_a_safetensors_file_with_the_umasks_mode_and_no_leftover(tiny, tmp_path):
     # safetensors' save_file wrote its own .tmpXXXXXX (never found as a leftover) and left stores 0600,
     # unreadable to anyone else who shares the run directory.

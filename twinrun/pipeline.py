@@ -88,11 +88,11 @@ def submit_and_collect(run_dirs: list[Path], launcher: dict, folder_root: Path, 
 
 
 def reduce_and_publish(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None,
-                       tracker: dict | None = None) -> int:
+                       tracker: dict | None = None, family_alpha=None) -> int:
     """Reduce a measured run with its kind's analysis, publish it (and log it to the tracker, when one
     is given), print it; the exit code."""
     kind = measure_of(RunIndex.load(run_dir).measure)
-    reduction = kind.reduce(Path(run_dir), estimands, gate_rule, signal_alpha)
+    reduction = kind.reduce(Path(run_dir), estimands, gate_rule, signal_alpha, family_alpha)
     publish(reduction, kind.report, tracker)
     print(kind.render(reduction.shown), flush=True)
     return reduction.exit_code

@@ -46,15 +46,18 @@ def main(argv=None) -> int:
     p.add_argument("--tracker-dir", help="the tracker's local store (default: outputs/TRACKER here)")
     p.add_argument("--signal-alpha", type=float, help="level of the test of signal, in (0, 0.5) (post-hoc "
                    "if not the registered one)")
+    p.add_argument("--family-alpha", type=float, help="family-wise level of the Holm reading, in (0, 0.5) "
+                   "(post-hoc if not the registered one)")
     args = p.parse_args(argv)
     raise_on_signals()
     try:
         estimands = parse_estimands(args.estimands)
-        if args.signal_alpha is not None and not signal_alpha_ok(args.signal_alpha):
-            raise TwinrunError(f"--signal-alpha={args.signal_alpha}: must be {SIGNAL_ALPHA_TEXT}, e.g. 0.05")
+        for flag, level in (("--signal-alpha", args.signal_alpha), ("--family-alpha", args.family_alpha)):
+            if level is not None and not signal_alpha_ok(level):
+                raise TwinrunError(f"{flag}={level}: must be {SIGNAL_ALPHA_TEXT}, e.g. 0.05")
         tracker = check_tracker({"name": args.tracker, "dir": args.tracker_dir})
         return reduce_and_publish(RunDir(args.run_dir).require().path, estimands, args.gate_rule,
-                                  args.signal_alpha, tracker)
+                                  args.signal_alpha, tracker, args.family_alpha)
     except (TwinrunError, Interrupted) as err:
         fail(err)
 

@@ -67,6 +67,15 @@ def registered(index: RunIndex) -> dict:
     return out
 
 
+def used_settings(reg: dict, estimands=None, gate_rule=None, signal_alpha=None, family_alpha=None) -> dict:
+    """The settings a reduction uses: the registered ones, each replaced where the command gave one (a
+    post-hoc view when any differs)."""
+    return {**reg, "estimands": list(estimands or reg["estimands"]),
+            "gate_rule": gate_rule or reg["gate_rule"],
+            "signal_alpha": float(reg["signal_alpha"] if signal_alpha is None else signal_alpha),
+            "family_alpha": float(reg["family_alpha"] if family_alpha is None else family_alpha)}
+
+
 def _wanted(index: RunIndex) -> dict:
     """{(arm, bin index): (path, sha256, config hash, payload bytes)} of every store the reducer needs."""
     wanted = {}

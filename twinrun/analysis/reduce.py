@@ -20,6 +20,7 @@ from twinrun.analysis.checks import (
     machinery_check,
     registered,
     scan_run,
+    used_settings,
     validity_checks,
 )
 from twinrun.analysis.estimands import check_estimands
@@ -129,7 +130,7 @@ def view_name(reg: dict, used: dict) -> str:
     return re.sub(r"[^A-Za-z0-9_.,=-]", "_", "_".join(parts))
 
 
-def reduce_run(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None,
+def reduce_run(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None, family_alpha=None,
                chunk_params=1_000_000) -> Reduction:
     """The registered analysis and, when any setting differs, a post-hoc view; the stores are read
     once, in one pass. The registered verdict is always recomputed from the stores (never read from
@@ -137,9 +138,7 @@ def reduce_run(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None,
     index, readers = load_run(run_dir)
     try:
         reg = registered(index)
-        used = {**reg, "estimands": list(estimands or reg["estimands"]),
-                "gate_rule": gate_rule or reg["gate_rule"],
-                "signal_alpha": float(reg["signal_alpha"] if signal_alpha is None else signal_alpha)}
+        used = used_settings(reg, estimands, gate_rule, signal_alpha, family_alpha)
         groups = reg.get("groups") or {}
         # (the registered ones were held to their rules by load_run, as run.json's fields)
         check_estimands(used["estimands"], groups, readers[TWIN, 0].meta["layout"], "--estimands")

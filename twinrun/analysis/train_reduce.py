@@ -17,7 +17,7 @@ import torch
 from scipy import stats
 
 from twinrun import arms as arms_mod
-from twinrun.analysis.checks import check, provenance_checks, registered
+from twinrun.analysis.checks import check, provenance_checks, registered, used_settings
 from twinrun.analysis.estimands import ESTIMANDS, SHIFT_VIEW, check_estimands, registry
 from twinrun.analysis.gates import decide
 from twinrun.analysis.reduce import Reduction, view_name
@@ -363,15 +363,17 @@ def refuse_derived(names, key: str = "reduce.estimands") -> None:
                           "reads parameter groups: all, cond or reduce.groups")
 
 
-def reduce_train(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None) -> Reduction:
+def reduce_train(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None,
+                 family_alpha=None) -> Reduction:
     """The registered analysis and, when any setting differs, a post-hoc view; every store read once.
     The registered verdict is recomputed from the stores, never read from summary.json."""
     if estimands is not None:
         refuse_derived(estimands, "--estimands")
+    if family_alpha is not None:
+        raise ConfigError("--family-alpha", family_alpha, "a training run has no family-wise reading (each "
+                          "parameter group's distance is read against the chaos floor); drop it")
     reg = registered(RunIndex.load(run_dir))
-    used = {**reg, "estimands": list(estimands or reg["estimands"]),
-            "gate_rule": gate_rule or reg["gate_rule"],
-            "signal_alpha": float(reg["signal_alpha"] if signal_alpha is None else signal_alpha)}
+    used = used_settings(reg, estimands, gate_rule, signal_alpha)
     names = list(dict.fromkeys([SHIFT_VIEW, *reg["estimands"], *used["estimands"]]))
     run, records, found, losses = scan(run_dir, names)
     summary = analyse(run, records, losses, found, reg)

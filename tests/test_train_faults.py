@@ -7,30 +7,17 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run_twinrun
+from conftest import run_twinrun, slow_fsync_env, start_twinrun
 
 from twinrun.storage.train_store import read_train_store
 
 # Seven units (the start and six segments of two steps): kills land before, between and inside them.
 FAULT_RUN = ["+experiment=train_scale_lr", "train.steps=12", "train.segment_steps=2", "train.batch_size=32",
              "train.heldout_images=32"]
-
-# Test-side fault injection (no hook in twinrun): every fsync in the child sleeps first, so a
-# store's temporary file sits half-committed long enough to be killed mid-write.
-SLOW_FSYNC = textwrap.dedent("""
-    import os, time
-    _fsync = os.fsync
-    def _slow_fsync(fd):
-        time.sleep(0.1)
-        _fsync(fd)
-    os.fsync = _slow_fsync
-""")
-
 
 def stores(run_dir: Path) -> dict:
     """Every store of a run as {arm/file: {tensor name: sha256}}, each read through its checks."""
@@ -39,25 +26,17 @@ def stores(run_dir: Path) -> dict:
             for u in run["units"] for arm, e in u["stores"].items()}
 
 
-def start(args, cwd, env):
-    return subprocess.Popen([sys.executable, "-m", *args], cwd=cwd, env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.mark.slow
 def test_kill_9_at_random_instants_then_resume_is_bit_identical(tmp_path):
     ref = tmp_path / "ref"
     done = run_twinrun([*FAULT_RUN, f"hydra.run.dir={ref}"], cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
-    (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(SLOW_FSYNC)
-    paths = [str(tmp_path / "inject"), os.environ.get("PYTHONPATH")]
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    env = slow_fsync_env(tmp_path / "inject", 0.1)
     run_dir, rng = tmp_path / "killed", random.Random(22)
 
     # 1. the first run, killed mid-write once a segment store is on its way
-    proc = start(["twinrun", *FAULT_RUN, f"hydra.run.dir={run_dir}"], tmp_path, env)
+    proc = start_twinrun(["twinrun", *FAULT_RUN, f"hydra.run.dir={run_dir}"], tmp_path, env)
     deadline = time.monotonic() + 180
     while not (list(run_dir.glob("arms/*/.seg*.tmp-*")) and list(run_dir.glob("arms/*/seg*.safetensors"))):
         assert proc.poll() is None, f"finished before the kill point:\n{proc.stdout.read()}"
@@ -70,7 +49,7 @@ def test_kill_9_at_random_instants_then_resume_is_bit_identical(tmp_path):
     # 2. resumes killed at random instants (start-up, mid-segment, mid-write), then one left to finish
     outputs = []
     for _ in range(4):
-        proc = start(["twinrun.resume", str(run_dir)], tmp_path, env)
+        proc = start_twinrun(["twinrun.resume", str(run_dir)], tmp_path, env)
         time.sleep(rng.uniform(1.0, 6.0))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
@@ -127,6 +106,25 @@ def test_the_default_experiment_then_status_resume_reduce_compare_and_diff(tmp_p
     diff = run_twinrun([str(arms / "native"), str(arms / "native_chaos")], cwd=tmp_path,
                        module="twinrun.diff")
     assert diff.returncode == 1 and "tensors differ" in diff.stdout
+
+
+@pytest.mark.slow
+def test_a_sweep_of_training_points_reports_each_ones_distance_against_its_chaos_floor(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_twinrun(["-m", "+experiment=train_scale_lr", "train.steps=4", "train.segment_steps=2",
+                        "train.batch_size=16", "train.heldout_images=16", "intervention.factor=1.5,4",
+                        f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    points = json.loads((sweep / "sweep_summary.json").read_text())["points"]
+    report = (sweep / "sweep_report.md").read_text()
+    assert "## Training points" in report
+    for p in points:  # each row carries what its own summary says at its last stored step
+        own = json.loads((Path(p["run_dir"]) / "summary.json").read_text())
+        last = [e for e in own["effects"] if e["estimand"] == "all"][-1]
+        assert p["train_effect"] == {k: last[k] for k in p["train_effect"]} and p["train_effect"]["step"] == 4
+        name = Path(p["run_dir"]).name
+        row = next(line for line in report.splitlines() if line.startswith(f"| {name} | 4 |"))
+        assert f"| {last['distance']:.3g} | {last['floor']:.3g} |" in row and own["verdict"] in row
 
 
 @pytest.mark.slow

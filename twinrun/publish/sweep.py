@@ -33,11 +33,23 @@ def _point(run_dir: Path) -> dict:
         point["gates_passed"] = summary["passed"]
         if summary.get("measure") == "train":  # read per step, not per σ: the sweep lists its verdict
             point["verdict"] = summary["verdict"]
+            point["train_effect"] = last_train_effect(summary)
         else:
             point["effects"] = summary["effects"]
             point["gate_sigmas"] = sorted({g["sigma"] for g in summary["gates"]})  # boxed on the heatmap
         point["status"] = "reduced"
     return point
+
+
+def last_train_effect(summary: dict) -> dict | None:
+    """A training point's reading at its last stored step, for the registered first estimand (the one its
+    verdict reads): distance from the twin, the chaos floor, their ratio. None when effects are withheld."""
+    name = summary["used"]["estimands"][0]
+    rows = [e for e in summary["effects"] if e["estimand"] == name]
+    if not rows:
+        return None
+    last = rows[-1]
+    return {k: last[k] for k in ("step", "estimand", "distance", "floor", "floor_ratio", "above_floor")}
 
 
 def _intervention(index: RunIndex) -> tuple[dict, dict | None, int | None]:
@@ -72,12 +84,38 @@ def write_sweep_report(sd: SweepDir, summary: dict) -> Path:
         lines.append(f"| {rel} | `{' '.join(p['overrides'])}` | {p['status']} "
                      f"| {_yes_no(p['checks_passed'])} | {_yes_no(p['gates_passed'])} "
                      f"| [report]({rel}/report.md) |")
+    lines += train_lines(summary["points"], sd)
     lines += seed_lines(summary.get("pooled_over_seeds") or [])
     png = plot_sweep(summary, sd.heatmap_png, protocol=_shared_protocol(summary["points"]))
     if png is not None:
         lines += ["", f"![sweep heatmap]({png.name})", "", sweep_caption(summary)]
     atomic_write(sd.report_md, ("\n".join(lines) + "\n").encode())
     return sd.report_md
+
+
+def train_lines(points: list[dict], sd: SweepDir) -> list[str]:
+    """The report's section on training points: each one's verdict and its last stored step's distance
+    from the twin against the chaos floor (a point whose checks or gates failed: its verdict only)."""
+    trained = [p for p in points if "verdict" in p]
+    if not trained:
+        return []
+    lines = ["", "## Training points", "",
+             ("Each point's distance from its twin at its last stored step against the chaos floor (the "
+              "chaos arm's distance: how far a one-ulp wobble moves the same run), for the estimand its "
+              "verdict reads."), "",
+             "| point | step | estimand | distance | chaos floor | × floor | above floor | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in trained:
+        rel, e = Path(p["run_dir"]).relative_to(sd.path), p.get("train_effect")
+        numbers = ("| – | – | – | – | – | –" if e is None else
+                   f"| {e['step']} | {e['estimand']} | {_num(e['distance'])} | {_num(e['floor'])} "
+                   f"| {_num(e['floor_ratio'])} | {'yes' if e['above_floor'] else 'no'}")
+        lines.append(f"| {rel} {numbers} | {p['verdict']} |")
+    return lines
+
+
+def _num(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3g}"
 
 
 def seed_lines(pooled: list[dict]) -> list[str]:

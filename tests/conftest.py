@@ -57,6 +57,26 @@ def run_twinrun(args, cwd, module="twinrun", timeout=600, env=None):
                           check=False, timeout=timeout, env=full_env)
 
 
+def start_twinrun(args, cwd, env=None) -> subprocess.Popen:
+    """`python -m MODULE ARGS` (args[0] the module) started, not waited for, stdout and stderr as one
+    text stream; a run is device-pinned as run_twinrun pins it, so its config hash is a reference's."""
+    if args[0] == "twinrun":
+        args = ["twinrun", *pin_device(args[1:])]
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=cwd, env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def slow_fsync_env(folder: Path, sleep_s: float) -> dict:
+    """Test-side fault injection (no hook in twinrun): an env whose sitecustomize makes every fsync of the
+    child sleep first, so a store's temporary file sits half-committed long enough to be killed mid-write.
+    The caller's PYTHONPATH (a worktree's twinrun) stays after the injection."""
+    folder.mkdir(parents=True)
+    (folder / "sitecustomize.py").write_text(
+        f"import os, time\n_fsync = os.fsync\n\n\ndef _slow_fsync(fd):\n    time.sleep({sleep_s!r})\n"
+        "    _fsync(fd)\n\n\nos.fsync = _slow_fsync\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
 # ----------------------------------------------------------------------------- launching (SLURM, submitit)
 
 SLURM_UP = REPO / "launch" / "slurm-up.sh"

@@ -6,13 +6,11 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
-from conftest import measured, pin_device, run_twinrun
+from conftest import measured, run_twinrun, slow_fsync_env, start_twinrun
 
 from twinrun.errors import StoreError
 from twinrun.job import run_job
@@ -25,25 +23,6 @@ pytestmark = pytest.mark.slow
 # Five bins so that kills land before, between and inside bins.
 FAULT_RUN = ["+experiment=pin_sigma", "probe.n_images=8", "probe.n_draws=3", "probe.n_folds=4",
              "sigma_grid.sigmas=[0.2,0.35,0.5,0.8,1.2]"]
-
-# Test-side fault injection (no hook in twinrun): every fsync in the child sleeps first, so a
-# store's temporary file sits half-committed long enough to be killed mid-write.
-SLOW_FSYNC = textwrap.dedent("""
-    import os, time
-    _fsync = os.fsync
-    def _slow_fsync(fd):
-        time.sleep(0.3)
-        _fsync(fd)
-    os.fsync = _slow_fsync
-""")
-
-
-def start(args, cwd, env):
-    if args[0] == "twinrun":  # as run_twinrun does: the device pinned, so the config (and its hash) is ref's
-        args = ["twinrun", *pin_device(args[1:])]
-    return subprocess.Popen([sys.executable, "-m", *args], cwd=cwd, env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
 
 def kill_when(proc, condition, timeout_s=120):
     deadline = time.monotonic() + timeout_s
@@ -60,16 +39,12 @@ def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path):
     done = run_twinrun([*FAULT_RUN, f"hydra.run.dir={ref}"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
 
-    (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(SLOW_FSYNC)
-    # keep the caller's PYTHONPATH (a worktree's twinrun) after the injection
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "inject"),
-                                                       os.environ.get("PYTHONPATH")]))}
+    env = slow_fsync_env(tmp_path / "inject", 0.3)
     run_dir = tmp_path / "killed"
     rng = random.Random(0)
 
     # 1. mid-write: the second store's temporary file exists, not yet renamed
-    proc = start(["twinrun", *FAULT_RUN, f"hydra.run.dir={run_dir}"], tmp_path, env)
+    proc = start_twinrun(["twinrun", *FAULT_RUN, f"hydra.run.dir={run_dir}"], tmp_path, env)
     kill_when(proc, lambda: len(list(run_dir.glob("arms/*/.*.tmp-*"))) >= 1 and
               len(list(run_dir.glob("arms/*/*.safetensors"))) >= 1)
     assert list(run_dir.glob("arms/*/.*.tmp-*")), "killed with a half-written store on disk"
@@ -78,7 +53,7 @@ def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path):
     # 2. a few resumes killed at random moments, then one left to finish
     outputs = []
     for _ in range(3):
-        proc = start(["twinrun.resume", str(run_dir)], tmp_path, env)
+        proc = start_twinrun(["twinrun.resume", str(run_dir)], tmp_path, env)
         time.sleep(rng.uniform(0.5, 3.0))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)

@@ -120,6 +120,7 @@ def test_a_sweep_packed_into_one_job_reproduces_each_pair(tmp_path, slurm_args, 
     assert launched[0]["pack"] == [str((sweep / p).resolve()) for p in ("0", "1")]
     assert f"a pack of 2 runs: {(sweep / '0').resolve()} {(sweep / '1').resolve()}" in proc.stdout
     assert proc.stdout.count("Launching 2 jobs locally") == 0
+    assert "submits them together, as one job of 2 runs (launcher.pack=2" in proc.stdout
     for p in ("0", "1"):  # each run fingerprinted its own process, inside the one SLURM job
         jobs = run_json(sweep / p)["jobs"]
         assert [j["slurm_job_id"] for j in jobs] == [launched[0]["job_id"]]

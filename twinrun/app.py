@@ -182,8 +182,13 @@ class SweepCallback(Callback):
             # Hydra's own launcher plans each point in this process and says "Launching N jobs locally"
             # just before twinrun submits them as one job array: say what happens instead, once.
             logging.getLogger(HYDRA_LAUNCHER_LOG).setLevel(logging.WARNING)
+            pack = int(config.launcher.get("pack", 1) or 1)
+            jobs = -(-len(points) // pack)  # packs of `pack` runs, the last one may hold fewer
+            packs = (f"one job of {len(points)} runs" if jobs == 1 else
+                     f"one job array of {jobs} jobs, up to {pack} runs each")
+            how = f"as {packs} (launcher.pack={pack}, one process a run)" if pack > 1 else "as one job array"
             print(f"twinrun: planning {len(points)} sweep points here; launcher={config.launcher.name} then "
-                  "submits them together, as one job array", flush=True)
+                  f"submits them together, {how}", flush=True)
 
     @_loud
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:

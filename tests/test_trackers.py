@@ -171,6 +171,30 @@ def test_a_failing_sink_is_one_line_and_the_run_stays_whole(logged, tmp_path, ca
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
+@pytest.mark.trackers
+def test_a_training_run_is_logged_at_its_optimizer_steps(tmp_path):
+    """The tracker's step axis of a training run is its optimizer step (0, 2, 4 here), not the unit's
+    index (0, 1, 2): the curves line up with the researcher's own training logs."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    proc = run_twinrun(["+experiment=train_scale_lr", "train.steps=4", "train.segment_steps=2",
+                        "train.batch_size=16", "train.heldout_images=16", "tracker=tensorboard",
+                        f"tracker.dir={tmp_path / 'tb'}", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0 and "logged to tensorboard" in proc.stdout, proc.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    distance = {e["step"]: e["distance"] for e in summary["effects"] if e["estimand"] == "all"}
+    folder = tmp_path / "tb" / "twinrun" / run.name / "scale_lr"
+    arm = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    arm.Reload()
+    logged = {x.step: x.value for x in arm.Scalars("distance/all")}
+    assert sorted(logged) == sorted(distance) == [2, 4]
+    assert all(logged[k] == pytest.approx(v, rel=1e-6) for k, v in distance.items())
+    assert [x.step for x in arm.Scalars("loss_arm/heldout")] == [0, 2, 4]
+
+
 def test_a_missing_package_or_unwritable_store_is_refused_before_any_compute(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")

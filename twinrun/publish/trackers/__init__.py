@@ -87,9 +87,20 @@ class Payload:
     params: dict[str, str]  # the same, flattened (key: its text)
     tags: dict[str, str]  # run directory, kernel path, verdict, twinrun version
     verdict: dict[str, bool]  # passed, valid, and one entry per gate (gate/<estimand>/sigma<σ>)
-    steps: list[dict] = field(default_factory=list)  # one per σ bin (step = its index): the effects
-    baseline_steps: list[dict] = field(default_factory=list)  # the twin's |μ|² per σ bin
+    steps: list[dict] = field(default_factory=list)  # one per unit (σ bin, stored training step): the effects
+    baseline_steps: list[dict] = field(default_factory=list)  # the twin's rows, one per unit
     files: list[Path] = field(default_factory=list)  # summary.json, report.md, effect.png
+    # The row field that is the tracker's step axis: a training run's optimizer step, so its curves line
+    # up with the researcher's own training logs; None: the row's index (a σ bin's, σ logged beside it).
+    step_key: str | None = None
+
+    def logged(self, rows: list[dict]) -> list[tuple[int, dict]]:
+        """(the tracker's step, row) for each row, in order (increasing, as W&B requires)."""
+        return [(int(row[self.step_key]) if self.step_key else i, row) for i, row in enumerate(rows)]
+
+    def after_last_step(self) -> int:
+        """A step past every row's: where a sink logs what belongs to the whole run (the plots)."""
+        return max((step for step, _ in self.logged(self.steps)), default=-1) + 1
 
 
 def _kernel_paths(index: RunIndex) -> str:
@@ -167,7 +178,7 @@ def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
     steps, base = (_train_steps if index.measure == "train" else _steps)(index, summary)
     params = {k: str(v) for k, v in flatten(config).items()}
     return Payload(rd.path.name, str(rd.path), arm, twin, config, params, tags, verdict, steps, base,
-                   [f for f in files if Path(f).is_file()])
+                   [f for f in files if Path(f).is_file()], "step" if index.measure == "train" else None)
 
 
 def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]) -> bool:

@@ -19,8 +19,8 @@ PARAM_CHARS = 6000  # MLflow's param value limit (3.x); longer values would be c
 BATCH = 100  # params (or tags) per log_batch call
 
 
-def _metrics(steps: list[dict], now_ms: int) -> list[Metric]:
-    return [Metric(key, float(value), now_ms, step) for step, row in enumerate(steps)
+def _metrics(logged: list[tuple[int, dict]], now_ms: int) -> list[Metric]:
+    return [Metric(key, float(value), now_ms, step) for step, row in logged
             for key, value in row.items() if value is not None]
 
 
@@ -54,11 +54,11 @@ def log(p, store: Path, project: str) -> str:
             "twinrun.kernel_path": p.tags["twinrun.kernel_path"]})
     client.set_tag(pid, "twinrun.baseline_run_id", children["baseline"].info.run_id)
     verdict = [Metric(k, float(v), now, 0) for k, v in p.verdict.items()]
-    _log_batches(client, pid, _metrics(p.steps, now) + verdict, _params(p.params))
-    _log_batches(client, children["baseline"].info.run_id, _metrics(p.baseline_steps, now), [])
+    _log_batches(client, pid, _metrics(p.logged(p.steps), now) + verdict, _params(p.params))
+    _log_batches(client, children["baseline"].info.run_id, _metrics(p.logged(p.baseline_steps), now), [])
     arm_rows = [{k: v for k, v in row.items()
                  if k in ("sigma", "step") or k.startswith(("norm2_arm", "loss_arm"))} for row in p.steps]
-    _log_batches(client, children["intervention"].info.run_id, _metrics(arm_rows, now), [])
+    _log_batches(client, children["intervention"].info.run_id, _metrics(p.logged(arm_rows), now), [])
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(p.config, indent=1, sort_keys=True))

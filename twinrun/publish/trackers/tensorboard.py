@@ -1,7 +1,8 @@
 """tracker=tensorboard: event files under DIR/<project>/<run>/<arm> and DIR/<project>/<run>/<twin> (the
 baseline), through torch's SummaryWriter (which needs the tensorboard package).
 
-Steps are integers, so a scalar's step is its σ bin's index and σ is logged as a scalar of its own;
+Steps are integers, so a probe's scalar step is its σ bin's index and σ is logged as a scalar of its own
+(a training run's step is its optimizer step);
 the config, the verdict with its gates and the tags are text; effect.png is an image. Scalars are
 stored as float32.
 """
@@ -17,8 +18,8 @@ def _table(rows: dict) -> str:
     return "| key | value |\n|---|---|\n" + "\n".join(f"| `{k}` | `{v}` |" for k, v in rows.items())
 
 
-def _scalars(writer, steps: list[dict]) -> None:
-    for step, row in enumerate(steps):
+def _scalars(writer, logged: list[tuple[int, dict]]) -> None:
+    for step, row in logged:
         for key, value in row.items():
             if value is not None:
                 writer.add_scalar(key, value, global_step=step)
@@ -30,7 +31,7 @@ def log(p, store: Path, project: str) -> str:
     base = SummaryWriter(log_dir=str(root / p.baseline))
     try:
         base.add_text("tags", _table({**p.tags, "twinrun.role": "baseline"}), 0)
-        _scalars(base, p.baseline_steps)
+        _scalars(base, p.logged(p.baseline_steps))
     finally:
         base.close()
     arm = SummaryWriter(log_dir=str(root / p.arm))
@@ -39,7 +40,7 @@ def log(p, store: Path, project: str) -> str:
         arm.add_text("verdict", _table(p.verdict), 0)
         arm.add_text("tags", _table({**p.tags, "twinrun.role": "intervention"}), 0)
         arm.add_text("config_json", json.dumps(p.config), 0)
-        _scalars(arm, p.steps)
+        _scalars(arm, p.logged(p.steps))
         for key, value in p.verdict.items():
             arm.add_scalar(key, float(value), global_step=0)
         for f in p.files:

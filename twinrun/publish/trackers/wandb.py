@@ -39,18 +39,18 @@ def log(p, store: Path, project: str) -> str:
     where = []
     base = _run(store, project, p.name, "baseline", f"{p.name}/{p.baseline}",
                 {"twinrun": {**tags, "role": "baseline"}})
-    for step, row in enumerate(p.baseline_steps):
+    for step, row in p.logged(p.baseline_steps):
         base.log(row, step=step)
     where.append(str(Path(base.dir).parent))
     base.finish()
     run = _run(store, project, p.name, "intervention", f"{p.name}/{p.arm}",
                {**p.config, "twinrun": {**tags, "role": "intervention"}})
-    for step, row in enumerate(p.steps):
+    for step, row in p.logged(p.steps):
         run.log(row, step=step)
     run.summary.update(p.verdict)
     for f in p.files:
         if f.suffix == ".png":
-            run.log({f"plots/{f.stem}": wandb.Image(str(f))}, step=len(p.steps))
+            run.log({f"plots/{f.stem}": wandb.Image(str(f))}, step=p.after_last_step())
         run.save(str(f), base_path=str(f.parent), policy="now")
     where.append(str(Path(run.dir).parent))
     run.finish()

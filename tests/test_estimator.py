@@ -313,6 +313,23 @@ def test_far_above_the_threshold_the_interval_is_the_plain_fieller_one():
     assert not v["near_boundary"][far].any()
 
 
+def test_identical_arms_near_the_threshold_read_exactly_and_are_not_marked():
+    """A no-op gate's row: the arm's sums are the twin's bit for bit. Whatever its margin over the test
+    of signal, cos and the ratio are exactly 1 with a zero-width interval: nothing to mark as selected."""
+    rng = np.random.default_rng(16)
+    sizes = [10] * 10
+    for _ in range(400):
+        mu, _ = two_arms_with_cosine(rng, 0.5, signal_norm=0.25)
+        sums, _ = fold_sums(rng, mu, sizes)
+        est = estimate(*grams(sums, sums), sizes, sizes, ALPHA)
+        margin = est.norm2_a / est.norm2_a_se - signal_threshold(10, ALPHA)
+        if not est.below_noise and margin < 3:
+            break
+    assert not est.below_noise and 0 <= margin < 3
+    assert est.cos == 1 and est.cos_interval == (1, 1) and est.norm_ratio_interval == (1, 1)
+    assert not est.near_boundary
+
+
 def test_near_the_threshold_the_row_is_marked_and_its_interval_widened():
     """A twin barely above the test of signal: near_boundary, and the interval accounts for the selection
     (it differs from the plain one)."""

@@ -152,7 +152,8 @@ def _printed_fields(means, x, norm_se, printed, f: int, alpha: float) -> dict:
     margin = (xp[:, 1:] / np.where(se_p > 0, se_p, np.nan)).min(-1) - signal_threshold(f, alpha)
     values = {"cos": cos, "se": cos_se, "norm_ratio": ratio, "norm_ratio_se": ratio_se, "cos_lo": ends[0],
               "cos_hi": ends[1], "ratio_lo": ends[2], "ratio_hi": ends[3],
-              "near_boundary": np.nan_to_num(margin, nan=np.inf) < BOUNDARY_MARGIN_SE}
+              # an exact row (arms bit-identical: a gate) has nothing the selection could shape
+              "near_boundary": (np.nan_to_num(margin, nan=np.inf) < BOUNDARY_MARGIN_SE) & ~exact}
     for k, v in values.items():
         out[k][printed] = v
     return out

@@ -121,7 +121,8 @@ def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduc
         return
     for name in groups:
         if not any(known[name].selects(entry) for entry in layout):
-            raise ConfigError(f"{groups_what}.{name}", list(groups[name]), "matches no parameter "
+            raise ConfigError(f"{groups_what}.{name}", list(groups[name]), f"matches no "
+                              f"{'probed ' if params_key else ''}parameter "
                               f"(parameters look like {', '.join(e['name'] for e in layout[:3])}); fix the "
                               f"pattern{f' or {params_key}' if params_key else ''}")
     if "cond" in names and not any(known["cond"].selects(entry) for entry in layout):

@@ -32,6 +32,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from twinrun import draws
+from twinrun.config import ProbeConfig
 from twinrun.data import load_heldout_images
 from twinrun.interventions import Native, PinSigma
 from twinrun.measures import fold_sums as probe
@@ -45,6 +46,7 @@ CHUNK_DRAWS = (12, 48)  # draws of the chunk sweep
 # (images, draws) per call of the chunk sweep
 CHUNK_SETTINGS = [(-1, -1), (-1, 12), (-1, 6), (-1, 3), (20, 12), (8, 12), (4, 12)]
 RSS_CHUNKS = ((40, 12), (40, 6), (40, 3))
+STRADDLING_CHUNK_DRAWS = 6  # the former default: at 8 draws its chunks straddle the receipt's halves (k1 = 4)
 JOB_REPS = 2  # repetitions of the job section per --reps
 MATMUL_N = 2048
 RUN_OVERRIDES = ["+experiment=pin_sigma"]  # the job and end-to-end sections: the default run
@@ -181,6 +183,34 @@ def pair_vs_arm(args, model, names, images, ids, eps, fold_of_image) -> dict:
                      "draws": lambda: draws.noise(SEED, SIGMA, ids, N_DRAWS, shape)}, args.reps * 2)
     return {"arm_s": med(t["arm"]), "pair_s": med(t["pair"]), "draws_s": med(t["draws"]),
             "pair_over_arm": ratio(t["pair"], t["arm"])}
+
+
+def pairing_cost(args, model, names) -> dict:
+    """The pairing receipt's price at the default protocol (ProbeConfig: its draws and chunking): the fold
+    sums alone against the fold sums with the second half of the draws summed apart (second_from=k1, what
+    every bin pays for the receipt), interleaved; at the default chunk_draws (it divides k1: no second
+    differentiation) and at STRADDLING_CHUNK_DRAWS (a chunk across k1 is differentiated once more)."""
+    d = ProbeConfig()
+    n_images = d.n_images if not args.smoke else N_IMAGES
+    images_all, ids_all = load_heldout_images()
+    images, ids = images_all[:n_images], ids_all[:n_images]
+    eps = draws.noise(SEED, SIGMA, ids, d.n_draws, tuple(images.shape[1:]))
+    sizes = fold_sizes(n_images, d.n_folds if not args.smoke else N_FOLDS)
+    fold_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    k1 = probe.half_draws(d.n_draws)[0]
+    out = {"n_images": n_images, "n_draws": d.n_draws, "k1": k1, "rows": []}
+    for chunk_draws in dict.fromkeys((d.chunk_draws, STRADDLING_CHUNK_DRAWS)):
+        chunks = {"chunk_images": d.chunk_images, "chunk_draws": chunk_draws}
+
+        def sums(second_from, chunks=chunks):
+            return probe.fold_sums(model, names, images, eps, SIGMA, torch.tensor(SIGMA), fold_of_image,
+                                   len(sizes), second_from=second_from, **chunks)
+
+        t = interleaved({"sums": lambda: sums(None), "receipt": lambda: sums(k1)}, 2 * args.reps)
+        out["rows"].append({"chunk_draws": chunk_draws, "default": chunk_draws == d.chunk_draws,
+                            "sums_s": med(t["sums"]),
+                            "receipt_s": med(t["receipt"]), "ratio": ratio(t["receipt"], t["sums"])})
+    return out
 
 
 def peak_rss_mb() -> float:
@@ -395,6 +425,15 @@ def main() -> None:
     print(f"  one job (job.run_job, {j['bins']} bins, stores written; model, data, determinism, fingerprint "
           f"and sentinel once): one arm {j['arm_s']:.2f} s, pair {j['pair_s']:.2f} s   pair / arm = "
           f"{j['pair_over_arm']:.2f}\n")
+
+    c = pairing_cost(args, model, names)
+    print(f"pairing receipt (the second half of the draws summed apart, k1 = {c['k1']} of {c['n_draws']} "
+          f"draws; {c['n_images']} images in chunks of {ProbeConfig().chunk_images}):")
+    for r in c["rows"]:
+        print(f"  chunk_draws {r['chunk_draws']}{' (default)' if r['default'] else ''}: fold sums "
+              f"{r['sums_s'] * 1e3:.1f} ms, with the receipt {r['receipt_s'] * 1e3:.1f} ms   "
+              f"receipt / sums = {r['ratio']:.2f}")
+    print()
 
     rows = peak_memory(args)
     base = rows[0]["peak_mb"]

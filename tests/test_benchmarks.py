@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 # benchmark -> lines its smoke run must print (one per section)
 SECTIONS = {
-    "bench_probe.py": ["speed, one bin and arm:", "twin cost", "peak RSS, one probe call", "throughput:",
-                       "chunk sweep", "end to end:"],
+    "bench_probe.py": ["speed, one bin and arm:", "twin cost", "pairing receipt (", "peak RSS, one probe",
+                       "throughput:", "chunk sweep", "end to end:"],
     "bench_reduce.py": ["self-check:", "reduce_run (fresh process", "summary written: True"],
     "bench_gpu.py": ["eager  vmap (", "eager folds (", "total"],
     "bench_index.py": ["100 units", "1,000 units"],

@@ -69,10 +69,12 @@ class ProbeConfig:
     # One probe call takes ≤ chunk_images images x ≤ chunk_draws draws (-1 = all): peak memory is set
     # by the chunk, not by n_images x n_draws. 240 samples per call measured fastest among the
     # chunks whose peak RSS stays flat from 12 to 192 draws (benchmarks/README.md): 120 x 2 at the
-    # old 2 draws; at 8 draws a call takes 6, then 2 (not re-measured).
+    # old 2 draws. At 8 draws, chunks of 4 split the draws where the pairing receipt's halves do (k1 = 4),
+    # so the receipt costs no second differentiation: a bin's probe 0.75x the time of chunks of 6, +2.6%
+    # over the sums alone instead of +32% (benchmarks/README.md, "The pairing receipt's price").
     # Chunking changes the arithmetic order, so it is part of the recorded kernel path.
     chunk_images: int = 120
-    chunk_draws: int = 6
+    chunk_draws: int = 4
     # float64 | float32: the dtype the fold sums accumulate in before they are stored as float32. On the
     # device they take 12·n_folds·P bytes in float64 (the accumulator and its float32 copy), 4·n_folds·P
     # in float32: the knob for a large model on a small GPU. It changes the arithmetic (kernel path).

@@ -86,25 +86,57 @@ def raise_on_signals() -> None:
 
 
 @contextmanager
-def signals_held():
+def signals_held(unfinished: str):
     """SIGINT and SIGTERM wait until the block ends, then act as the handlers before it say: for the few
     milliseconds that write a run's plan (its arm configs, then run.json), so a signal leaves either no
     run or a planned one that resumes, never arm configs without their run.json (seen once in 20
     planning-phase SIGINTs). Handlers, not a signal mask: the kernel hands a process's signal to any
-    thread not masking it, and torch's threads do not."""
+    thread not masking it, and torch's threads do not.
+
+    The first signal acts (a second one is the same request). If the block itself fails while a signal
+    waits, the signal still ends the process (Interrupted, never swallowed by a sweep that goes on past a
+    point's error) and its line says `unfinished` and the error. Once the block ends the holding handlers
+    hand any signal straight to the handlers before them, so one that lands while they are put back is
+    acted on, not lost."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught = []
-    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
-                for signum in SIGNAL_EXIT}
+    caught, holding, previous = [], [True], {}
+
+    def hold(signum, frame):
+        if holding[0]:
+            caught.append(signum)
+        else:
+            _deliver(signum, previous[signum], frame)
+
+    for signum in SIGNAL_EXIT:
+        previous[signum] = signal.signal(signum, hold)
     try:
         yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if caught:
-            signal.raise_signal(caught[0])  # the restored handler acts now (raises Interrupted, or ends)
+    except BaseException as err:
+        holding[0] = False
+        _restore(previous)
+        if caught and not isinstance(err, Interrupted):
+            raise Interrupted(SIGNAL_EXIT[caught[0]], f"{unfinished} ({type(err).__name__}: {err})") from err
+        raise
+    holding[0] = False
+    _restore(previous)
+    if caught:
+        signal.raise_signal(caught[0])  # the handler before the block acts now (raises Interrupted, or ends)
+
+
+def _deliver(signum: int, handler, frame) -> None:
+    """Hand a signal to the handler that was in place before signals_held."""
+    if callable(handler):
+        handler(signum, frame)
+    else:  # SIG_DFL or SIG_IGN: put it back and let the signal do what it does
+        signal.signal(signum, handler)
+        signal.raise_signal(signum)
+
+
+def _restore(previous: dict) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 def exit_on_signals() -> None:
@@ -119,7 +151,10 @@ def exit_on_signals() -> None:
     def _exit(signum, frame):
         print(f"twinrun: error: {Interrupted(SIGNAL_EXIT[signum], 'nothing was started')}", file=sys.stderr)
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
+                pass
         os._exit(SIGNAL_EXIT[signum])
 
     if threading.current_thread() is threading.main_thread():

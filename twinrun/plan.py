@@ -186,7 +186,8 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     rd = RunDir(run_dir)
     if rd.is_run():
         return _resume_plan(rd, run)
-    with signals_held():  # the arms' configs and run.json land together, or not at all
+    # A signal waits until the arms' configs and run.json are all written: a planned run that resumes.
+    with signals_held("the plan was not written, so there is nothing to resume"):
         if any(GATE_REPLICATE in u["stores"] for u in run["units"]):
             make_dir(rd.arm_dir(GATE_REPLICATE))
         for arm in arms:

@@ -108,8 +108,10 @@ def _task(cfg: DictConfig) -> Point:
         refuse_unknown_additions(list(hc.overrides.task), set(hc.runtime.choices))
         with tee_output(run_dir / f"{hc.job.name}.log"):
             point = run_point(cfg, run_dir, reproduce_command(), sweeping)
-    except Interrupted:
+    except Interrupted as err:
         discard_unplanned(run_dir)  # cut short while planning: nothing stays; once planned, it resumes
+        if not sweeping and not RunDir(run_dir).is_run():  # no run to resume: say so, not "resume with"
+            raise Interrupted(err.exit_code, "nothing was planned") from None
         raise
     except TwinrunError as err:
         discard_unplanned(run_dir)
@@ -187,6 +189,8 @@ class SweepCallback(Callback):
             packs = (f"one job of {len(points)} runs" if jobs == 1 else
                      f"one job array of {jobs} jobs, up to {pack} runs each")
             how = f"as {packs} (launcher.pack={pack}, one process a run)" if pack > 1 else "as one job array"
+            if len(points) == 1:  # a lone run is a plain pair job (placement.place), packed or not
+                how = "as one job"
             print(f"twinrun: planning {len(points)} sweep points here; launcher={config.launcher.name} then "
                   f"submits them together, {how}", flush=True)
 
@@ -429,8 +433,8 @@ def main() -> None:
             app()
     except KeyboardInterrupt:
         fail(Interrupted(EXIT_INTERRUPTED))
-    except Interrupted as err:
-        fail(err)
+    except Interrupted as err:  # before the task (Hydra composing, a sweep's checks) nothing was written
+        fail(err if _state["task_started"] else Interrupted(err.exit_code, "nothing was started"))
     except SystemExit as exc:
         # Hydra reports a config it cannot compose (typo'd key, bad type, unknown option) in several
         # lines with exit 1, which twinrun reserves for a failed gate: one line, bad input.

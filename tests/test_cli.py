@@ -187,6 +187,7 @@ def test_estimands_are_chosen_at_reduce_time_as_a_post_hoc_view(tmp_path):
     bad = run_twinrun([str(run_dir), "--estimands", "all,curvature"], cwd=tmp_path, module="twinrun.reduce")
     assert bad.returncode == 2 and "curvature" in bad.stderr and "Traceback" not in bad.stderr
 
+
 def test_a_family_wise_level_is_chosen_at_reduce_time_as_a_post_hoc_view(tmp_path):
     proc, run_dir = tiny_run(tmp_path)
     assert proc.returncode == 0

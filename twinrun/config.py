@@ -67,11 +67,11 @@ class ProbeConfig:
     # fnmatch patterns over model.named_parameters() names; the gradient is taken w.r.t. these.
     params: list = field(default_factory=lambda: ["*"])
     # One probe call takes ≤ chunk_images images x ≤ chunk_draws draws (-1 = all): peak memory is set
-    # by the chunk, not by n_images x n_draws. 240 samples per call measured fastest among the
-    # chunks whose peak RSS stays flat from 12 to 192 draws (benchmarks/README.md): 120 x 2 at the
-    # old 2 draws. At 8 draws, chunks of 4 split the draws where the pairing receipt's halves do (k1 = 4),
-    # so the receipt costs no second differentiation: a bin's probe 0.75x the time of chunks of 6, +2.6%
-    # over the sums alone instead of +32% (benchmarks/README.md, "The pairing receipt's price").
+    # by the chunk, not by n_images x n_draws (120 x 4 = 480 samples a call, 92 MiB of gradients and
+    # activations on the default model; the whole run's peak RSS 0.7 GB). At 8 draws, chunks of 4 split
+    # the draws where the pairing receipt's halves do (k1 = 4), so the receipt costs no second
+    # differentiation: a bin's probe takes 0.75x the time it took in chunks of 6, the receipt +3-4% over
+    # the sums alone instead of +29-32% (benchmarks/README.md, "The pairing receipt's price").
     # Chunking changes the arithmetic order, so it is part of the recorded kernel path.
     chunk_images: int = 120
     chunk_draws: int = 4

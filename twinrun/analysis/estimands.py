@@ -126,9 +126,9 @@ def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduc
                               f"(parameters look like {', '.join(e['name'] for e in layout[:3])}); fix the "
                               f"pattern{f' or {params_key}' if params_key else ''}")
     if "cond" in names and not any(known["cond"].selects(entry) for entry in layout):
-        among = f" among {params_key}" if params_key else ""
+        among, them = (f" among {params_key}", " among them") if params_key else ("", "")
         raise ConfigError(what, list(names), f"`cond` needs conditioning parameters{among} (the model "
-                          f"declares none{among}); drop `cond`{' or probe them' if params_key else ''}")
+                          f"declares none{them}); drop `cond`{' or probe them' if params_key else ''}")
 
 
 def declared_groups(r: DictConfig) -> dict[str, list[str]]:

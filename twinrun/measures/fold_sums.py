@@ -24,9 +24,9 @@ from torch.func import functional_call, vmap
 from twinrun.errors import EXIT_GATE, ConfigError, TwinrunError
 from twinrun.measures.modes import shared_stream, stream_seed
 
-# The functions' default chunk (benchmarks/bench_probe.py's first protocol, 40 images x 12 draws): one
-# vmapped call takes CHUNK_IMAGES images x CHUNK_DRAWS draws. -1 = no limit. A run's chunk is its config's
-# (ProbeConfig, conf/probe/default.yaml), always passed explicitly.
+# The functions' own default chunk, 40 images x 6 draws (chosen for bench_probe.py's first protocol of
+# 40 images x 12 draws): one vmapped call takes CHUNK_IMAGES images x CHUNK_DRAWS draws; -1 = no limit.
+# A run's chunk is its config's (ProbeConfig, conf/probe/default.yaml), always passed explicitly.
 CHUNK_IMAGES = 40
 CHUNK_DRAWS = 6
 # What probe.method accepts; `auto` is resolved to one of the others before any bin (twinrun.trial).

@@ -68,7 +68,8 @@ class Measure:
     protocol_keys: tuple[str, ...]  # config keys two runs must share to measure the same thing
     open_session: Callable[[dict, list, torch.device], Session]  # (config, arms, device), in the job
     device: Callable[[dict], str]  # the config's device setting (`auto`, `cpu`, `cuda:N`)
-    # (run_dir, estimands, gate_rule, signal_alpha) -> Reduction: the kind's analysis (writes nothing)
+    # (run_dir, estimands, gate_rule, signal_alpha, family_alpha) -> Reduction: the kind's analysis
+    # (writes nothing); None for a setting means the registered one
     reduce: Callable
     report: Callable  # (out_dir, summary, index) -> report.md's path: writes the report and its plots
     render: Callable  # summary -> the text the command prints after reducing

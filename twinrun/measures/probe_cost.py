@@ -27,7 +27,7 @@ from twinrun.measures.kind import parse_device
 # What each part of the host-memory estimate grows with: the key a refusal names.
 MEMORY_KEYS = {"the process before measuring": "model", "one probe call": "probe.chunk_images",
                "draws of a bin": "probe.n_draws", "fold sums and the store": "probe.n_folds"}
-CALIBRATION_MAX_SAMPLES = 1024  # the default chunk (120 x 6) is timed whole; a chunk of -1 on at most this
+CALIBRATION_MAX_SAMPLES = 1024  # the default chunk (120 x 4) is timed whole; a chunk of -1 on at most this
 
 
 def host_memory(p: ProbeConfig, image_shape, n_params: int, baseline: int, call: int) -> dict[str, int]:

@@ -102,7 +102,9 @@ def train_lines(points: list[dict], sd: SweepDir) -> list[str]:
     lines = ["", "## Training points", "",
              ("Each point's distance from its twin at its last stored step against the chaos floor (the "
               "chaos arm's distance: how far a one-ulp wobble moves the same run), for the estimand its "
-              "verdict reads."), "",
+              "verdict reads. A point not reduced (failed, interrupted, missing) is in the table above "
+              "only."),
+             "",
              "| point | step | estimand | distance | chaos floor | × floor | above floor | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     for p in trained:

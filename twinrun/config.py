@@ -126,6 +126,10 @@ class TrainConfig:
     # the rate is constant over the run. Typed Any, not a dict: a dict default would be merged with
     # (and so keep the keys of) whichever optimizer replaces it.
     optimizer: Any = None
+    # The trained parameters: fnmatch patterns over model.named_parameters(), the rules of probe.params;
+    # every other parameter is frozen (no gradient, not in the optimizer). ['*lora_*'] trains a LoRA
+    # adapter alone (docs/models.md); a pattern list matching nothing is refused.
+    params: list = field(default_factory=lambda: ["*"])
     # The weights every arm starts from: a safetensors file of the model's parameters; null = the
     # model as its builder returns it (the committed digits denoiser for model=dit_digits).
     start_checkpoint: str | None = None
@@ -289,7 +293,7 @@ PROTOCOL_KEYS = ("data", "sigma_grid", "seed", "probe.n_images", "probe.n_draws"
 STORE_PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
 # What was measured, as each store records it: every store of a run must agree on these, and a
 # reference whose differ is dead for that reason (the model's or the data's), not the environment's.
-STORE_IDENTITY_KEYS = ("model_sha256", "data_sha256")
+STORE_IDENTITY_KEYS = ("model_sha256", "data_sha256", "adapter_sha256")
 
 
 def config_hash(config: dict) -> str:

@@ -262,6 +262,8 @@ class ProbeSession:
         self.identity = {"model_sha256": model_sha256(self.c.model),
                          "data_sha256": tensors_sha256([("images", self.c.images),
                                                         ("image_ids", torch.tensor(self.c.image_ids))])}
+        if getattr(self.c.model, "adapter_sha256", None) is not None:  # a LoRA adapter's file content
+            self.identity["adapter_sha256"] = self.c.model.adapter_sha256
         random_ops = self.p.train_mode and draws_randomness(self.c.model, self.c.images, sigma0)
         self.train_stream = self.seed if random_ops else None
         # Resolve probe.method and compile before any bin, so that the compile cache the fingerprint

@@ -259,6 +259,8 @@ class TrainSession:
         self.identity = {"model_sha256": model_sha256(start),
                          "data_sha256": tensors_sha256([("train", self.train_x), ("heldout", self.held_x),
                                                         ("ids", ids)])}
+        if getattr(start, "adapter_sha256", None) is not None:  # a LoRA adapter's file content
+            self.identity["adapter_sha256"] = start.adapter_sha256
         # Never trained: the sentinel reads the same model at the start and the end of every job.
         self.sentinel_model = copy.deepcopy(start)
         self.layout = weight_layout(start)

@@ -279,6 +279,7 @@ class ProbeStoreMeta(TypedDict):
     # images with their ids; absent in stores written before they were recorded.
     model_sha256: NotRequired[HexDigest]
     data_sha256: NotRequired[HexDigest]
+    adapter_sha256: NotRequired[HexDigest]  # a LoRA adapter's files (twinrun.lora), where one is loaded
     layout: list[LayoutEntry]
     # The pairing receipt's inputs: the draws in each half [k1, k2] (None for one draw an image) and the
     # base64 float64 [n_tensors, F, F] blocks of S and H (twinrun.analysis.receipts reads them); absent in

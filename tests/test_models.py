@@ -14,6 +14,7 @@ from diffusers import DDPMScheduler
 from twinrun.errors import ConfigError
 from twinrun.measures import fold_sums as fs
 from twinrun.models import pixart, sd3
+from twinrun.objectives import OBJECTIVES
 
 M, L = 5, 7  # images, text tokens
 
@@ -113,3 +114,44 @@ def test_a_local_pretrained_directory_loads_in_place_of_the_random_init(kind, tm
     with pytest.raises(ConfigError) as err:
         BUILDERS[kind](pretrained=str(tmp_path / "nowhere"))
     assert str(err.value).startswith("model.pretrained=") and "never downloads" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- the probe's fold sums
+
+
+def loop_sums(model, names, x, eps, level, level_cond, cond, folds, kind):
+    """One forward and backward per (image, draw), each with its own image's conditioning; written from
+    the objectives' formulas, independently of twinrun.measures.fold_sums."""
+    params = dict(model.named_parameters())
+    out = torch.zeros(max(folds) + 1, sum(params[n].numel() for n in names), dtype=torch.float64)
+    for i, fold in enumerate(folds):
+        for d in range(eps.shape[1]):
+            one, e = x[i : i + 1], eps[i, d : d + 1]
+            if kind == "sd3":  # flow: x_t = (1 − t)x + tε, target ε − x
+                noisy, target = (1 - level) * one + level * e, e - one
+            else:  # vp: x_t = √ᾱ x + √(1 − ᾱ) ε, target ε
+                abar = model.alphas_cumprod[int(level)]
+                noisy, target = abar.sqrt().float() * one + (1 - abar).sqrt().float() * e, e
+            model.zero_grad(set_to_none=True)
+            pred = model(noisy, torch.tensor([level]), torch.tensor([level_cond]),
+                         **{k: v[i : i + 1] for k, v in cond.items()})
+            ((pred - target) ** 2).mean().backward()
+            out[fold] += torch.cat([params[n].grad.flatten() for n in names]).double()
+    model.zero_grad(set_to_none=True)
+    return out.float()
+
+
+@pytest.mark.parametrize(("kind", "method"), [("sd3", "vmap"), ("sd3", "folds"), ("pixart", "folds")])
+def test_fold_sums_equal_a_per_sample_loop_with_each_images_own_conditioning(kind, method):
+    model = BUILDERS[kind]()
+    x, _, cond = inputs(kind)
+    folds = [0, 1, 1, 0, 1]
+    eps = torch.randn(M, 2, *x.shape[1:], generator=torch.Generator().manual_seed(5))
+    level, level_cond = (0.4, 0.7) if kind == "sd3" else (300.0, 600.0)
+    names = fs.select_params(model, ["*"])
+    want = loop_sums(model, names, x, eps, level, level_cond, cond, folds, kind)
+    objective = OBJECTIVES["flow" if kind == "sd3" else "vp"]()
+    got = fs.fold_sums(model, names, x, eps, level, torch.tensor(level_cond), torch.tensor(folds), 2,
+                       method=method, objective=objective, cond=cond)
+    assert (want.abs().sum(1) > 0).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())

@@ -126,7 +126,8 @@ def main() -> None:
     if args.rss_child is not None:
         return rss_child(args.rss_child)
 
-    model, names, latents, cond, eps, fold_of_image = inputs = setup(N_DRAWS)
+    inputs = setup(N_DRAWS)
+    model, latents = inputs[0], inputs[2]
     n_params = sum(p.numel() for p in model.parameters())
     print(f"bench_text_probe: torch {torch.__version__}, {args.threads} threads; SD3 MMDiT {n_params:,} "
           f"parameters, latents {tuple(latents.shape[1:])}, text {TEXT_TOKENS} tokens; {N_IMAGES} images x "

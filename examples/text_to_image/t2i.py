@@ -43,7 +43,8 @@ def encoders() -> tuple[AutoencoderKL, CLIPTextModelWithProjection]:
         vae = AutoencoderKL(in_channels=1, out_channels=1, latent_channels=LATENT_CHANNELS,
                             down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
                             up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-                            block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1, sample_size=IMAGE_SIDE)
+                            block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1,
+                            sample_size=IMAGE_SIDE)
         text = CLIPTextModelWithProjection(CLIPTextConfig(
             vocab_size=len(WORDS), hidden_size=TEXT_DIM, intermediate_size=2 * TEXT_DIM, num_hidden_layers=1,
             num_attention_heads=2, max_position_embeddings=TEXT_TOKENS, projection_dim=TEXT_DIM,

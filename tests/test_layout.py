@@ -26,7 +26,7 @@ FLOORS = [
     ("components", ["twinrun.arms", "twinrun.model", "twinrun.data", "twinrun.draws"]),
     ("storage", ["twinrun.storage"]),
     ("provenance", ["twinrun.provenance"]),
-    ("schema", ["twinrun.config", "twinrun.interventions", "twinrun.errors", "twinrun.files", "twinrun"]),
+    ("schema", ["twinrun.config", "twinrun.interventions", "twinrun.objectives", "twinrun.errors", "twinrun.files", "twinrun"]),
 ]
 COMMANDS = set(FLOORS[0][1])
 # Side by side on one floor, neither reads the other: the reducer hands a summary to publish.

@@ -19,6 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import INTERVENTIONS, schema
+from twinrun.objectives import OBJECTIVES
+from twinrun.objectives import schema as objective_schema
 
 # ----------------------------------------------------------------------------- components built
 # through one level of `_target_` (model, data, intervention): a user's own config may point
@@ -265,6 +267,8 @@ class TwinrunConfig:
     model: Any = MISSING
     data: Any = MISSING
     intervention: Any = MISSING
+    # The diffusion objective (twinrun/objectives.py, docs/objectives.md): edm | flow | vp | your own.
+    objective: Any = MISSING
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     train: TrainConfig = field(default_factory=TrainConfig)  # measure=train's settings
     sigma_grid: SigmaGridConfig = field(default_factory=SigmaGridConfig)
@@ -344,6 +348,8 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="digits", node=DigitsDataConfig)
     for cls in INTERVENTIONS:
         cs.store(group="schema/intervention", name=cls.name, node=schema(cls))
+    for cls in OBJECTIVES.values():
+        cs.store(group="schema/objective", name=cls.name, node=objective_schema(cls))
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/train", name="train", node=TrainConfig)

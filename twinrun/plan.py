@@ -44,8 +44,8 @@ from twinrun.storage.store import verify_store
 # `_target_`s are passed in as `trusted`) or a module named on the command line.
 # torch.optim's classes take parameters and numbers only: the built-in training experiment's AdamW.
 # twinrun.models: the adapters of diffusers' networks twinrun ships.
-BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions", "torch.optim",
-                   "twinrun.models.sd3", "twinrun.models.pixart")
+BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions", "twinrun.objectives",
+                   "twinrun.caches", "torch.optim", "twinrun.models.sd3", "twinrun.models.pixart")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -240,8 +240,8 @@ def targets(tree) -> list[str]:
 
 
 def trusted_targets(cfg: DictConfig) -> list[str]:
-    """The builders of a config the user composed (its model, data, intervention and optimizer)."""
-    return sorted({t for key in ("model", "data", "intervention", "train")
+    """The builders of a config the user composed (its model, data, intervention, objective, optimizer)."""
+    return sorted({t for key in ("model", "data", "intervention", "objective", "train") if key in cfg
                    for t in targets(OmegaConf.to_container(cfg[key], resolve=True))})
 
 

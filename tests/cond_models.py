@@ -83,3 +83,10 @@ def bad_cond_data(what: str = "rows"):
 def bad_key_data():
     """A conditioning entry the model's forward does not take (`prompt`)."""
     return bad_cond_data("key")
+
+
+def cond_data_env(n: int = 24):
+    """`cond_data` with its text embeddings moved by $COND_TEXT_SHIFT (other embeddings, same images)."""
+    import os
+
+    return cond_data(n, text_shift=float(os.environ.get("COND_TEXT_SHIFT", "0")))

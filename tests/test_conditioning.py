@@ -119,16 +119,34 @@ def test_a_run_with_bad_conditioning_exits_2_before_compute(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["flow"])  # (edm with conditioning: the fold-sum tests)
-def test_a_conditional_model_runs_pin_sigma_end_to_end(tmp_path, objective):
-    grid = (["sigma_grid.sigmas=[0.2,0.5,1.2]", "intervention.sigma_pin=0.5"] if objective == "edm" else
-            ["sigma_grid.sigmas=[0.25,0.5,0.8]", "intervention.sigma_pin=0.5", "objective=flow"])
-    proc = run_twinrun(["+experiment=pin_sigma", "probe.n_images=8", "probe.n_draws=2", "probe.n_folds=4",
-                        *grid, "model._target_=cond_models.tiny", "data._target_=cond_models.cond_data",
-                        f"hydra.run.dir={tmp_path}/run"], cwd=TESTS)
+def test_a_conditional_model_runs_pin_sigma_and_its_embeddings_are_what_was_measured(tmp_path):
+    """pin_sigma end to end on the conditional model under objective=flow (edm with conditioning: the
+    fold-sum tests); then its text embeddings change under the same config: a resume is refused and a
+    reference measured with the old ones is dead, the data named as the cause."""
+    args = ["+experiment=pin_sigma", "probe.n_images=8", "probe.n_draws=2", "probe.n_folds=4",
+            "sigma_grid.sigmas=[0.25,0.5,0.8]", "intervention.sigma_pin=0.5", "objective=flow",
+            "model._target_=cond_models.tiny", "data._target_=cond_models.cond_data_env"]
+    proc = run_twinrun([*args, f"hydra.run.dir={tmp_path}/ref"], cwd=TESTS)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "ref" / "summary.json").read_text())
     assert summary["checks_passed"] and all(g["passed"] for g in summary["gates"])
+    moved = {"COND_TEXT_SHIFT": "1e-3"}
+    index = json.loads((tmp_path / "ref" / "run.json").read_text())
+    for entry in index["units"][-1]["stores"].values():
+        entry["status"] = "pending"
+    (tmp_path / "ref" / "run.json").write_text(json.dumps(index))
+    again = run_twinrun([str(tmp_path / "ref"), "--trust", "cond_models"], cwd=TESTS, module="twinrun.resume",
+                        env=moved)
+    assert again.returncode == 2 and "the probed data differ" in again.stderr, again.stderr[-2000:]
+    for entry in index["units"][-1]["stores"].values():
+        entry["status"] = "done"
+    (tmp_path / "ref" / "run.json").write_text(json.dumps(index))
+    proc = run_twinrun([*args, f"hydra.run.dir={tmp_path}/now", f"reference={tmp_path}/ref"], cwd=TESTS,
+                       env=moved)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = json.loads((tmp_path / "now" / "summary.json").read_text())["reference"]
+    assert reference["status"] == "dead" and reference["measured_differs_in"] == ["data_sha256"]
+    assert "conditioning" in reference["detail"]
 
 
 @pytest.mark.slow

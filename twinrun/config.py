@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import INTERVENTIONS, schema
-from twinrun.objectives import OBJECTIVES
+from twinrun.objectives import EDM_P_MEAN, EDM_P_STD, OBJECTIVES
 from twinrun.objectives import schema as objective_schema
 
 # ----------------------------------------------------------------------------- components built
@@ -48,6 +48,24 @@ class DigitsTrainDataConfig:
 
 
 # ----------------------------------------------------------------------------- plain settings
+
+
+@dataclass
+class CacheDataConfig:
+    # A latent cache and an optional conditioning cache (twinrun/caches.py; docs/bring-your-own.md).
+    _target_: str = "twinrun.caches.load_cache"
+    latents: str = MISSING  # safetensors: `latents` [M, C, H, W], `ids` [M]
+    conditioning: str | None = None  # safetensors: `ids` [M] (the latents'), one tensor [M, ...] per entry
+
+
+@dataclass
+class CacheTrainDataConfig:
+    # Training's caches: each split's latent cache and optional conditioning cache.
+    _target_: str = "twinrun.caches.load_train_cache"
+    train_latents: str = MISSING
+    heldout_latents: str = MISSING
+    train_conditioning: str | None = None
+    heldout_conditioning: str | None = None
 
 
 @dataclass
@@ -290,8 +308,10 @@ class TwinrunConfig:
 # arithmetic, not what is measured (they are in the kernel path instead). The model config is not
 # part of it: weights move between paths and machines, and the parameter layout, which is, is
 # checked store by store.
-PROTOCOL_KEYS = ("data", "sigma_grid", "seed", "probe.n_images", "probe.n_draws", "probe.n_folds",
-                 "probe.params", "probe.train_mode")
+PROTOCOL_KEYS = ("data", "objective", "sigma_grid", "seed", "probe.n_images", "probe.n_draws",
+                 "probe.n_folds", "probe.params", "probe.train_mode")
+# A run recorded before objectives were configurable ran edm with its defaults (conf/objective/edm.yaml).
+DEFAULT_OBJECTIVE = {"_target_": "twinrun.objectives.EDM", "p_mean": EDM_P_MEAN, "p_std": EDM_P_STD}
 # The same protocol as each store's metadata records it (n_folds and params become the fold sizes
 # and the parameter layout): every store of a run must agree on these (checks.py, references.py).
 STORE_PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
@@ -316,7 +336,12 @@ def _at(config: dict, dotted: str):
 
 def protocol_differences(a: dict, b: dict, keys=PROTOCOL_KEYS) -> list[str]:
     """The protocol keys at which two resolved configs differ (empty: they measure the same thing)."""
-    return [k for k in keys if _at(a, k) != _at(b, k)]
+    return [k for k in keys if _protocol_at(a, k) != _protocol_at(b, k)]
+
+
+def _protocol_at(config: dict, dotted: str):
+    value = _at(config, dotted)
+    return DEFAULT_OBJECTIVE if dotted == "objective" and value is None else value
 
 
 def build(node: dict, key: str):
@@ -354,6 +379,8 @@ def register_configs() -> None:
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/train", name="train", node=TrainConfig)
     cs.store(group="schema/data", name="digits_train", node=DigitsTrainDataConfig)
+    cs.store(group="schema/data", name="cache", node=CacheDataConfig)
+    cs.store(group="schema/data", name="cache_train", node=CacheTrainDataConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
     cs.store(group="schema/tracker", name="tracker", node=TrackerConfig)
 

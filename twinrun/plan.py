@@ -124,8 +124,8 @@ def check_reference(reference: str | None, mine: dict, kind: Measure,
     differ = protocol_differences(theirs, mine, kind.protocol_keys)
     if differ:
         raise ConfigError("reference", reference, f"was measured under another protocol ({', '.join(differ)} "
-                          "differ); a reference must share data, grid, seed, images, draws, folds and "
-                          "probed parameters")
+                          "differ); a reference must share data, objective, grid, seed, images, draws, "
+                          "folds and probed parameters")
     return str(path)
 
 

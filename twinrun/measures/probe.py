@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from twinrun import conditioning, draws, objectives
+from twinrun import caches, conditioning, draws, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.reduce import reduce_run
 from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build, typed
@@ -163,6 +163,7 @@ class Components:
     images: torch.Tensor  # [n_images, C, H, W]: the data's first probe.n_images, on `device`
     image_ids: list[int]  # each image's id: it keys the image's noise draws
     cond: dict  # per-image conditioning {name: [n_images, ...]} on `device` ({} for none)
+    data_files: dict  # {path: sha256} of every cache the data builder read (twinrun.caches)
     objective: objectives.Objective  # noising, target and weight of the loss whose gradients are summed
     interventions: dict[str, Intervention]  # arm name -> its intervention (hooks attached per arm)
     names: list[str]  # the probed parameters (probe.params matched against the model)
@@ -187,7 +188,9 @@ def build_components(config: dict, p: ProbeConfig, arms: list, device: torch.dev
             return build(node, key)
 
     model = built("model", config["model"]).to(device)
-    images, image_ids, cond = conditioning.split(data if data is not None else built("data", config["data"]))
+    with caches.recording() as data_files:
+        data = data if data is not None else built("data", config["data"])
+    images, image_ids, cond = conditioning.split(data)
     names = fs.select_params(model, list(p.params))
     sizes = fold_sizes(p.n_images, p.n_folds)
     return Components(
@@ -195,6 +198,7 @@ def build_components(config: dict, p: ProbeConfig, arms: list, device: torch.dev
         images=images[: p.n_images].to(device),
         image_ids=list(image_ids[: p.n_images]),
         cond=conditioning.to(conditioning.take(cond, slice(0, p.n_images)), device),
+        data_files=data_files,
         objective=objectives.from_config(config.get("objective")),
         interventions={a.name: built("intervention", a.config["intervention"]) for a in arms},
         names=names,
@@ -278,6 +282,8 @@ class ProbeSession:
                                                        + conditioning.digest_items(self.c.cond))}
         if getattr(self.c.model, "adapter_sha256", None) is not None:  # a LoRA adapter's file content
             self.identity["adapter_sha256"] = self.c.model.adapter_sha256
+        if self.c.data_files:  # the caches read, file by file (none: the identity is as before caches)
+            self.identity["data_files"] = self.c.data_files
         random_ops = self.p.train_mode and draws_randomness(self.plain, self.c.images, sigma0)
         self.train_stream = self.seed if random_ops else None
         # Resolve probe.method and compile before any bin, so that the compile cache the fingerprint

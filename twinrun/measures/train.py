@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from twinrun import conditioning, objectives
+from twinrun import caches, conditioning, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.train_reduce import reduce_train, refuse_derived
 from twinrun.config import TrainConfig, build, typed
@@ -269,7 +269,8 @@ class TrainSession:
     def __init__(self, config: dict, arms: list, device: torch.device):
         self.t = typed(TrainConfig, config["train"], "train")
         self.seed, self.device = config["seed"], device
-        train, held = split_data(build(config["data"], "data"))
+        with caches.recording() as data_files:
+            train, held = split_data(build(config["data"], "data"))
         (train_x, train_ids, train_cond), (held_x, held_ids, held_cond) = train, held
         self.train_x, self.train_ids = train_x.to(device), list(train_ids)
         n_held = self.t.heldout_images
@@ -293,6 +294,8 @@ class TrainSession:
                                                           conditioning.digest_items(self.held_cond)])}
         if getattr(start, "adapter_sha256", None) is not None:  # a LoRA adapter's file content
             self.identity["adapter_sha256"] = start.adapter_sha256
+        if data_files:  # the caches read, file by file
+            self.identity["data_files"] = data_files
         # Never trained: the sentinel reads the same model at the start and the end of every job.
         self.sentinel_model = copy.deepcopy(start)
         self.layout = weight_layout(start)

@@ -211,6 +211,7 @@ class Summary(TypedDict):
     reference: NotRequired[ReferenceReport | None]
     post_hoc: NotRequired[PostHoc]
     twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
+    data_files: NotRequired[dict[str, str]]  # {path: sha256} of the caches the data were read from
 
 
 class TrainGateRow(TypedDict):

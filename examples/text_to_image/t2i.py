@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
-from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
 from twinrun import lora
+from twinrun.caches import LATENTS, write_cache
 from twinrun.data import heldout_indices, load_digits_images, train_indices
 from twinrun.models.sd3 import LORA_TARGETS, sd3
 
@@ -75,24 +75,20 @@ def digits_with_prompts(indices: torch.Tensor) -> tuple[torch.Tensor, list[int],
     return images[indices], [int(i) for i in indices], prompts
 
 
-def write_caches(latents_path: Path, cond_path: Path, latents, ids, cond) -> None:
-    latents_path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"latents": latents, "ids": torch.tensor(ids)}, latents_path)
-    save_file({"ids": torch.tensor(ids), **cond}, cond_path)
-
-
-def write_cache(out: Path, split: str, indices: torch.Tensor) -> None:
+def encode_split(out: Path, split: str, indices: torch.Tensor) -> None:
     images, ids, prompts = digits_with_prompts(indices)
     latents, cond = encode(images, prompts)
-    write_caches(out / f"{split}_latents.safetensors", out / f"{split}_text.safetensors", latents, ids, cond)
+    # twinrun's cache format: the tensors by name and the ids, the same ids in the same order in both files.
+    write_cache(out / f"{split}_latents.safetensors", {LATENTS: latents}, ids)
+    write_cache(out / f"{split}_text.safetensors", cond, ids)
     print(f"t2i: {split}: {len(ids)} latents {tuple(latents.shape[1:])} and text embeddings "
           f"{ {k: tuple(v.shape[1:]) for k, v in cond.items()} } -> {out}/{split}_*.safetensors")
 
 
 def main_encode(out: Path) -> None:
     n_total = load_digits_images().shape[0]
-    write_cache(out, "train", train_indices(n_total))
-    write_cache(out, "heldout", heldout_indices(n_total))
+    encode_split(out, "train", train_indices(n_total))
+    encode_split(out, "heldout", heldout_indices(n_total))
 
 
 def main_adapter(out: Path, rank: int, seed: int) -> None:

@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
+from twinrun.config import objective_of as from_config
 from twinrun.errors import ConfigError
 from twinrun.measures import train_step as ts
 from twinrun.model import DiTDenoiser
-from twinrun.objectives import EDM, OBJECTIVES, VP, Flow, Objective, from_config
+from twinrun.objectives import EDM, OBJECTIVES, VP, Flow, Objective
 
 
 class Schedule:

@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import INTERVENTIONS, schema
-from twinrun.objectives import EDM_P_MEAN, EDM_P_STD, OBJECTIVES
+from twinrun.objectives import EDM, EDM_P_MEAN, EDM_P_STD, OBJECTIVES, Objective
 from twinrun.objectives import schema as objective_schema
 
 # ----------------------------------------------------------------------------- components built
@@ -353,6 +353,19 @@ def build(node: dict, key: str):
         cause = err.__cause__ or err
         msg = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
         raise ConfigError(f"{key}._target_", node.get("_target_"), f"could not be built: {msg}") from None
+
+
+def objective_of(node: dict | None) -> Objective:
+    """An arm's objective from its resolved config's `objective` node (one level of `_target_`); a config
+    without one (a run recorded before objectives were configurable) is `edm`, which it ran."""
+    if not node:
+        return EDM()
+    obj = build(node, "objective")
+    if not isinstance(obj, Objective):
+        raise ConfigError("objective._target_", node.get("_target_"), "built a "
+                          f"{type(obj).__name__}, not an objective: subclass twinrun.objectives.Objective "
+                          "(docs/objectives.md)")
+    return obj
 
 
 def typed(schema: type, node: dict, where) -> Any:

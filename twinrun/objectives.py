@@ -28,7 +28,8 @@ the level alone, so the probe, whose bin has one level, factors it out of the bi
 applies it per sample. `edm` is exactly the arithmetic twinrun always ran (bit-identical stores).
 
 Your own objective: a dataclass subclass of `Objective` (its fields are its config keys), selected by
-`objective._target_=your.module.YourObjective`. `OBJECTIVES` maps the built-in names to their classes;
+`objective._target_: your.module.YourObjective` (built by `twinrun.config.objective_of`: this module
+imports torch alone). `OBJECTIVES` maps the built-in names to their classes;
 a lookup may extend it.
 """
 
@@ -39,7 +40,6 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import hydra.utils
 import torch
 
 from twinrun.errors import ConfigError
@@ -127,7 +127,11 @@ class EDM(Objective):
 
     def check_model(self, model):
         sd = getattr(model, "sigma_data", None)
-        if not isinstance(sd, (int, float)) or not (math.isfinite(sd) and sd > 0):
+        try:
+            ok = math.isfinite(float(sd)) and float(sd) > 0
+        except (TypeError, ValueError, RuntimeError):  # absent, or not one number
+            ok = False
+        if not ok:
             raise ConfigError("objective", self.name, f"the model's sigma_data is {sd!r}; objective=edm "
                               "weighs each σ by it: give the model a positive float attribute `sigma_data`")
 
@@ -224,21 +228,3 @@ def schema(cls: type[Objective]) -> type:
     """The class's config schema (schema/objective/<name>): its own fields, its `_target_` first."""
     own = [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(cls)]
     return dataclasses.make_dataclass(f"{cls.__name__}Config", [("_target_", str, target(cls)), *own])
-
-
-def from_config(node: dict | None) -> Objective:
-    """An arm's objective from its resolved config's `objective` node (one level of `_target_`); a config
-    without one (a run recorded before objectives were configurable) is `edm`, which it ran."""
-    if not node:
-        return EDM()
-    try:
-        obj = hydra.utils.instantiate(node)
-    except Exception as err:  # noqa: BLE001 — instantiate wraps every builder failure in its own exception
-        cause = err.__cause__ or err
-        msg = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
-        raise ConfigError("objective._target_", node.get("_target_"), f"could not be built: {msg}") from None
-    if not isinstance(obj, Objective):
-        raise ConfigError("objective._target_", node.get("_target_"), "built a "
-                          f"{type(obj).__name__}, not an objective: subclass twinrun.objectives.Objective "
-                          "(docs/objectives.md)")
-    return obj

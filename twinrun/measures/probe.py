@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from twinrun import caches, conditioning, draws, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.reduce import reduce_run
-from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build, typed
+from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build, objective_of, typed
 from twinrun.errors import ConfigError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, Native, attached
@@ -89,7 +89,7 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
         raise ConfigError("probe.n_images", p.n_images,
                           f"the data set has only {data[0].shape[0]} images; use at most that")
     conditioning.check(data[2], data[0].shape[0])
-    objectives.from_config(OmegaConf.to_container(cfg.objective, resolve=True) if "objective" in cfg
+    objective_of(OmegaConf.to_container(cfg.objective, resolve=True) if "objective" in cfg
                            else None).check("sigma_grid.sigmas", [float(s) for s in grid])
     intervention.check([float(s) for s in grid])
     return data
@@ -199,7 +199,7 @@ def build_components(config: dict, p: ProbeConfig, arms: list, device: torch.dev
         image_ids=list(image_ids[: p.n_images]),
         cond=conditioning.to(conditioning.take(cond, slice(0, p.n_images)), device),
         data_files=data_files,
-        objective=objectives.from_config(config.get("objective")),
+        objective=objective_of(config.get("objective")),
         interventions={a.name: built("intervention", a.config["intervention"]) for a in arms},
         names=names,
         layout=fs.layout(model, names, fs.cond_patterns(model)),

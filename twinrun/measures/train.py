@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from twinrun import caches, conditioning, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.train_reduce import reduce_train, refuse_derived
-from twinrun.config import TrainConfig, build, typed
+from twinrun.config import TrainConfig, build, objective_of, typed
 from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
@@ -183,7 +183,7 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     layout = weight_layout(model)
     check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), layout, params_key=None)
     intervention.check_model(model)
-    objective = objectives.from_config(arms[0].config.get("objective"))
+    objective = objective_of(arms[0].config.get("objective"))
     objective.check_model(model)
     conditioning.check(data[0][2], data[0][0].shape[0], model)
     state_bytes = smoke_step(model, arms, t, data, objective)
@@ -278,7 +278,7 @@ class TrainSession:
         # Per-image conditioning (each sample is fed its own image's rows) and the objective.
         self.train_cond = conditioning.to(train_cond, device)
         self.held_cond = conditioning.to(conditioning.take(held_cond, slice(0, n_held)), device)
-        self.objective = objectives.from_config(config.get("objective"))
+        self.objective = objective_of(config.get("objective"))
         self.shape = tuple(train_x.shape[1:])
         normal, eps, self.heldout_digest = heldout_draws(self.seed, self.held_ids, self.shape)
         self.held_normal, self.held_eps = normal.to(device), eps.to(device)

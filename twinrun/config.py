@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import INTERVENTIONS, schema
+from twinrun.plugins import plugin_interventions
 
 # ----------------------------------------------------------------------------- components built
 # through one level of `_target_` (model, data, intervention): a user's own config may point
@@ -340,6 +341,11 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="digits", node=DigitsDataConfig)
     for cls in INTERVENTIONS:
         cs.store(group="schema/intervention", name=cls.name, node=schema(cls))
+    # An installed package's interventions (entry point group twinrun.interventions): selected by name
+    # like a built-in, `intervention=NAME`, their schema straight from the class (no YAML needed).
+    for name, cls in plugin_interventions(INTERVENTIONS).items():
+        cs.store(group="schema/intervention", name=name, node=schema(cls))
+        cs.store(group="intervention", name=name, node=schema(cls))
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/train", name="train", node=TrainConfig)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from twinrun.errors import EXIT_INTERRUPTED, FAILURE_EXIT_CODES, Interrupted, KernelPathRefused, TwinrunError
 from twinrun.files import make_dir, write_json
 from twinrun.measures.kind import Session, describe_device, resolve_device
-from twinrun.measures.registry import measure_of
+from twinrun.measures.registry import load_index, measure_of
 from twinrun.measures.trial import failure_record, to_model_error
 from twinrun.plan import load_arms
 from twinrun.provenance.fingerprint import fingerprint
@@ -48,7 +48,7 @@ def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None,
         if units is None:  # with units, another element may be writing: its temp files are not stale
             for stale in rd.tmp_files():  # a write cut short by a kill: never read
                 stale.unlink(missing_ok=True)
-        index = RunIndex.load(rd)
+        index = load_index(rd)[0]
         try:
             return _measure(index, load_arms(index, trusted), units, gpus)
         except (KeyboardInterrupt, Interrupted) as err:

@@ -23,8 +23,8 @@ from twinrun.analysis.gates import decide
 from twinrun.analysis.reduce import Reduction, view_name
 from twinrun.config import TrainConfig, typed
 from twinrun.errors import ConfigError, StoreError, TwinrunError
-from twinrun.storage.records import TrainSummary
 from twinrun.storage.rundir import RunIndex
+from twinrun.storage.train_records import TrainSummary
 from twinrun.storage.train_store import TrainStore, read_train_store
 
 TWIN = "native"

@@ -32,10 +32,11 @@ from twinrun.measures.modes import draws_randomness, set_mode
 from twinrun.measures.probe_cost import check_device_memory, estimate_cost, estimate_memory, out_of_memory
 from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
+from twinrun.publish import probe_rows
 from twinrun.publish.render import render
 from twinrun.publish.report import write_report
 from twinrun.storage.header import MAX_HEADER_BYTES
-from twinrun.storage.records import UnitEntry
+from twinrun.storage.records import ProbeUnit, Summary, UnitEntry
 from twinrun.storage.store import header_size, store_size
 
 
@@ -390,4 +391,15 @@ PROBE = Measure(
     config_keys=("probe", "sigma_grid"),
     compiles=lambda config: trial.compile_mode(config["probe"].get("compile")) is not None,
     twin_first=True,  # every other arm's pairing blocks need the twin's sums and half-draw differences
+    unit_fields=ProbeUnit,
+    increasing="sigma",  # the σ grid: each σ once, in order
+    summary_type=Summary,
+    unit_key="sigma",
+    unit_own="sigma",
+    tracker_rows=probe_rows.tracker_rows,
+    sweep_point=probe_rows.sweep_point,
+    sweep_protocol="probe",
+    compile_setting=lambda config: ("probe.compile", config["probe"].get("compile")),
+    default_arithmetic=lambda method, device_type: arithmetic(ProbeConfig(), method or "vmap", device_type),
+    methods=("vmap", "folds"),
 )

@@ -43,8 +43,10 @@ from twinrun.measures.train_state import (
 from twinrun.measures.train_streams import Segment, draw_segment, dropout_seed, heldout_draws
 from twinrun.measures.trial import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
+from twinrun.publish import train_rows
 from twinrun.publish.train_report import render_train, write_train_report
-from twinrun.storage.records import UnitEntry
+from twinrun.storage.records import TrainUnit, UnitEntry
+from twinrun.storage.train_records import TrainSummary
 from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
 
 # What two training runs must share to have trained on the same thing (a comparison's check).
@@ -402,4 +404,11 @@ TRAIN = Measure(
     replicate_always=True,
     chaos_arm=True,
     store_format=TRAIN_STORE_FORMAT,
+    unit_fields=TrainUnit,
+    summary_type=TrainSummary,
+    unit_key="step",  # a segment by the step it ends at
+    unit_own="to_step",
+    tracker_rows=train_rows.tracker_rows,
+    tracker_step="step",  # its curves line up with the researcher's own training logs
+    sweep_point=train_rows.sweep_point,
 )

@@ -25,11 +25,13 @@ from twinrun.storage.records import (
     JobRecord,
     Role,
     RunRecord,
+    SharedSummary,
     StoreEntry,
     Summary,
     UnitEntry,
     validate_run,
     validate_summary,
+    validate_units,
 )
 from twinrun.storage.store import verify_store
 
@@ -169,10 +171,11 @@ class RunDir:
     def has_summary(self) -> bool:
         return self.summary_json.is_file()
 
-    def read_summary(self) -> Summary:
-        """summary.json, validated; a summary may vouch only for the reference its own run.json names
-        (a hand-edited claim of "alive" for another run is refused)."""
-        summary = validate_summary(self.summary_json, read_json(self.summary_json))
+    def read_summary(self, schema: type = SharedSummary) -> Summary:
+        """summary.json, validated against `schema` (its kind's summary_type); a summary may vouch only
+        for the reference its own run.json names (a hand-edited claim of "alive" for another run is
+        refused)."""
+        summary = validate_summary(self.summary_json, read_json(self.summary_json), schema)
         reference = summary.get("reference")
         if reference is not None:
             named = RunIndex.load(self).reference if self.is_run() else None
@@ -276,6 +279,10 @@ class RunIndex:
     def has_gate_replicate(self) -> bool:
         """The twin measured again at gate units only (not an arm of its own)."""
         return GATE_REPLICATE not in self.arm_names and any(GATE_REPLICATE in u["stores"] for u in self.units)
+
+    def check_units(self, fields: type, increasing: str | None) -> None:
+        """The units' own fields against the run's kind's (handed in by whoever looked the kind up)."""
+        validate_units(self.run_dir.run_json, self.doc, fields, increasing)
 
     def params(self, u: UnitEntry) -> dict:
         """The unit's own fields under its measurement kind (e.g. {"sigma": 0.5} for the probe)."""

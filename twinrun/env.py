@@ -8,7 +8,7 @@ field is and why it is compared or only recorded).
 import argparse
 import json
 
-from twinrun.config import Config
+from twinrun.config import TwinrunConfig
 from twinrun.errors import TwinrunError, fail
 from twinrun.measures.kind import resolve_device
 from twinrun.measures.registry import measure_names, measure_of
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--determinism", choices=("on", "off"), default="on",
                    help="as a run with determinism.enabled=true (default) or false: the switches are part "
                    "of the kernel path, so the digest differs")
-    p.add_argument("--measure", default=Config.measure, choices=measure_names(),
+    p.add_argument("--measure", default=TwinrunConfig.measure, choices=measure_names(),
                    help="the run's measurement kind, whose default arithmetic settings join the kernel path")
     p.add_argument("--method", default=None,
                    help="the method the kind resolved, where it has several (its log says which; the "

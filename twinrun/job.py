@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 from twinrun.errors import EXIT_INTERRUPTED, FAILURE_EXIT_CODES, Interrupted, KernelPathRefused, TwinrunError
 from twinrun.files import make_dir, write_json
+from twinrun.measures.failures import failure_record, to_model_error
 from twinrun.measures.kind import Session, describe_device, resolve_device
 from twinrun.measures.registry import load_index, measure_of
-from twinrun.measures.trial import failure_record, to_model_error
 from twinrun.plan import load_arms
 from twinrun.provenance.fingerprint import fingerprint
 from twinrun.provenance.record import kernel_path_sha256, setup_determinism, straddling_rule, unit_record

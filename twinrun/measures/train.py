@@ -28,6 +28,7 @@ from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunEr
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_step as ts
+from twinrun.measures.failures import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.measures.train_state import (
     ArmState,
@@ -41,7 +42,6 @@ from twinrun.measures.train_state import (
     weight_layout,
 )
 from twinrun.measures.train_streams import Segment, draw_segment, dropout_seed, heldout_draws
-from twinrun.measures.trial import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.publish import train_rows
 from twinrun.publish.train_report import render_train, write_train_report

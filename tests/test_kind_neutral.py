@@ -17,7 +17,8 @@ NEUTRAL = ["twinrun/storage/records.py", "twinrun/storage/rundir.py", "twinrun/p
            "twinrun/launchers/__init__.py", "twinrun/measures/registry.py", "twinrun/plugins.py"]
 # Each may still name a kind where the built-in table is declared: the one registration.
 REGISTRATION = {("twinrun/measures/registry.py", "twinrun.measures.probe"),
-                ("twinrun/measures/registry.py", "twinrun.measures.train")}
+                ("twinrun/measures/registry.py", "twinrun.measures.train"),
+                ("twinrun/measures/registry.py", "twinrun.measures.sample")}
 
 
 def _kind_named(text: str) -> bool:

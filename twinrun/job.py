@@ -173,7 +173,8 @@ def measure_units(
                 # Step: measure this arm, store it with what it is (written atomically), mark it done.
                 tensors, meta = session.measure(u, arm.name, {"config_hash": hashes[arm.name], **stamp})
                 path = index.store_path(u, arm.name)
-                landed[arm.name] = write_store(path, tensors, meta, kind.store_format)
+                landed[arm.name] = (kind.write_store(path, tensors, meta) if kind.write_store is not None
+                                    else write_store(path, tensors, meta, kind.store_format))
                 if not kind.sequential_units:
                     index.mark_done(u, arm.name, landed[arm.name], sha, refuse, identity)
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")

@@ -102,6 +102,9 @@ class Measure:
     # (method or None, device type) -> the arithmetic settings a default run of the kind adds to the
     # kernel path (`python -m twinrun.env` prints them as a run records them)
     default_arithmetic: Callable[[str | None, str], dict] = lambda method, device_type: {}
+    # (path, tensors, meta) -> sha256: writes one store of the kind (None: storage/store.py's write_store
+    # with `store_format`)
+    write_store: Callable | None = None
     methods: tuple[str, ...] = ()  # the values its `method` may resolve to (`twinrun.env --method`)
 
 

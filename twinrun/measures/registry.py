@@ -1,5 +1,5 @@
 """Measurement kinds: MEASURES lists the built-in ones, the config's `measure` key selects one (`probe`
-the default; `train`: twin training runs), and an installed package may add its own
+the default; `train`: twin training runs; `sample`: twin sampling), and an installed package may add its own
 (twinrun/plugins.py, entry point group `twinrun.measures`). A kind is looked up here once and handed
 down: the rooms below name none."""
 
@@ -8,11 +8,12 @@ from pathlib import Path
 from twinrun.errors import ConfigError, StoreError
 from twinrun.measures.kind import Measure
 from twinrun.measures.probe import PROBE
+from twinrun.measures.sample import SAMPLE
 from twinrun.measures.train import TRAIN
 from twinrun.plugins import MEASURES_GROUP, lookup, names
 from twinrun.storage.rundir import RunDir, RunIndex
 
-MEASURES: dict[str, Measure] = {m.name: m for m in (PROBE, TRAIN)}
+MEASURES: dict[str, Measure] = {m.name: m for m in (PROBE, TRAIN, SAMPLE)}
 
 
 def measure_names() -> list[str]:

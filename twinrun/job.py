@@ -96,7 +96,7 @@ def _measure(index: RunIndex, arms: list, units: list[int] | None, gpus: int | N
     kind = measure_of(index.measure)
     # Before any torch work; a compiled run compiles into a cache of its own (no other run's entries).
     determinism = setup_determinism(config, index.run_dir.path if kind.compiles(config) else None)
-    todo = index.pending_units(units)
+    todo = index.pending_units(units, kind.verify_store)
     if kind.sequential_units and todo:  # each unit continues the one before: measure on from the first gap
         todo = index.units[todo[0]["index"]:]
     with recorded_before_units(index, todo):

@@ -39,23 +39,24 @@ def verified_progress(run_dir: Path) -> dict:
     """progress(), with every store done counted only if it exists and its sha256 matches run.json
     (reads every store), the others listed as damaged, whether the writer still lives, and the verdict."""
     index, kind = load_index(run_dir)
+    reader = kind.verify_store or verify_store
     prog, damaged = progress(index), []
     for arm in index.arm_names:
-        prog["done"][arm] = sum(_verified(index, u, arm, damaged) for u in index.units)
+        prog["done"][arm] = sum(_verified(index, u, arm, damaged, reader) for u in index.units)
     for u in index.units:  # the twin's gate replicate (not an arm of run.json): verified too
         for arm in set(u["stores"]) - set(index.arm_names):
-            _verified(index, u, arm, damaged)
+            _verified(index, u, arm, damaged, reader)
     prog.update(status=_live_status(index, prog["launch"]), damaged=damaged,
                 verdict=_verdict(index.run_dir, index.status, kind.summary_type))
     return prog
 
 
-def _verified(index: RunIndex, u: dict, arm: str, damaged: list) -> bool:
+def _verified(index: RunIndex, u: dict, arm: str, damaged: list, reader) -> bool:
     if index.store_entry(u, arm)["status"] != "done":
         return False
     entry = index.store_entry(u, arm)
     try:
-        verify_store(index.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
+        reader(index.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
     except StoreError as err:
         damaged.append(str(err))
         return False

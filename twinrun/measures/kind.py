@@ -105,6 +105,9 @@ class Measure:
     # (path, tensors, meta) -> sha256: writes one store of the kind (None: storage/store.py's write_store
     # with `store_format`)
     write_store: Callable | None = None
+    # (path, sha256, payload_bytes=...) -> metadata: reads one store of the kind whole and checks it
+    # (None: storage/store.py's verify_store); a resume and status judge its stores by it
+    verify_store: Callable | None = None
     methods: tuple[str, ...] = ()  # the values its `method` may resolve to (`twinrun.env --method`)
 
 

@@ -36,9 +36,10 @@ def load_index(run_dir) -> tuple[RunIndex, Measure]:
     index = RunIndex.load(run_dir)
     try:
         kind = measure_of(index.measure)
-    except ConfigError as err:
-        raise StoreError(index.run_dir.run_json, f"field measure: {index.measure!r} is no kind "
-                         f"installed here ({err}); install the package that measured it") from None
+    except ConfigError:
+        raise StoreError(index.run_dir.run_json, f"field measure: {index.measure!r} is no kind installed "
+                         f"here (installed: {', '.join(measure_names())}); install the package whose "
+                         f"{MEASURES_GROUP} entry point measured it") from None
     index.check_units(kind.unit_fields, kind.increasing)
     return index, kind
 

@@ -31,7 +31,12 @@ from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.publish import sample_report
 from twinrun.storage.records import UnitEntry
-from twinrun.storage.sample_store import SAMPLE_STORE_FORMAT, SampleSummary, write_sample_store
+from twinrun.storage.sample_store import (
+    SAMPLE_STORE_FORMAT,
+    SampleSummary,
+    verify_sample_store,
+    write_sample_store,
+)
 
 # What two sampling runs must share to have sampled the same thing (a comparison's check).
 SAMPLE_PROTOCOL_KEYS = ("seed", "sample.n_samples", "sample.sampler", "sample.steps", "sample.sigma_min",
@@ -278,4 +283,5 @@ SAMPLE = Measure(
     tracker_rows=sample_report.tracker_rows,
     sweep_point=sample_report.sweep_point,
     write_store=write_sample_store,
+    verify_store=verify_sample_store,
 )

@@ -294,32 +294,37 @@ class RunIndex:
     def store_path(self, u: UnitEntry, arm: str) -> Path:
         return self.run_dir.store(arm, u["stores"][arm]["file"])
 
-    def is_whole(self, u: UnitEntry, verify: bool = False) -> bool:
+    def is_whole(self, u: UnitEntry, verify: bool = False, reader=None) -> bool:
         """Every store of the unit is recorded done and, with verify, exists and matches its sha256.
 
         The unit is the unit of twin validity: one missing or damaged store makes the whole unit
-        pending again (all of its arms are measured afresh, back to back in one process)."""
+        pending again (all of its arms are measured afresh, back to back in one process). `reader`: the
+        run's kind's store check (path, sha256, payload_bytes) -> metadata (its `verify_store`), None for
+        storage/store.py's."""
         if not all(entry["status"] == "done" for entry in u["stores"].values()):
             return False
-        return not verify or all(self._verifies(u, arm) for arm in u["stores"])
+        return not verify or all(self._verifies(u, arm, reader or verify_store) for arm in u["stores"])
 
-    def _verifies(self, u: UnitEntry, arm: str) -> bool:
+    def _verifies(self, u: UnitEntry, arm: str, reader) -> bool:
         entry = u["stores"][arm]
         try:
-            verify_store(self.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
+            reader(self.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
         except StoreError as err:
             print(f"twinrun: re-measuring {err}", flush=True)
             return False
         return True
 
-    def whole_units(self, verify: bool = False, only: list[int] | None = None) -> list[UnitEntry]:
+    def whole_units(self, verify: bool = False, only: list[int] | None = None,
+                    reader=None) -> list[UnitEntry]:
         """The units whose every store is done (verified on disk with verify; `only`: verify just these
         units, an array element's own, and judge the others by their record)."""
-        return [u for u in self.units if self.is_whole(u, verify and (only is None or u["index"] in only))]
+        return [u for u in self.units
+                if self.is_whole(u, verify and (only is None or u["index"] in only), reader)]
 
-    def pending_units(self, only: list[int] | None = None) -> list[UnitEntry]:
-        """The units a job must measure: every unit not whole on disk (among `only`, if given)."""
-        whole = {u["index"] for u in self.whole_units(verify=True, only=only)}
+    def pending_units(self, only: list[int] | None = None, reader=None) -> list[UnitEntry]:
+        """The units a job must measure: every unit not whole on disk (among `only`, if given); `reader`:
+        as is_whole's."""
+        whole = {u["index"] for u in self.whole_units(verify=True, only=only, reader=reader)}
         return [u for u in self.units if u["index"] not in whole and (only is None or u["index"] in only)]
 
     def whole_kernel_paths(self, doc: RunRecord | None = None, except_unit: int | None = None) -> set[str]:

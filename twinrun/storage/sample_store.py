@@ -49,6 +49,11 @@ def write_sample_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict)
     return atomic_write(Path(path), safetensors.torch.save(tensors, metadata=strings))
 
 
+def verify_sample_store(path: Path, sha256: str | None = None, payload_bytes: int | None = None) -> dict:
+    """A sample store checked whole (read_sample_store's checks); its metadata."""
+    return read_sample_store(path, sha256)[1]
+
+
 def read_sample_store(path: Path, sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, metadata) of a sample store, after its checks: bounded size, the file's sha256 against
     run.json's, the format, the metadata's fields, every tensor's sha256 and shape, no NaN or inf."""

@@ -31,7 +31,6 @@ from twinrun.storage.header import (
     store_format,
 )
 from twinrun.storage.records import validate_store_meta
-from twinrun.storage.sample_store import SAMPLE_STORE_FORMAT, read_sample_store
 from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store, write_train_store
 
 STORE_FORMAT = "twinrun-store/2"  # one float32 [numel, n_folds] tensor per probed parameter
@@ -257,11 +256,8 @@ def verify_store(path: Path, sha256: str | None = None, chunk_bytes: int = 16 * 
                  payload_bytes: int | None = None) -> dict:
     """Read a store once, front to back, checking everything (no payload kept); return its metadata.
     A training store is read whole through read_train_store's checks."""
-    fmt = store_format(path)
-    if fmt == TRAIN_STORE_FORMAT:
+    if store_format(path) == TRAIN_STORE_FORMAT:
         return read_train_store(path, sha256).meta
-    if fmt == SAMPLE_STORE_FORMAT:
-        return read_sample_store(path, sha256)[1]
     with StoreReader(path, sha256, payload_bytes) as reader:
         for t, lo, hi in reader.walk(max(1, chunk_bytes // (4 * max(1, reader.n_folds)))):
             reader.columns(t, lo, hi)

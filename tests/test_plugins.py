@@ -44,6 +44,7 @@ def test_help_lists_the_installed_kinds_and_interventions(tmp_path, installed):
 
 def test_a_plugin_intervention_is_selected_by_name_like_a_built_in(tmp_path, installed):
     proc = run_twinrun(["+experiment=pin_sigma", "intervention=scale_sigma_cond", "intervention.factor=1.5",
+                        "probe.device=cpu",
                         "--cfg", "job"], cwd=tmp_path, env=installed)
     assert proc.returncode == 0, proc.stderr
     assert "_target_: twinrun_activation.intervention.ScaleSigmaCond" in proc.stdout

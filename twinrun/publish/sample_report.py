@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 from twinrun.files import atomic_write
-from twinrun.publish.render import pm
+from twinrun.publish.render import analysis_head, pm
 from twinrun.storage.rundir import REPORT_MD, RunIndex
 
 WHAT = {"distance": "RMS pixel distance of each sample to the twin's",
@@ -40,10 +40,8 @@ def _overall_lines(summary: dict) -> list[str]:
 
 def render(summary: dict) -> str:
     """What the command prints after reducing: checks and gates, then the reading over every sample."""
-    ph = summary.get("post_hoc")
-    head = (f"POST-HOC VIEW (registered {ph['registered']}, used {ph['used']}); written to {ph['view_dir']}"
-            if ph else f"registered analysis (settings recorded at plan time: {summary['registered']})")
-    lines = [f"twinrun reduce (sampling): {summary['run_dir']}", head, "", "validity checks and gates:"]
+    lines = [f"twinrun reduce (sampling): {summary['run_dir']}", analysis_head(summary), "",
+             "validity checks and gates:"]
     lines += _check_lines(summary)
     if not summary["passed"]:
         return "\n".join([*lines, "", "instrument broken: no reading is shown"])

@@ -19,6 +19,7 @@ import torch
 from twinrun.errors import StoreError
 from twinrun.files import atomic_write, memory_bytes, open_regular
 from twinrun.storage.header import HEX64, MAX_STORE_BYTES, TENSOR_SHA256, decode_meta, encode_meta
+from twinrun.storage.records import SharedSummary
 from twinrun.storage.typed import Checker, check_typed
 
 SAMPLE_STORE_FORMAT = "twinrun-sample-store/1"
@@ -94,21 +95,12 @@ def read_sample_store(path: Path, sha256: str | None = None) -> tuple[dict[str, 
     return tensors, meta
 
 
-class SampleSummary(TypedDict):
+class SampleSummary(SharedSummary):
     """What one reduction of a sampling run found (analysis/sample_reduce.py): checks, the machinery
     gates, then the reading per chunk (`effects`) and over every sample (`overall`), empty unless every
     check and gate passed."""
 
     measure: str
-    run_dir: str
-    arms: list[str]
-    registered: dict
-    used: dict
-    checks_passed: bool
-    passed: bool
-    checks: list[dict]
-    gates: list[dict]
-    effects: list[dict]
     overall: list[dict]
     n_samples: int
     replicate: dict | None

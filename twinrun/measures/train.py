@@ -47,7 +47,7 @@ from twinrun.publish import train_rows
 from twinrun.publish.train_report import render_train, write_train_report
 from twinrun.storage.records import TrainUnit, UnitEntry
 from twinrun.storage.train_records import TrainSummary
-from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
+from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store, write_train_store
 
 # What two training runs must share to have trained on the same thing (a comparison's check).
 TRAIN_PROTOCOL_KEYS = ("data", "seed", "train.steps", "train.segment_steps", "train.batch_size",
@@ -404,6 +404,8 @@ TRAIN = Measure(
     replicate_always=True,
     chaos_arm=True,
     store_format=TRAIN_STORE_FORMAT,
+    write_store=write_train_store,
+    verify_store=lambda path, sha256=None, payload_bytes=None: read_train_store(path, sha256).meta,
     unit_fields=TrainUnit,
     summary_type=TrainSummary,
     unit_key="step",  # a segment by the step it ends at

@@ -14,7 +14,10 @@ KINDS = ("probe", "train", "sample")
 NEUTRAL = ["twinrun/storage/records.py", "twinrun/storage/rundir.py", "twinrun/publish/__init__.py",
            "twinrun/publish/trackers/__init__.py", "twinrun/publish/table.py", "twinrun/publish/sweep.py",
            "twinrun/pipeline.py", "twinrun/env.py", "twinrun/status.py", "twinrun/table.py",
-           "twinrun/launchers/__init__.py", "twinrun/measures/registry.py", "twinrun/plugins.py"]
+           "twinrun/measures/registry.py", "twinrun/plugins.py", "twinrun/job.py", "twinrun/plan.py",
+           "twinrun/resume.py", "twinrun/reduce.py", "twinrun/app.py", "twinrun/sweep.py",
+           "twinrun/analysis/reduction.py", "twinrun/measures/failures.py",
+           *(str(p.relative_to(REPO)) for p in sorted((REPO / "twinrun" / "launchers").glob("*.py")))]
 # Each may still name a kind where the built-in table is declared: the one registration.
 REGISTRATION = {("twinrun/measures/registry.py", "twinrun.measures.probe"),
                 ("twinrun/measures/registry.py", "twinrun.measures.train"),

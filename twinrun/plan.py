@@ -244,7 +244,7 @@ def trusted_targets(cfg: DictConfig) -> list[str]:
     """The builders of a config the user composed (its model, data, intervention, and what its kind's
     settings name: the training optimizer, a sampling feature net)."""
     own = measure_of(cfg.measure).config_keys
-    return sorted({t for key in ("model", "data", "intervention", "train", *own) if key in cfg
+    return sorted({t for key in ("model", "data", "intervention", *own) if key in cfg
                    for t in targets(OmegaConf.to_container(cfg[key], resolve=True))})
 
 

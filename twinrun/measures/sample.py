@@ -70,6 +70,9 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
             raise ConfigError(f"sample.{key}", s[key], "must be a positive integer")
     if s.n_samples < 4:
         raise ConfigError("sample.n_samples", s.n_samples, "must be ≥ 4 (the paired SEs need samples)")
+    if s.chunk_samples < 2:
+        raise ConfigError("sample.chunk_samples", s.chunk_samples, "must be ≥ 2 (a chunk's own reading is "
+                          "paired over its samples)")
     if s.n_samples % s.chunk_samples:
         raise ConfigError("sample.chunk_samples", s.chunk_samples, f"must divide sample.n_samples="
                           f"{s.n_samples} (every chunk is as long as the others)")
@@ -96,6 +99,11 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
         raise ConfigError("reference", cfg.reference, "a sampling run takes no reference: compare two "
                           "sampling runs by their tables (`python -m twinrun.table A B`)")
     check_sampling_intervention(intervention)
+    schedule = torch.tensor(samplers.edm_sigmas(s.steps, s.sigma_min, s.sigma_max, s.rho)[:-1])
+    fed = intervention.sigma_cond(schedule.float())
+    if not bool(torch.isfinite(fed).all() and (fed > 0).all()):
+        raise ConfigError(f"intervention({type(intervention).__name__})", str(intervention), "feeds a σ_cond "
+                          "that is not a positive finite number at some step of the sampler's schedule")
     images, _ = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
     return tuple(images.shape[1:])
 

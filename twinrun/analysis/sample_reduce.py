@@ -112,46 +112,64 @@ def _joined(stores: dict, arm: str, units: list[int]) -> dict:
     return {k: torch.cat([stores[arm, i][0][k] for i in units]) for k in ("samples", "loss", "features")}
 
 
-def analyse(index: RunIndex, stores: dict, used: dict) -> dict:
-    """The summary of one analysis (the registered one, or a post-hoc view's settings)."""
-    inter, twin = index.arm("intervention")["name"], index.arm("twin")["name"]
-    replicate = (index.arms_with_role("replicate") or [None])[0]
-    machinery = index.arms_with_role("machinery")
-    kind, indices = index.measure, [u["index"] for u in index.units]
-    checks = validity_checks(index, stores)
-    rep = {i: read_pair(stores[replicate, i][0], stores[twin, i][0])["distance"]["max_abs_diff"]
-           for i in indices} if replicate else {}
-    gates = []
-    for arm in machinery:
+def machinery_gates(index: RunIndex, stores: dict, replicate_shift: dict, rule: str) -> list[dict]:
+    """One gate row per machinery arm and chunk: bit-identical to the twin, or (a nondeterministic path
+    only) within the replicate's own largest difference in that chunk (gates.decide, the probe's rule)."""
+    twin, kind, rows = index.arm("twin")["name"], index.measure, []
+    for arm in index.arms_with_role("machinery"):
         for u in index.units:
             i = u["index"]
             shift = read_pair(stores[arm, i][0], stores[twin, i][0])["distance"]["max_abs_diff"]
-            passed, rule = decide(shift == 0.0, shift, rep.get(i), used["gate_rule"])
-            gates.append({"first": u[kind]["first"], "arm": arm, "passed": passed, "rule": rule,
-                          "bit_identical": shift == 0.0, "max_abs_diff": shift,
-                          "replicate_max_abs_diff": rep.get(i),
-                          "detail": f"{arm} (the intervention's code at its no-op setting) against the twin, "
-                          f"{u['label']}: {rule}"})
+            passed, decided = decide(shift == 0.0, shift, replicate_shift.get(i), rule)
+            rows.append({"first": u[kind]["first"], "arm": arm, "passed": passed, "rule": decided,
+                         "bit_identical": shift == 0.0, "max_abs_diff": shift,
+                         "replicate_max_abs_diff": replicate_shift.get(i),
+                         "detail": f"{arm} (the intervention's code at its no-op setting) against the twin, "
+                         f"{u['label']}: {decided}"})
+    return rows
+
+
+def readings(index: RunIndex, stores: dict) -> tuple[list[dict], list[dict]]:
+    """(per chunk: the intervention against the twin; over every sample: the intervention's and the
+    replicate's reading), each metric of SAMPLE_METRICS a row."""
+    inter, twin, kind = index.arm("intervention")["name"], index.arm("twin")["name"], index.measure
+    replicate = (index.arms_with_role("replicate") or [None])[0]
+    per_chunk = []
+    for u in index.units:
+        reading = read_pair(stores[inter, u["index"]][0], stores[twin, u["index"]][0])
+        per_chunk += [{"first": u[kind]["first"], "count": u[kind]["count"], "estimand": m, **reading[m]}
+                      for m in SAMPLE_METRICS]
+    # Over every sample at once: the SEs over all n pairs, not an average of the chunks' readings
+    # (the MMD² U-statistic is not additive over chunks).
+    indices, overall = [u["index"] for u in index.units], []
+    for arm, role in ((inter, "intervention"), (replicate, "replicate")):
+        if arm is not None:
+            reading = read_pair(_joined(stores, arm, indices), _joined(stores, twin, indices))
+            overall += [{"arm": arm, "role": role, "estimand": m, **reading[m]} for m in SAMPLE_METRICS]
+    return per_chunk, overall
+
+
+def analyse(index: RunIndex, stores: dict, used: dict) -> dict:
+    """The summary of one analysis (the registered one, or a post-hoc view's settings)."""
+    twin, kind = index.arm("twin")["name"], index.measure
+    replicate = (index.arms_with_role("replicate") or [None])[0]
+    checks = validity_checks(index, stores)
+    # The replicate's largest difference from the twin per chunk: 0 on a deterministic path, where a
+    # machinery arm that differs at all is not a no-op.
+    rep = {u["index"]: read_pair(stores[replicate, u["index"]][0], stores[twin, u["index"]][0])
+           ["distance"]["max_abs_diff"] for u in index.units} if replicate else {}
+    gates = machinery_gates(index, stores, rep, used["gate_rule"])
     checks_passed = all(c["passed"] for c in checks)
     passed = checks_passed and all(g["passed"] for g in gates)
-    effects, overall = [], []
-    if passed:
-        for u in index.units:
-            reading = read_pair(stores[inter, u["index"]][0], stores[twin, u["index"]][0])
-            effects += [{"first": u[kind]["first"], "count": u[kind]["count"], "estimand": m, **reading[m]}
-                        for m in SAMPLE_METRICS]
-        for arm, role in ((inter, "intervention"), (replicate, "replicate")):
-            if arm is not None:
-                reading = read_pair(_joined(stores, arm, indices), _joined(stores, twin, indices))
-                overall += [{"arm": arm, "role": role, "estimand": m, **reading[m]} for m in SAMPLE_METRICS]
-    n = sum(u[kind]["count"] for u in index.units)
+    # A broken instrument shows no reading at all: its numbers would be the breakage's.
+    effects, overall = readings(index, stores) if passed else ([], [])
     return {"measure": kind, "run_dir": str(index.run_dir.path), "arms": index.arm_names,
             "registered": registered(index), "used": {**used, "estimands": list(SAMPLE_METRICS)},
             "checks_passed": checks_passed, "passed": passed, "checks": checks, "gates": gates,
-            "effects": effects, "overall": overall, "n_samples": n,
+            "effects": effects, "overall": overall, "n_samples": sum(u[kind]["count"] for u in index.units),
             "replicate": None if not rep else {"arm": replicate, "max_abs_diff": max(rep.values()),
                                                "bit_identical": all(v == 0.0 for v in rep.values())},
-            "no_machinery_arm": not machinery}
+            "no_machinery_arm": not index.arms_with_role("machinery")}
 
 
 def reduce_sample(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None,

@@ -151,7 +151,7 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
         try:
             with torch.no_grad(), attached(arm_intervention, model):
                 samplers.sample(_denoiser(model, arm_intervention), torch.zeros(1, *shape),
-                                [s.sigma_max, 0.0], "euler", _churn(s))
+                                [s.sigma_max, 0.0], "euler", {**_churn(s), "s_churn": 0.0})
         except TwinrunError:
             raise
         except Exception as err:  # noqa: BLE001 — user code may raise anything: one line, exit 2

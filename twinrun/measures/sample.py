@@ -290,6 +290,7 @@ SAMPLE = Measure(
     unit_own="first",
     tracker_rows=sample_report.tracker_rows,
     sweep_point=sample_report.sweep_point,
+    default_arithmetic=lambda method, device_type: {"device": device_type},  # as SampleSession's
     write_store=write_sample_store,
     verify_store=verify_sample_store,
 )

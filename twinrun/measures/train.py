@@ -404,6 +404,8 @@ TRAIN = Measure(
     replicate_always=True,
     chaos_arm=True,
     store_format=TRAIN_STORE_FORMAT,
+    default_arithmetic=lambda method, device_type: {"device": device_type,  # as TrainSession's
+                                                    "chunk_samples": TrainConfig().chunk_samples},
     write_store=write_train_store,
     verify_store=lambda path, sha256=None, payload_bytes=None: read_train_store(path, sha256).meta,
     unit_fields=TrainUnit,

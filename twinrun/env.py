@@ -1,5 +1,8 @@
 """Print the fingerprint a run made here records: `python -m twinrun.env [--determinism on|off]`.
 
+`--measure KIND` (default: the config's default kind) adds that kind's arithmetic settings, as its run
+records them.
+
 The kernel-path digest comes first (a run writes env/kernel_path-<first 12 digits>.json), then the
 determinism record and the fingerprint itself (twinrun/provenance/fingerprint.py says what each
 field is and why it is compared or only recorded).

@@ -251,6 +251,27 @@ class ArmsConfig:
     # Measure the native twin a second time in the same job: the within-environment determinism
     # control (the reducer reports "k / N bins differ", the max difference and the cosine).
     replicate: bool = False
+    # How many replicates of the twin a run measures where it measures them (training always; the probe
+    # at its gate bins, and at every bin with arms.replicate): on a nondeterministic path the gate is a
+    # bound on the spread of their distances from the twin (twinrun/analysis/gates.py). null = 1 with
+    # determinism.enabled (a bit-identical replicate decides), REPLICATES_NONDETERMINISTIC without.
+    # Recorded in the arms' configs only when set, so runs planned before it keep their config hashes.
+    replicates: int | None = None
+
+
+# The replicates a run measures with determinism off and arms.replicates unset: the smallest count whose
+# gate catches a leak of 2.3× the path's wobble at 90 % power (docs/estimator.md's table) at 3/5 of a
+# training run's cost more (eight arms for five).
+REPLICATES_NONDETERMINISTIC = 4
+MAX_REPLICATES = 16
+
+
+def replicate_count(cfg) -> int:
+    """arms.replicates as a number: the one set, or the default for this determinism setting."""
+    n = cfg.arms.get("replicates")
+    if n is None:
+        return 1 if cfg.determinism.enabled else REPLICATES_NONDETERMINISTIC
+    return n
 
 
 @dataclass

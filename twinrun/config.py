@@ -260,8 +260,9 @@ class ArmsConfig:
 
 
 # The replicates a run measures with determinism off and arms.replicates unset: the smallest count whose
-# gate catches a leak of 2.3× the path's wobble at 90 % power (docs/estimator.md's table) at 3/5 of a
-# training run's cost more (eight arms for five).
+# gate catches, at one row of a five-row run, a leak of 2.75× the path's wobble (norms) at 90 % power
+# (docs/estimator.md's table; 3 replicates need 6.25×), for 3/5 of a training run's cost more (eight arms
+# for five).
 REPLICATES_NONDETERMINISTIC = 4
 MAX_REPLICATES = 16
 

@@ -20,7 +20,6 @@ import math
 
 from scipy import stats
 
-
 from twinrun.analysis.checks import REPLICATE, TWIN, bins_of
 from twinrun.analysis.estimands import SHIFT_VIEW
 from twinrun.config import GATE_RULES  # noqa: F401 — the rules `decide` knows, defined with the config
@@ -105,10 +104,11 @@ def gate_row(sigma: float, name: str, est, identical: bool, shift: float, replic
 def _against(shift: float, bound: float | None, k: int, n_rows: int) -> str:
     """The gate's comparison in words: the shift against the bound of the path's wobble."""
     if bound is None:
-        return (f"{k} replicate(s), fewer than {MIN_REPLICATES} differing: the path's wobble cannot be bounded "
-                f"(measure with arms.replicates ≥ {MIN_REPLICATES + 1})")
-    return (f"{'≤' if shift <= bound else '>'} {bound:.3e}, the bound of the path's wobble from {k} replicates "
-            f"(a true no-op exceeds it in any of the run's {n_rows} gate rows with probability ≤ {GATE_ALPHA:g})")
+        return (f"{k} replicate(s), fewer than {MIN_REPLICATES} differing: the path's wobble cannot be "
+                f"bounded (measure with arms.replicates ≥ {MIN_REPLICATES + 1})")
+    return (f"{'≤' if shift <= bound else '>'} {bound:.3e}, the bound of the path's wobble from {k} "
+            f"replicates (a true no-op exceeds it in any of the run's {n_rows} gate rows with probability "
+            f"≤ {GATE_ALPHA:g})")
 
 
 def replicate_arms(index) -> list[str]:

@@ -210,13 +210,14 @@ def gate_rows(run: Run, records: list[dict], found: dict, rule: str) -> list[dic
         else:
             told = ("unmeasured" if not reps else ", ".join(f"{r:.3e}" for r in reps) + (
                 f"; the bound of the path's wobble {bound:.3e}" if bound is not None else
-                f"; too few differ to bound the path's wobble (arms.replicates ≥ 3 does)"))
+                "; too few differ to bound the path's wobble (arms.replicates ≥ 3 does)"))
             detail = (f"step {step}: the machinery arm differs (relative distance {dist:.3e}, first tensor "
                       f"{tensor}); the replicates': {told}")
         spread = {} if same or not reps else {"replicate_distances": reps, "wobble_bound": bound}
         rows.append({"step": step, "arm": machinery, "passed": passed, "rule": decided_by,
-                     "bit_identical": same, "distance": dist, "replicate_distance": max(reps) if reps else None,
-                     **spread, "first_tensor": tensor, "detail": detail})
+                     "bit_identical": same, "distance": dist,
+                     "replicate_distance": max(reps) if reps else None, **spread, "first_tensor": tensor,
+                     "detail": detail})
     return rows
 
 
@@ -320,7 +321,8 @@ def effect_rows(run: Run, records: list[dict], found: dict, names: list[str]) ->
                             "distance": e["distance"], "floor": floor_d, "margin": run.margin,
                             "floor_ratio": _ratio(e["distance"], floor_d),
                             "above_floor": bool(above),
-                            **{f"{role}_distance": _largest(found[i, a, name]["distance"] for a in run.all_of(role))
+                            **{f"{role}_distance": _largest(found[i, a, name]["distance"]
+                                                            for a in run.all_of(role))
                                for role in ("machinery", "replicate") if role in run.roles}})
     return floor, effects
 

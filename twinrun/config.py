@@ -171,9 +171,10 @@ class ReduceConfig:
     # Hydra merges an override into an existing (struct) dict, which would refuse every new name.
     groups: Any = None
     # No-op gate, at each bin where the intervention claims to do nothing:
-    #   replicate      pass if bit-identical to the twin; if not, FAIL unless the twin's replicate
-    #                  (measured automatically) proves the kernel path nondeterministic and the
-    #                  arms differ by no more than the replicate does (max relative difference).
+    #   replicate      pass if bit-identical to the twin; if not, FAIL unless the twin's replicates
+    #                  (measured automatically; arms.replicates) prove the kernel path nondeterministic
+    #                  and the arms' max relative difference is within the bound of the replicates'
+    #                  spread (docs/estimator.md, "The gate on a nondeterministic path").
     #   bit_identical  pass only if bit-identical (a nondeterministic path fails every gate).
     # Within one process on one deterministic kernel path a true no-op is bit-identical: "close"
     # is not a no-op, so there is no cosine threshold.

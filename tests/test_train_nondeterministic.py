@@ -3,7 +3,8 @@ adds atomic-add-like noise (each element of the gradient at the model's output t
 the arm's own generator), so no two arms repeat each other's bits, as on a GPU whose backward adds with
 atomics. With determinism off the run measures arms.replicates' default (four) replicates: a true no-op's
 machinery arm passes the gate within the bound of their spread, and one whose no-op setting leaks a
-learning rate 5 % off fails it. tests/test_gate_oc.py measures the rule's rates by simulation.
+learning rate 5 % off fails it; the probe on such a path passes a true no-op. tests/test_gate_oc.py measures
+the rule's rates by simulation.
 """
 
 import itertools
@@ -83,3 +84,37 @@ def test_a_true_no_op_passes_and_a_leak_fails_on_a_nondeterministic_path(tmp_pat
     assert failed and {g["rule"] for g in failed} == {"beyond the path's wobble"}
     assert not red.summary["passed"] and "INSTRUMENT BROKEN" in red.summary["verdict"]
     sys.modules.pop("leaky", None)
+
+
+@pytest.fixture
+def atomic_probe_backward(monkeypatch):
+    """The probe's model, every backward call multiplying the output's gradient by 1 + EPS·N(0, 1)."""
+    from twinrun.measures import probe as probe_kind
+
+    real = probe_kind.build_components
+
+    def components(*args, **kwargs):
+        c = real(*args, **kwargs)
+        c.model.register_forward_hook(_noisy_output(torch.Generator().manual_seed(next(SEEDS))))
+        return c
+
+    monkeypatch.setattr(probe_kind, "build_components", components)
+
+
+def test_a_true_no_op_passes_the_probes_gate_on_a_nondeterministic_path(tmp_path, atomic_probe_backward):
+    from conftest import TINY, pin_device
+    from test_train import compose_cfg
+
+    from twinrun.analysis.reduce import reduce_run
+    from twinrun.job import run_job
+    from twinrun.plan import plan_run, trusted_targets
+
+    cfg = compose_cfg(pin_device(["+experiment=pin_sigma", *TINY, "determinism.enabled=false",
+                                  "probe.method=folds"]))
+    plan_run(cfg, tmp_path / "run")
+    run_job(tmp_path / "run", trusted_targets(cfg))
+    s = reduce_run(tmp_path / "run").summary
+    differing = [g for g in s["gates"] if not g["bit_identical"]]
+    assert differing and all(len(g["replicate_shifts"]) == 4 for g in differing), s["gates"]
+    assert all(g["passed"] and g["rule"] == "within the path's wobble" for g in differing), \
+        [g["detail"] for g in s["gates"]]

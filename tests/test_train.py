@@ -400,6 +400,22 @@ def test_on_a_nondeterministic_path_the_replicates_spread_decides_the_gate():
                                                                           "bound the path's wobble")
 
 
+def test_a_no_op_that_moves_only_a_buffer_fails_the_gate():
+    # Every weight bit-identical after every step, a BatchNorm running mean moved: not a no-op.
+    def store(buf: str) -> dict:
+        return {"to_step": 2, "from_step": 0, "step_digests": [["a"], ["b"]],
+                "digests": {"weight/w": "b", "buffer/bn.running_mean": buf}}
+
+    records = [{"native": store("x"), "native_replicate": store("x"), "x_noop": store("y")}]
+    index = SimpleNamespace(units=[{"label": "segment 1 (steps 1–2)"}])
+    run = Run(index, {"machinery": "x_noop", "replicate": "native_replicate"}, [{"name": "w"}], 10.0, [],
+              "w", {})
+    found = {(0, "x_noop", "all"): {"distance": 0.0, "abs_distance": 0.0}}
+    row = gate_rows(run, records, found, "replicate")[0]
+    assert not row["passed"] and row["rule"] == "not a no-op on a deterministic path"
+    assert row["first_tensor"] == "buffer/bn.running_mean"
+
+
 # ----------------------------------------------------------------------------- where researchers work
 
 

@@ -223,7 +223,10 @@ def gate_rows(run: Run, records: list[dict], found: dict, rule: str) -> list[dic
 
 def _identical(per: dict, arm: str) -> bool:
     mine, twin = per[arm], per[TWIN]
-    ends = all(mine["digests"][k] == twin["digests"][k] for k in twin["digests"] if k.startswith("weight/"))
+    # buffers too: an intervention that moves only BatchNorm's running statistics at its no-op setting
+    # leaves every weight alone and still changes what the model computes in eval mode
+    ends = all(mine["digests"][k] == twin["digests"][k] for k in twin["digests"]
+               if k.startswith(("weight/", "buffer/")))
     return ends and mine["step_digests"] == twin["step_digests"]
 
 
@@ -233,7 +236,9 @@ def _first_tensor(per: dict, arm: str, layout: list[dict]) -> str | None:
             if x != y:
                 return f"{g['name']} (after step {per[TWIN]['from_step'] + k + 1})"
     return next((g["name"] for g in layout if per[arm]["digests"][f"weight/{g['name']}"]
-                 != per[TWIN]["digests"][f"weight/{g['name']}"]), None)
+                 != per[TWIN]["digests"][f"weight/{g['name']}"]), None) or next(
+        (k for k in per[TWIN]["digests"] if k.startswith("buffer/")
+         and per[arm]["digests"].get(k) != per[TWIN]["digests"][k]), None)
 
 
 def _distance(found: dict, i: int, arm: str) -> float:

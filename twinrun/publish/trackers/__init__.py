@@ -24,7 +24,7 @@ from typing import NamedTuple
 from twinrun.arms import flatten
 from twinrun.errors import ConfigError
 from twinrun.provenance.version import twinrun_version
-from twinrun.storage.rundir import RunIndex
+from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, RunIndex
 
 
 class Sink(NamedTuple):
@@ -75,9 +75,20 @@ def check_tracker(tracker: dict) -> dict | None:
     return {"name": name, "dir": str(store), "project": str(tracker.get("project") or "twinrun")}
 
 
+# A probe's σ on the integer step axis of MLflow and TensorBoard: σ in millionths (σ = 0.5 is step
+# 500000), so the x axis is σ itself, runs with other grids overlay at the same σ, and no two bins of a
+# grid coarser than 1e-6 share a step; W&B plots against the logged `sigma` itself (define_metric).
+SIGMA_STEP_SCALE = 1_000_000
+
+
 @dataclass
 class Payload:
-    """What every sink logs of one reduced run, as plain data."""
+    """What every sink logs of one reduced run, as plain data.
+
+    Keys are shared across runs: what each arm has of its own (a probe's debiased |μ|² `norm2/<estimand>`,
+    a training run's `loss/train`, `loss/heldout`) is logged under the same key in the twin's rows and the
+    intervention's (`arm_steps`), so a tracker's run comparison overlays them; what compares the two
+    (effects, distances, the floor, the gates) is in `steps`, logged with the intervention."""
 
     name: str  # the run directory's name: the tracker's run name
     run_dir: str
@@ -86,21 +97,38 @@ class Payload:
     config: dict  # the intervention arm's resolved config
     params: dict[str, str]  # the same, flattened (key: its text)
     tags: dict[str, str]  # run directory, kernel path, verdict, twinrun version
-    verdict: dict[str, bool]  # passed, valid, and one entry per gate (gate/<estimand>/sigma<σ>)
-    steps: list[dict] = field(default_factory=list)  # one per unit (σ bin, stored training step): the effects
-    baseline_steps: list[dict] = field(default_factory=list)  # the twin's rows, one per unit
-    files: list[Path] = field(default_factory=list)  # summary.json, report.md, effect.png
-    # The row field that is the tracker's step axis: a training run's optimizer step, so its curves line
-    # up with the researcher's own training logs; None: the row's index (a σ bin's, σ logged beside it).
-    step_key: str | None = None
+    verdict: dict[str, bool]  # passed, checks_passed (the gates are per-unit metrics: `gate/<name>`)
+    steps: list[dict] = field(default_factory=list)  # the comparison, one row per unit: effects, gates
+    baseline_steps: list[dict] = field(default_factory=list)  # the twin's own quantities
+    files: list[Path] = field(default_factory=list)  # summary.json, report.md, the plots
+    # The row field that is the step axis: a training run's optimizer step ("step"), so its curves line
+    # up with the researcher's own training logs; a probe's σ ("sigma", in millionths: SIGMA_STEP_SCALE).
+    step_key: str = "sigma"
+    arm_steps: list[dict] = field(default_factory=list)  # the intervention arm's own, keys as the twin's
+
+    def step_of(self, row: dict) -> int:
+        value = row[self.step_key]
+        return int(value) if self.step_key == "step" else round(float(value) * SIGMA_STEP_SCALE)
 
     def logged(self, rows: list[dict]) -> list[tuple[int, dict]]:
-        """(the tracker's step, row) for each row, in order (increasing, as W&B requires)."""
-        return [(int(row[self.step_key]) if self.step_key else i, row) for i, row in enumerate(rows)]
+        """(the tracker's step, row) for each row, by increasing step (as W&B requires)."""
+        return sorted(((self.step_of(row), row) for row in rows), key=lambda pair: pair[0])
+
+    def arm_rows(self) -> list[dict]:
+        """The intervention run's rows: its own quantities and the comparison, merged by unit."""
+        return _merge(self.step_key, self.arm_steps + self.steps)
 
     def after_last_step(self) -> int:
         """A step past every row's: where a sink logs what belongs to the whole run (the plots)."""
-        return max((step for step, _ in self.logged(self.steps)), default=-1) + 1
+        return max((step for step, _ in self.logged(self.arm_rows())), default=-1) + 1
+
+
+def _merge(key: str, rows: list[dict]) -> list[dict]:
+    """Rows with the same step field as one row (a tracker takes one row per step)."""
+    merged: dict = {}
+    for row in rows:
+        merged.setdefault(row[key], {}).update(row)
+    return list(merged.values())
 
 
 def _kernel_paths(index: RunIndex) -> str:
@@ -108,59 +136,60 @@ def _kernel_paths(index: RunIndex) -> str:
     return ",".join(sorted(paths))
 
 
-def _gate_key(g: dict) -> str:
-    """A gate's metric name: gate/<estimand>/sigma<σ> (a probe's bin), gate/<arm>/step<k> (training)."""
-    if "sigma" in g:
-        return f"gate/{g['estimand']}/sigma{g['sigma']:g}"
-    return f"gate/{g['arm']}/step{g['step']}"
+def _gate_rows(summary: dict, key: str) -> list[dict]:
+    """One metric per gate, stepped by unit: `gate/<estimand>` at a probe's gate σ, `gate/<arm>` at each
+    of a training run's stored steps (1 passed, 0 not)."""
+    return [{key: g[key], f"gate/{g['estimand'] if key == 'sigma' else g['arm']}": float(g["passed"])}
+            for g in summary["gates"]]
 
 
-def _train_steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
-    """(the intervention's rows, the twin's rows), one per stored step of a training run: the distance to
-    the twin, its chaos floor, cos and norm ratio of the updates per estimand, and the held-out losses."""
-    effects = {(e["step"], e["estimand"]): e for e in summary["effects"]}
-    names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
-    loss = {(r["step"], r["role"]): r["heldout_loss"] for r in summary.get("losses", [])}
-    steps, base = [], []
-    for u in index.units:
-        step = index.params(u)["to_step"]
-        row, twin = {"step": step}, {"step": step, "heldout_loss": loss.get((step, "twin"))}
-        row["loss_arm/heldout"] = loss.get((step, "intervention"))
-        for n in names:
-            e = effects.get((step, n))
-            if e is None:
-                continue
-            row[f"distance/{n}"], row[f"floor/{n}"] = e["distance"], e["floor"]
-            row[f"above_floor/{n}"] = float(e["above_floor"])
-            row[f"cos/{n}"], row[f"norm_ratio/{n}"] = e["cos"], e["norm_ratio"]
-        steps.append(row)
-        base.append(twin)
-    return steps, base
+def _train_steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """(the comparison's rows, the intervention's own, the twin's own) of a training run: per stored step the
+    distance to the twin, its chaos floor, cos and norm ratio of the updates per estimand, the gates; each
+    arm's training loss at every optimizer step and held-out loss ± SE at every stored step."""
+    steps = []
+    for e in summary["effects"]:
+        n = e["estimand"]
+        steps.append({"step": e["step"], f"distance/{n}": e["distance"], f"floor/{n}": e["floor"],
+                      f"above_floor/{n}": float(e["above_floor"]), f"cos/{n}": e["cos"],
+                      f"norm_ratio/{n}": e["norm_ratio"]})
+    own = {"intervention": [], "twin": []}
+    for r in summary.get("losses", []):
+        if r["role"] not in own:
+            continue
+        rows = own[r["role"]]
+        first = r["step"] - len(r.get("train_loss_steps") or []) + 1
+        rows += [{"step": first + i, "loss/train": x} for i, x in enumerate(r.get("train_loss_steps") or [])]
+        rows.append({"step": r["step"], "loss/heldout": r["heldout_loss"],
+                     "loss/heldout_se": r["heldout_se"]})
+    steps = _merge("step", steps + _gate_rows(summary, "step"))
+    return steps, _merge("step", own["intervention"]), _merge("step", own["twin"])
 
 
-def _steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
-    """(the intervention's rows, the twin's rows), one per σ bin: numbers only where the summary has them
-    (a below-noise effect logs below_noise/<estimand> = 1 and no cos or ratio, never a 0)."""
+def _steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """(the comparison's rows, the intervention's own, the twin's own), one per σ bin: numbers only where the
+    summary has them (a below-noise effect logs below_noise/<estimand> = 1 and no cos or ratio, never a 0)."""
     effects = {(e["sigma"], e["estimand"]): e for e in summary["effects"]}
     names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
-    steps, base = [], []
+    steps, arm, base = [], [], []
     for u in index.units:
         sigma = index.params(u).get("sigma")
-        row, twin = {"sigma": sigma}, {"sigma": sigma}
+        row, mine, twin = {"sigma": sigma}, {"sigma": sigma}, {"sigma": sigma}
         for n in names:
             e = effects.get((sigma, n))
             if e is None:
                 continue
             row[f"below_noise/{n}"] = float(e["below_noise"])
-            row[f"norm2_arm/{n}"], row[f"norm2_arm_se/{n}"] = e["norm2"], e["norm2_se"]
+            mine[f"norm2/{n}"], mine[f"norm2_se/{n}"] = e["norm2"], e["norm2_se"]
             twin[f"norm2/{n}"], twin[f"norm2_se/{n}"] = e["norm2_base"], e["norm2_base_se"]
             if e["cos"] is not None:
                 row[f"effect/{n}"], row[f"effect_se/{n}"] = 1 - e["cos"], e["se"]
                 row[f"cos/{n}"] = e["cos"]
                 row[f"norm_ratio/{n}"], row[f"norm_ratio_se/{n}"] = e["norm_ratio"], e["norm_ratio_se"]
         steps.append(row)
+        arm.append(mine)
         base.append(twin)
-    return steps, base
+    return _merge("sigma", steps + _gate_rows(summary, "sigma")), arm, base
 
 
 def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
@@ -170,15 +199,16 @@ def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
     config = rd.read_arm_config(arm)
     version = twinrun_version()
     verdict = {"passed": bool(summary["passed"]), "checks_passed": bool(summary["checks_passed"])}
-    verdict.update({_gate_key(g): bool(g["passed"]) for g in summary["gates"]})
     tags = {"twinrun.run_dir": str(rd.path.resolve()), "twinrun.kernel_path": _kernel_paths(index),
             "twinrun.verdict": "valid" if summary["passed"] else "instrument broken",
             "twinrun.version": version["version"], "twinrun.commit": str(version["commit"]),
             "twinrun.arm": arm, "twinrun.baseline": twin}
-    steps, base = (_train_steps if index.measure == "train" else _steps)(index, summary)
+    steps, mine, base = (_train_steps if index.measure == "train" else _steps)(index, summary)
     params = {k: str(v) for k, v in flatten(config).items()}
+    plots = [rd.path / LOSS_PNG, rd.path / DISTANCE_PNG]  # a training run's (the probe's effect.png is given)
+    shown = list(dict.fromkeys(Path(f) for f in [*files, *plots]))
     return Payload(rd.path.name, str(rd.path), arm, twin, config, params, tags, verdict, steps, base,
-                   [f for f in files if Path(f).is_file()], "step" if index.measure == "train" else None)
+                   [f for f in shown if f.is_file()], "step" if index.measure == "train" else "sigma", mine)
 
 
 def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]) -> bool:

@@ -65,7 +65,10 @@ def _data_points(ax) -> np.ndarray:
 
 
 def _below_noise_sigmas(summary, estimand):
-    return [e["sigma"] for e in summary["effects"] if e["estimand"] == estimand and e["below_noise"]]
+    """The below-noise bins that are not gate bins (a gate bin is marked as the gate, whatever its row)."""
+    gates = {g["sigma"] for g in summary["gates"]}
+    return [e["sigma"] for e in summary["effects"] if e["estimand"] == estimand and e["below_noise"]
+            and e["sigma"] not in gates]
 
 
 def test_a_below_noise_bin_is_never_drawn_on_the_no_effect_value(mixed):
@@ -79,8 +82,22 @@ def test_a_below_noise_bin_is_never_drawn_on_the_no_effect_value(mixed):
             assert labels == set(gaps)
             # the label spans the axis (y in axes coordinates), so it sits on no value of the axis
             assert all(t.get_transform() == ax.get_xaxis_transform() for t in ax.texts)
-    # the gate bin, measured, is drawn exactly at no effect: that one is a number
-    assert (_data_points(grid[0, 0]) == [0.5, 0.0]).all(1).any()
+
+
+
+def test_a_gate_bin_is_a_labelled_band_never_an_effect_at_zero(mixed):
+    """The gate's arms are equal by construction: a value of 0 there would draw a V through no effect."""
+    grid = _grid(_figure(mixed))
+    for ax in grid[:2].flat:  # 1 − cos and the ratio: nothing in data space at the gate's σ
+        assert not np.isin(_data_points(ax)[:, 0], [0.5]).any()
+        assert {t.get_position()[0] for t in ax.texts if t.get_text() == "no-op gate"} == {0.5}
+    assert (_data_points(grid[0, 0])[:, 0] == 0.2).any()  # the bins beside it keep their values
+    # each arm's |μ|² is measured at the gate too, and drawn
+    assert np.isclose(grid[2, 0].lines[0].get_xdata(), 0.5 * 0.97).any()
+    # no line joins the bins either side of the gate across it: 0.2 and 3.0 are separate segments
+    for line in (x for x in grid[0, 0].lines if x.get_transform() == grid[0, 0].transData):
+        xs = np.asarray(line.get_xdata(), dtype=float)
+        assert not ((xs < 0.5).any() and (xs > 0.5).any())
 
 
 def test_an_ablation_below_noise_everywhere_shows_each_arms_signal_not_no_effect(mixed):

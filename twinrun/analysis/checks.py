@@ -320,10 +320,11 @@ def provenance_checks(index: RunIndex, stores: dict) -> list[dict]:
         fields = sorted({k for r in records for k in r if any(r.get(k) != o.get(k) for o in records)})
         if fields or not records[0]:
             split[u["index"]] = fields or ["(no record)"]
+    unit = "segment" if index.measure == "train" else "bin"  # what a unit is, in the report's words
     out.append(check("same_allocation_per_bin", not split,
-                     "every bin's arms ran back to back in one process (same job, node, boot, GPU)"
-                     if not split else "arms of a bin ran apart: "
-                     + "; ".join(f"bin {i}: {', '.join(f)}" for i, f in split.items())))
+                     f"every {unit}'s arms ran back to back in one process (same job, node, boot, GPU)"
+                     if not split else f"arms of a {unit} ran apart: "
+                     + "; ".join(f"{unit} {i}: {', '.join(f)}" for i, f in split.items())))
     paths = {(s.meta.get("env") or {}).get("kernel_path_sha256") for s in stores.values()}
     out.append(check("one_kernel_path", len(paths) == 1 and None not in paths,
                      "every store was measured on one kernel path" if len(paths) == 1

@@ -185,3 +185,34 @@ def test_the_caption_explains_only_what_is_drawn(mixed):
     clean = effect_caption(_summary([_row(0.2, "all", 0.6, 4.0)], gates=()))
     assert "below noise" not in clean and "gate" not in clean and "log axis" in clean
     assert "failed" in effect_caption(_summary(mixed["effects"], passed=False))
+
+
+def _train_effect(step, distance, floor, machinery=0.0, replicate=0.0):
+    return {"step": step, "estimand": "all", "distance": distance, "floor": floor, "margin": 2.0,
+            "machinery_distance": machinery, "replicate_distance": replicate}
+
+
+def test_distance_png_draws_bit_identical_arms_as_exact_marks_in_a_labelled_strip_not_at_a_height():
+    from twinrun.publish.train_plots import EXACT_BAND, distance_figure
+
+    summary = {"effects": [_train_effect(2, 3e-3, 1e-4), _train_effect(4, 5e-3, 2e-4, replicate=1e-9)]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = distance_figure(summary, "all")
+        fig.canvas.draw()
+    ax = fig.axes[0]
+    exact = [line for line in ax.lines if "bit-identical" in str(line.get_label())]
+    assert {line.get_label().split(":")[0] for line in exact} == {"machinery", "replicate"}
+    for line in exact:  # y in axes fraction, inside the strip: at no value of the log axis
+        assert line.get_transform() != ax.transData
+        assert all(0 < y < EXACT_BAND for y in line.get_ydata())
+    machinery = next(line for line in exact if line.get_label().startswith("machinery"))
+    assert list(machinery.get_xdata()) == [2, 4]
+    replicate = next(line for line in exact if line.get_label().startswith("replicate"))
+    assert list(replicate.get_xdata()) == [2]  # at step 4 it moved (1e-9): a value on the axis
+    assert "bit-identical (distance exactly 0) ↓" in [t.get_text() for t in ax.texts]
+    lo, _ = ax.get_ylim()  # every positive distance sits above the strip
+    frac = (np.log10(1e-9) - np.log10(lo)) / np.subtract(*np.log10(ax.get_ylim())[::-1])
+    assert frac > EXACT_BAND
+    in_data = np.concatenate([line.get_xydata() for line in ax.lines if line.get_transform() == ax.transData])
+    assert np.nanmin(in_data[:, 1]) >= 1e-9  # nothing in data space below the smallest real distance

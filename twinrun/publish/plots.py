@@ -314,7 +314,7 @@ def _effect_legend(fig: Figure, measured: bool, below_noise: bool, gates: bool) 
                                     "(not 'no effect')")))
     if gates:
         handles.append(Patch(fc=GATE_FILL, hatch=GATE_HATCH, ec=GATE_EDGE, lw=0,
-                             label="no-op gate bin: arms equal by construction (the gate's test), no value"))
+                             label="no-op gate bin: equal by construction, no value"))
     fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7.5, frameon=False)
 
 

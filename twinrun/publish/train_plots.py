@@ -54,11 +54,22 @@ def plot_losses(summary: dict, path: Path) -> Path:
     return path
 
 
+EXACT_BAND = 0.08  # the strip at the foot of distance.png (axes fraction) where exact zeros are marked
+
+
 def plot_distance(summary: dict, path: Path, estimand: str) -> Path:
     """Each arm's relative distance from the twin, |θ_arm − θ_twin| / |θ_twin − θ_start|, over stored
-    steps (log scale): the intervention beside the chaos floor and the floor times the margin; the
-    machinery arm and the replicate, which must sit at zero on a deterministic path, as marks at the
-    bottom where they are bit-identical."""
+    steps (log scale): the intervention beside the chaos floor and the floor times the margin. A distance
+    of exactly 0 (bit-identical to the twin: the machinery arm and the replicate on a deterministic path)
+    has no place on a log axis, so it is a mark in a strip below the axis's values labelled
+    "bit-identical", never a point at a made-up height."""
+    fig = distance_figure(summary, estimand)
+    save_figure(fig, path)
+    return path
+
+
+def distance_figure(summary: dict, estimand: str) -> Figure:
+    """The figure plot_distance saves."""
     fig = Figure(figsize=(8.4, 4.4), dpi=110)
     ax = fig.subplots()
     effects = [e for e in summary["effects"] if e["estimand"] == estimand]
@@ -66,7 +77,6 @@ def plot_distance(summary: dict, path: Path, estimand: str) -> Path:
     margin = effects[0]["margin"] if effects else 1.0
     positive = [v for e in effects for v in (e["distance"], e["floor"], e.get("machinery_distance"),
                                               e.get("replicate_distance")) if v]
-    bottom = min(positive) / 10 if positive else 1e-12
     series = [("intervention", "distance"), ("chaos", "floor"), ("machinery", "machinery_distance"),
               ("replicate", "replicate_distance")]
     for role, key in series:
@@ -77,19 +87,32 @@ def plot_distance(summary: dict, path: Path, estimand: str) -> Path:
             shown = [v if v else np.nan for v in values]  # a zero has no place on a log axis: marked below
             ax.plot(steps, shown, ls, color=color, marker=marker, ms=5, label=label)
         zeros = [s for s, v in zip(steps, values, strict=True) if v == 0]
-        if zeros:
-            ax.plot(zeros, [bottom] * len(zeros), marker or "v", color=color, ls="none", ms=7,
-                    label=f"{role}: bit-identical to the twin")
+        if zeros:  # x in data, y in axes fraction: in the strip, at no value of the log axis
+            rank = [r for r, _ in series].index(role)
+            ax.plot(zeros, [EXACT_BAND * (0.2 + 0.2 * rank)] * len(zeros), marker or "v", color=color,
+                    ls="none", ms=7, transform=ax.get_xaxis_transform(), clip_on=False,
+                    label=f"{role}: bit-identical to the twin (exactly 0)")
     floor = [e["floor"] * margin if e["floor"] else np.nan for e in effects]
     if any(np.isfinite(floor)):
         ax.plot(steps, floor, ":", color="C0", label=f"floor × {margin:g} (above it: above the floor)")
     ax.set_yscale("log")
-    ax.set_ylim(bottom=bottom / 2)
+    _exact_strip(ax, positive)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"|θ_arm − θ_twin| / |θ_twin − θ_start|  ({estimand})")
     ax.set_title("distance from the native twin")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    save_figure(fig, path)
-    return path
+    return fig
+
+
+def _exact_strip(ax, positive: list[float]) -> None:
+    """Limits from the positive distances alone, with room below them for the strip of exact zeros: a
+    grey band across the axis's foot, labelled "bit-identical (distance exactly 0)"."""
+    lo, hi = (min(positive), max(positive)) if positive else (1e-3, 1.0)
+    decades = max(np.log10(hi / lo), 1.0)
+    ax.set_ylim(lo / 10 ** (decades * EXACT_BAND / (1 - EXACT_BAND) + 0.6), hi * 3)
+    ax.fill_between([0, 1], 0, EXACT_BAND, transform=ax.transAxes, color="0.92", zorder=0, lw=0)
+    ax.text(0.995, EXACT_BAND, "bit-identical (distance exactly 0) ↓", transform=ax.transAxes, ha="right",
+            va="bottom", fontsize=7, color="0.3")
+    ax.set_autoscaley_on(False)

@@ -215,12 +215,14 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     n_stores = len(arms) * len(grid) + (0 if replicated else len(gates))
     store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
     try:
-        method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+        method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions,
+                                  trial.trial_key(arms[0].config, grid[0], "trial"))
     except Exception as err:
         if trial.is_out_of_memory(err):  # this host's memory: named as memory, never as the model's fault
             raise out_of_memory(err, "the trial run at plan time", None, p, c.device) from err
         raise
-    estimate_cost(cfg, c, method, grid[0], n_stores)
+    timing = trial.trial_key(arms[0].config, grid[0], f"cost {method}")
+    estimate_cost(cfg, c, method, grid[0], n_stores, timing)
     if parse_device("probe.device", p.device)[0] != "cpu":  # (on the CPU: host memory, estimate_cost)
         memory = estimate_memory(p, c, method, grid[0])
         print(f"twinrun: device memory per arm and bin, estimated for probe.method={method}: "

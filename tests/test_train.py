@@ -485,3 +485,19 @@ def test_running_out_of_memory_while_training_is_the_devices_not_the_models(tmp_
     index = RunIndex.load(run_dir)
     assert index.failure["error"] == "device_memory" and "type" not in index.failure
     assert [u["index"] for u in index.whole_units()] == [0, 1]  # measured before the error: kept
+
+
+def test_a_model_without_the_default_chaos_weight_is_told_to_set_train_chaos_param():
+    """The default train.chaos.param names the committed DiT's weight: a model of one's own gets one line
+    saying so, with names it does have."""
+    import torch
+
+    from twinrun.config import ChaosConfig
+    from twinrun.measures.train_state import check_chaos
+
+    with pytest.raises(ConfigError) as err:
+        check_chaos(torch.nn.Linear(2, 3), ChaosConfig())
+    said = str(err.value)
+    assert said.startswith("train.chaos.param='blocks.0.attn.qkv.weight': no such parameter in this model "
+                           "(the default names the committed DiT's weight") and "\n" not in said
+    assert "e.g. weight, bias" in said

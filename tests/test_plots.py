@@ -216,3 +216,29 @@ def test_distance_png_draws_bit_identical_arms_as_exact_marks_in_a_labelled_stri
     assert frac > EXACT_BAND
     in_data = np.concatenate([line.get_xydata() for line in ax.lines if line.get_transform() == ax.transData])
     assert np.nanmin(in_data[:, 1]) >= 1e-9  # nothing in data space below the smallest real distance
+
+
+def _loss(step, arm, role, held, train):
+    return {"step": step, "arm": arm, "role": role, "heldout_loss": held, "train_loss_steps": train,
+            "heldout_diff": held - 0.5, "heldout_diff_se": 0.01, "t_crit": 2.0}
+
+
+def test_loss_png_says_which_arms_sit_bit_identical_on_the_twins_line(tmp_path):
+    from matplotlib import image
+
+    from twinrun.publish import train_plots
+
+    rows = [_loss(2, a, r, 0.5, [0.7, 0.6]) for a, r in (("native", "twin"), ("machinery", "machinery"))]
+    rows += [_loss(2, "scale_lr", "intervention", 0.55, [0.7, 0.62])]
+    summary = {"arms": ["scale_lr", "native", "machinery"], "losses": rows}
+    shown = {}
+    real = train_plots.save_figure
+    train_plots.save_figure = lambda fig, path: shown.update(fig=fig) or real(fig, path)
+    try:
+        train_plots.plot_losses(summary, tmp_path / "loss.png")
+    finally:
+        train_plots.save_figure = real
+    labels = [t.get_text() for ax in shown["fig"].axes for t in ax.get_legend().get_texts()]
+    assert "machinery (machinery): bit-identical to the twin, on its line" in labels
+    assert not any("scale_lr" in x and "bit-identical" in x for x in labels)
+    assert image.imread(tmp_path / "loss.png").shape[0] > 200

@@ -23,12 +23,15 @@ def plot_losses(summary: dict, path: Path) -> Path:
     fig = Figure(figsize=(6.4, 6.4), dpi=110)
     ax_train, ax_held = fig.subplots(2, 1, sharex=True)
     rows = summary["losses"]
+    twin = [r for r in rows if r["role"] == "twin"]
     for arm in summary["arms"]:
         mine = [r for r in rows if r["arm"] == arm]
         if not mine:
             continue
         color, ls, marker = ROLE_STYLE.get(mine[0]["role"], ("C7", "-", ""))
         label = f"{arm} ({mine[0]['role']})"
+        if mine[0]["role"] != "twin" and _same_losses(mine, twin):  # drawn over the twin: say it, not hide it
+            label += ": bit-identical to the twin, on its line"
         width = 3 if mine[0]["role"] == "twin" else 1  # under the arms that match it bit for bit
         steps = [s for r in mine for s in range(r["step"] - len(r["train_loss_steps"]) + 1, r["step"] + 1)]
         losses = [x for r in mine for x in r["train_loss_steps"]]
@@ -41,7 +44,7 @@ def plot_losses(summary: dict, path: Path) -> Path:
         twin = np.array([r["heldout_loss"] - r["heldout_diff"] for r in inter])
         ax_held.fill_between([r["step"] for r in inter], twin - half, twin + half, color="C3", alpha=0.15,
                              label="twin ± 95% paired interval of the intervention's difference")
-    ax_train.set_ylabel("training loss (each step's batch)")
+    ax_train.set_ylabel("training loss (each step's batch,\neach arm's own objective)")
     ax_held.set_ylabel("held-out loss (same images, same draws)")
     ax_held.set_xlabel("optimizer step")
     ax_train.set_title("loss of every arm")
@@ -52,6 +55,14 @@ def plot_losses(summary: dict, path: Path) -> Path:
     fig.tight_layout()
     save_figure(fig, path)
     return path
+
+
+def _same_losses(mine: list[dict], twin: list[dict]) -> bool:
+    """Whether an arm's losses equal the twin's bit for bit at every stored step (its curves hide under
+    the twin's, so its legend entry says so)."""
+    def key(r: dict) -> tuple:
+        return r["step"], r["heldout_loss"], tuple(r["train_loss_steps"])
+    return bool(twin) and [key(r) for r in mine] == [key(r) for r in twin]
 
 
 EXACT_BAND = 0.08  # the strip at the foot of distance.png (axes fraction) where exact zeros are marked

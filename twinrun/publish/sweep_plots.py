@@ -51,8 +51,8 @@ CELL_STYLES = {
     "no_se": CellStyle("dotted: no SE (a leave-one-fold-out replicate below noise)", None, "..", "", ""),
     "below_noise": CellStyle("grey 'n': below noise, no cosine defined (not 'no effect'); under it, where "
                              "recorded, each arm's debiased |μ|² ± SE", "0.82", "", "n", "0.25"),
-    "gate": CellStyle("orange 'gate': the no-op gate bin, arms equal by construction (the gate's test, its "
-                      "verdict in the point's report), no effect value", "#fde3c8", "", "gate", "0.25"),
+    "gate": CellStyle("orange 'gate': no-op gate bin, arms equal by construction (no effect value)",
+                      "#fde3c8", "", "gate", "0.25"),
     "failed": CellStyle("red × on pink: the point's checks or gates failed, numbers withheld", "#e7b9b9", "",
                         "×", "#a01010"),
     "unfinished": CellStyle("'?': the point has no verdict (not measured or not reduced)", "0.95", "", "?",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator
 
 from twinrun.publish.plots import save_figure
 
@@ -123,6 +124,9 @@ def _exact_strip(ax, positive: list[float]) -> None:
     lo, hi = (min(positive), max(positive)) if positive else (1e-3, 1.0)
     decades = max(np.log10(hi / lo), 1.0)
     ax.set_ylim(lo / 10 ** (decades * EXACT_BAND / (1 - EXACT_BAND) + 0.6), hi * 3)
+    # ticks only where values can be: none labels the strip, which holds no value of the axis
+    ax.set_yticks([10.0 ** k for k in range(int(np.ceil(np.log10(lo))), int(np.floor(np.log10(hi * 3))) + 1)])
+    ax.yaxis.set_minor_locator(FixedLocator([]))
     ax.fill_between([0, 1], 0, EXACT_BAND, transform=ax.transAxes, color="0.92", zorder=0, lw=0)
     ax.text(0.995, EXACT_BAND, "bit-identical (distance exactly 0) ↓", transform=ax.transAxes, ha="right",
             va="bottom", fontsize=7, color="0.3")

@@ -101,34 +101,31 @@ class Payload:
     steps: list[dict] = field(default_factory=list)  # the comparison, one row per unit: effects, gates
     baseline_steps: list[dict] = field(default_factory=list)  # the twin's own quantities
     files: list[Path] = field(default_factory=list)  # summary.json, report.md, the plots
-    # The row field that is the step axis: a training run's optimizer step ("step"), so its curves line
-    # up with the researcher's own training logs; a probe's σ ("sigma", in millionths: SIGMA_STEP_SCALE).
-    step_key: str = "sigma"
+    # The row field that is the step axis (the kind's tracker_step): a training run's optimizer step
+    # ("step"), so its curves line up with the researcher's own training logs; a probe's σ ("sigma", in
+    # millionths: SIGMA_STEP_SCALE); None: the row's index.
+    step_key: str | None = "sigma"
     arm_steps: list[dict] = field(default_factory=list)  # the intervention arm's own, keys as the twin's
 
-    def step_of(self, row: dict) -> int:
+    def step_of(self, row: dict, i: int) -> int:
+        if self.step_key is None:
+            return i
         value = row[self.step_key]
-        return int(value) if self.step_key == "step" else round(float(value) * SIGMA_STEP_SCALE)
+        return round(float(value) * SIGMA_STEP_SCALE) if self.step_key == "sigma" else int(value)
 
     def logged(self, rows: list[dict]) -> list[tuple[int, dict]]:
         """(the tracker's step, row) for each row, by increasing step (as W&B requires)."""
-        return sorted(((self.step_of(row), row) for row in rows), key=lambda pair: pair[0])
+        return sorted(((self.step_of(row, i), row) for i, row in enumerate(rows)), key=lambda pair: pair[0])
 
     def arm_rows(self) -> list[dict]:
         """The intervention run's rows: its own quantities and the comparison, merged by unit."""
-        return _merge(self.step_key, self.arm_steps + self.steps)
+        if self.step_key is None:
+            return [{**mine, **row} for mine, row in zip(self.arm_steps, self.steps)] or self.steps
+        return merge_rows(self.step_key, self.arm_steps + self.steps)
 
     def after_last_step(self) -> int:
         """A step past every row's: where a sink logs what belongs to the whole run (the plots)."""
         return max((step for step, _ in self.logged(self.arm_rows())), default=-1) + 1
-
-
-def _merge(key: str, rows: list[dict]) -> list[dict]:
-    """Rows with the same step field as one row (a tracker takes one row per step)."""
-    merged: dict = {}
-    for row in rows:
-        merged.setdefault(row[key], {}).update(row)
-    return list(merged.values())
 
 
 def _kernel_paths(index: RunIndex) -> str:
@@ -136,64 +133,31 @@ def _kernel_paths(index: RunIndex) -> str:
     return ",".join(sorted(paths))
 
 
+def merge_rows(key: str, rows: list[dict]) -> list[dict]:
+    """Rows with the same step field as one row (a tracker takes one row per step)."""
+    merged: dict = {}
+    for row in rows:
+        merged.setdefault(row[key], {}).update(row)
+    return list(merged.values())
+
+
+def _gate_key(g: dict, unit_key: str) -> str:
+    """A gate's verdict name, for a kind whose rows have no step field: gate/<estimand, else arm>/<the kind's
+    unit key><value>."""
+    return f"gate/{g.get('estimand', g.get('arm'))}/{unit_key}{g[unit_key]:g}"
+
+
 def _gate_rows(summary: dict, key: str) -> list[dict]:
     """One metric per gate, stepped by unit: `gate/<estimand>` at a probe's gate σ, `gate/<arm>` at each
     of a training run's stored steps (1 passed, 0 not)."""
-    return [{key: g[key], f"gate/{g['estimand'] if key == 'sigma' else g['arm']}": float(g["passed"])}
+    return [{key: g[key], f"gate/{g['estimand'] if 'estimand' in g else g['arm']}": float(g["passed"])}
             for g in summary["gates"]]
 
 
-def _train_steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict], list[dict]]:
-    """(the comparison's rows, the intervention's own, the twin's own) of a training run: per stored step the
-    distance to the twin, its chaos floor, cos and norm ratio of the updates per estimand, the gates; each
-    arm's training loss at every optimizer step and held-out loss ± SE at every stored step."""
-    steps = []
-    for e in summary["effects"]:
-        n = e["estimand"]
-        steps.append({"step": e["step"], f"distance/{n}": e["distance"], f"floor/{n}": e["floor"],
-                      f"above_floor/{n}": float(e["above_floor"]), f"cos/{n}": e["cos"],
-                      f"norm_ratio/{n}": e["norm_ratio"]})
-    own = {"intervention": [], "twin": []}
-    for r in summary.get("losses", []):
-        if r["role"] not in own:
-            continue
-        rows = own[r["role"]]
-        first = r["step"] - len(r.get("train_loss_steps") or []) + 1
-        rows += [{"step": first + i, "loss/train": x} for i, x in enumerate(r.get("train_loss_steps") or [])]
-        rows.append({"step": r["step"], "loss/heldout": r["heldout_loss"],
-                     "loss/heldout_se": r["heldout_se"]})
-    steps = _merge("step", steps + _gate_rows(summary, "step"))
-    return steps, _merge("step", own["intervention"]), _merge("step", own["twin"])
-
-
-def _steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict], list[dict]]:
-    """(the comparison's rows, the intervention's own, the twin's own), one per σ bin: numbers only where the
-    summary has them (a below-noise effect logs below_noise/<estimand> = 1 and no cos or ratio, never a 0)."""
-    effects = {(e["sigma"], e["estimand"]): e for e in summary["effects"]}
-    names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
-    steps, arm, base = [], [], []
-    for u in index.units:
-        sigma = index.params(u).get("sigma")
-        row, mine, twin = {"sigma": sigma}, {"sigma": sigma}, {"sigma": sigma}
-        for n in names:
-            e = effects.get((sigma, n))
-            if e is None:
-                continue
-            row[f"below_noise/{n}"] = float(e["below_noise"])
-            mine[f"norm2/{n}"], mine[f"norm2_se/{n}"] = e["norm2"], e["norm2_se"]
-            twin[f"norm2/{n}"], twin[f"norm2_se/{n}"] = e["norm2_base"], e["norm2_base_se"]
-            if e["cos"] is not None:
-                row[f"effect/{n}"], row[f"effect_se/{n}"] = 1 - e["cos"], e["se"]
-                row[f"cos/{n}"] = e["cos"]
-                row[f"norm_ratio/{n}"], row[f"norm_ratio_se/{n}"] = e["norm_ratio"], e["norm_ratio_se"]
-        steps.append(row)
-        arm.append(mine)
-        base.append(twin)
-    return _merge("sigma", steps + _gate_rows(summary, "sigma")), arm, base
-
-
-def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
-    """The payload of one registered reduction (its summary, as summary.json holds it)."""
+def payload(index: RunIndex, summary: dict, files: list[Path], kind) -> Payload:
+    """The payload of one registered reduction (its summary, as summary.json holds it), its rows as its
+    measurement `kind` reads them (twinrun/measures/kind.py: tracker_rows, tracker_step, unit_key):
+    (the comparison's rows, the twin's own[, the intervention's own, under the twin's keys])."""
     rd = index.run_dir
     arm, twin = index.arm("intervention")["name"], index.arm("twin")["name"]
     config = rd.read_arm_config(arm)
@@ -203,16 +167,21 @@ def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
             "twinrun.verdict": "valid" if summary["passed"] else "instrument broken",
             "twinrun.version": version["version"], "twinrun.commit": str(version["commit"]),
             "twinrun.arm": arm, "twinrun.baseline": twin}
-    steps, mine, base = (_train_steps if index.measure == "train" else _steps)(index, summary)
+    steps, base, mine = (*kind.tracker_rows(index, summary), [])[:3]
+    if kind.tracker_step == kind.unit_key:  # the gates as metrics of their own, at their unit's step
+        steps = merge_rows(kind.unit_key, steps + _gate_rows(summary, kind.unit_key))
+    else:
+        verdict.update({_gate_key(g, kind.unit_key): bool(g["passed"]) for g in summary["gates"]})
     params = {k: str(v) for k, v in flatten(config).items()}
     plots = [rd.path / LOSS_PNG, rd.path / DISTANCE_PNG]  # a training run's (the probe's effect.png is given)
     shown = list(dict.fromkeys(Path(f) for f in [*files, *plots]))
     return Payload(rd.path.name, str(rd.path), arm, twin, config, params, tags, verdict, steps, base,
-                   [f for f in shown if f.is_file()], "step" if index.measure == "train" else "sigma", mine)
+                   [f for f in shown if f.is_file()], kind.tracker_step, mine)
 
 
-def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]) -> bool:
-    """Log one reduced run to the tracker (checked settings, check_tracker's); True if it was logged.
+def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path], kind) -> bool:
+    """Log one reduced run to the tracker (checked settings, check_tracker's), its rows as its `kind` reads
+    them (twinrun/measures/kind.py); True if it was logged.
     A failure is one line on stderr: the run directory is already complete and stays the record."""
     if tracker is None:
         return False
@@ -223,7 +192,7 @@ def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]
         sink = importlib.import_module(SINKS[name].module)
         store = Path(tracker["dir"])
         writable_dir(store)
-        where = sink.log(payload(index, summary, files), store, tracker["project"])
+        where = sink.log(payload(index, summary, files, kind), store, tracker["project"])
     except (Exception, SystemExit) as err:  # noqa: BLE001 — a tracker is foreign code; its failure is one line
         said = " ".join(str(err).split())[:300] or type(err).__name__
         print(f"twinrun: warning: tracker={name} did not log {index.run_dir.path} ({type(err).__name__}: "

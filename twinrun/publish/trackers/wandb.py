@@ -37,8 +37,9 @@ def _run(store: Path, project: str, group: str, job_type: str, name: str, config
 
 def _axis(run, p) -> None:
     """Every metric plotted against the payload's step field: σ (a probe), the optimizer step (training)."""
-    run.define_metric(p.step_key)
-    run.define_metric("*", step_metric=p.step_key)
+    if p.step_key is not None:
+        run.define_metric(p.step_key)
+        run.define_metric("*", step_metric=p.step_key)
 
 
 def log(p, store: Path, project: str) -> str:

@@ -172,9 +172,10 @@ class ReduceConfig:
     # Hydra merges an override into an existing (struct) dict, which would refuse every new name.
     groups: Any = None
     # No-op gate, at each bin where the intervention claims to do nothing:
-    #   replicate      pass if bit-identical to the twin; if not, FAIL unless the twin's replicate
-    #                  (measured automatically) proves the kernel path nondeterministic and the
-    #                  arms differ by no more than the replicate does (max relative difference).
+    #   replicate      pass if bit-identical to the twin; if not, FAIL unless the twin's replicates
+    #                  (measured automatically; arms.replicates) prove the kernel path nondeterministic
+    #                  and the arms' max relative difference is within the bound of the replicates'
+    #                  spread (docs/estimator.md, "The gate on a nondeterministic path").
     #   bit_identical  pass only if bit-identical (a nondeterministic path fails every gate).
     # Within one process on one deterministic kernel path a true no-op is bit-identical: "close"
     # is not a no-op, so there is no cosine threshold.
@@ -255,6 +256,28 @@ class ArmsConfig:
     # Measure the native twin a second time in the same job: the within-environment determinism
     # control (the reducer reports "k / N bins differ", the max difference and the cosine).
     replicate: bool = False
+    # How many replicates of the twin a run measures where it measures them (training always; the probe
+    # at its gate bins, and at every bin with arms.replicate): on a nondeterministic path the gate is a
+    # bound on the spread of their distances from the twin (twinrun/analysis/gates.py). null = 1 with
+    # determinism.enabled (a bit-identical replicate decides), REPLICATES_NONDETERMINISTIC without.
+    # Recorded in the arms' configs only when set, so runs planned before it keep their config hashes.
+    replicates: int | None = None
+
+
+# The replicates a run measures with determinism off and arms.replicates unset: the smallest count whose
+# gate catches, at one row of a five-row run, a leak of 2.75× the path's wobble (norms) at 90 % power
+# (docs/estimator.md's table; 3 replicates need 6.25×), for 3/5 of a training run's cost more (eight arms
+# for five).
+REPLICATES_NONDETERMINISTIC = 4
+MAX_REPLICATES = 16
+
+
+def replicate_count(cfg) -> int:
+    """arms.replicates as a number: the one set, or the default for this determinism setting."""
+    n = cfg.arms.get("replicates")
+    if n is None:
+        return 1 if cfg.determinism.enabled else REPLICATES_NONDETERMINISTIC
+    return n
 
 
 @dataclass

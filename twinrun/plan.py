@@ -21,11 +21,14 @@ from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.arms import Arm, derive_arms
 from twinrun.config import (
     GATE_RULES,
+    MAX_REPLICATES,
     PLUGIN_NODE,
+    REPLICATES_NONDETERMINISTIC,
     SIGNAL_ALPHA_TEXT,
     build,
     config_hash,
     protocol_differences,
+    replicate_count,
     signal_alpha_ok,
 )
 from twinrun.errors import ConfigError, StoreError, signals_held
@@ -56,6 +59,11 @@ def validate_common(cfg: DictConfig) -> None:
     if cfg.determinism.float32_matmul_precision not in MATMUL_PRECISIONS:
         raise ConfigError("determinism.float32_matmul_precision", cfg.determinism.float32_matmul_precision,
                           f"choose one of {', '.join(MATMUL_PRECISIONS)}")
+    n = cfg.arms.get("replicates")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_REPLICATES):
+        raise ConfigError("arms.replicates", n, f"must be a whole number in 1 … {MAX_REPLICATES}, or null (1 "
+                          f"with determinism on, {REPLICATES_NONDETERMINISTIC} with it off); 3 or more bound "
+                          "a nondeterministic path's wobble")
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError("seed", cfg.seed, "must be in [0, 2^63): it keys every noise stream")
 
@@ -163,6 +171,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     validate_common(cfg)
     replicate = bool(cfg.arms.replicate) or kind.replicate_always
     arms, diff = derive_arms(cfg, intervention.name, replicate=replicate, noop=intervention.noop(),
+                             replicates=replicate_count(cfg),
                              chaos=kind.chaos_arm, exclude=foreign_keys(kind))
     check_paths(cfg, run_dir)
     check_tracker(OmegaConf.to_container(cfg.tracker, resolve=True))  # a sweep's points too, before any runs

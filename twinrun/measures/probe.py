@@ -212,7 +212,7 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     check_measures_something(intervention, grid)
     intervention.check_model(c.model)
     gates = intervention.gate_sigmas(grid)
-    replicated = any(a.role == "replicate" for a in arms)
+    replicated = any(a.name == "native_replicate" for a in arms)  # else measured at the gate bins
     n_stores = len(arms) * len(grid) + (0 if replicated else len(gates))
     store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
     try:

@@ -150,6 +150,9 @@ class GateRow(TypedDict):
     bit_identical: bool
     max_shift: float
     replicate_max_shift: float | None
+    # where the arms differ and replicates were measured: each replicate's shift, the bound of the wobble
+    replicate_shifts: NotRequired[list[float]]
+    wobble_bound: NotRequired[float | None]
     detail: str
 
 

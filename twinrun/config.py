@@ -232,8 +232,11 @@ class LauncherConfig:
     constraint: str | None = None
     timeout_min: int = 240
     nodes: int = 1  # the twin pair runs in one process: more nodes would only idle
-    gpus_per_node: int = 1  # 0 allowed (CPU-only partitions)
-    cpus_per_task: int = 4
+    # Per run (a pack's job asks for pack × each). None (launcher=slurm's default): read from the partition
+    # (sinfo): gpus_per_node 1 where its nodes have GPUs (pack where packed), else 0; cpus_per_task
+    # DEFAULT_CPUS_PER_RUN, or the largest node's CPUs / pack if fewer.
+    gpus_per_node: int | None = 1  # 0 allowed (CPU-only partitions)
+    cpus_per_task: int | None = 4
     mem_gb: float | None = None
     # USR2 this long before the time limit: the job checkpoints and requeues itself.
     signal_delay_s: int = 120

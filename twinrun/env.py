@@ -7,7 +7,9 @@ field is and why it is compared or only recorded).
 
 import argparse
 import json
+from pathlib import Path
 
+from twinrun import cold_check
 from twinrun.config import ProbeConfig
 from twinrun.errors import TwinrunError, fail
 from twinrun.measures.kind import resolve_device
@@ -30,7 +32,15 @@ def main(argv=None) -> int:
                    help="the probe method a run resolved (its log says which; the default model takes vmap)")
     p.add_argument("--device", default="auto",
                    help="the run's probe.device (auto: this machine's GPU if torch sees one, else the CPU)")
+    p.add_argument("--cold-check", action="store_true",
+                   help="compile the sentinel and the default model cold and from a compile bundle, each in "
+                   "a fresh process, and require the same bits (exit 0; 1 when they differ)")
+    p.add_argument("--run", type=Path, help="with --cold-check: replay this compiled run's bundle")
+    p.add_argument("--compile", default="max-autotune", choices=("default", "max-autotune"),
+                   help="with --cold-check: the torch.compile mode")
     args = p.parse_args(argv)
+    if args.cold_check:
+        return cold_check.main(args)
     # A run pins determinism before it fingerprints (twinrun.job); do the same, or the switches
     # (deterministic algorithms, cuDNN, CUBLAS_WORKSPACE_CONFIG) read here would not be the run's.
     determinism = setup_determinism({"determinism": {"enabled": args.determinism == "on"}})

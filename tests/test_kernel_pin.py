@@ -155,3 +155,22 @@ def test_a_wiped_cache_crowns_another_winner_and_a_replay_of_the_bundle_pins_it(
     assert job["kernel_pin"]["pinned"] is True
     assert "reference ALIVE" in (replay / "report.md").read_text()
     assert os.path.isfile(replay / job["compile_bundle"]["file"])
+
+
+@pytest.mark.slow
+def test_cold_check_compiles_cold_and_from_the_bundle_in_fresh_processes_and_wants_the_same_bits(tmp_path):
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "twinrun.env", "--cold-check", "--compile", "default"],
+                          cwd=tmp_path, capture_output=True, text=True, check=False)
+    print(f"--cold-check: exit {proc.returncode} after {time.perf_counter() - t0:.0f} s")
+    assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "cold compile vs from the cold compile's bundle" in lines[0] and lines[0].endswith("bit-identical")
+    assert lines[1] == "cold compile: 0 autotune decisions timed; every winner as the bundle's record"
+    assert lines[2].startswith("replay: kernel path pinned from the bundle")
+    eager = {"jobs": [{"index": 0, "compile_bundle": {"none": "eager"}}]}
+    (tmp_path / "run.json").write_text(json.dumps(eager))
+    bad = subprocess.run([sys.executable, "-m", "twinrun.env", "--cold-check", "--run", str(tmp_path)],
+                         cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "recorded no compile bundle" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr

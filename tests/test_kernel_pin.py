@@ -85,6 +85,9 @@ def test_a_bundle_is_read_only_from_its_run_s_env_bounded_and_its_digest_checked
     for name in ("../outside.bundle", "env/../../outside.bundle", "/etc/passwd", "arms/compile-x.bundle"):
         with pytest.raises(StoreError, match="not a file of its env/"):
             kernel_pin.read_bundle(run, {"bundle": {"file": name, "sha256": sha}})
+    (run / "env" / "compile-link.bundle").symlink_to(run / "env" / "compile-x.bundle")
+    with pytest.raises(StoreError, match="not a file of its env/"):  # even a link to a bundle beside it
+        kernel_pin.read_bundle(run, {"bundle": {"file": "env/compile-link.bundle", "sha256": sha}})
     with pytest.raises(StoreError, match="sha256 differs"):
         kernel_pin.read_bundle(run, {"bundle": {**record["bundle"], "sha256": "0" * 64}})
     monkeypatch.setattr(kernel_pin, "BUNDLE_MAX_BYTES", 4)
@@ -174,3 +177,18 @@ def test_cold_check_compiles_cold_and_from_the_bundle_in_fresh_processes_and_wan
                          cwd=tmp_path, capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "recorded no compile bundle" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_pin_source_without_a_bundle_is_refused_in_one_line_before_any_compute(tmp_path):
+    eager = tmp_path / "eager"
+    eager.mkdir()
+    (eager / "run.json").write_text(json.dumps({"jobs": [{"index": 0, "compile_bundle": {"none": "eager"}}]}))
+    for source, why in ((tmp_path / "missing", "not a readable run directory"),
+                        (eager, "that run recorded no compile bundle")):
+        proc = run_twinrun(["+experiment=pin_sigma", "probe.compile=default",
+                            f"hydra.run.dir={tmp_path / 'run'}", f"determinism.kernel_path_from={source}"],
+                           cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"twinrun: error: determinism.kernel_path_from='{source}': {why}"), line
+        assert not (tmp_path / "run" / "run.json").exists()

@@ -80,8 +80,9 @@ class Watch:
 
     def counters(self) -> dict:
         """This process's own counts since the watch began (hits' replayed deltas excluded)."""
-        now = self._live()
-        return {k: now[k] - self.start[k] for k in sorted(now) if now[k] - self.start[k]}
+        now = self._live()  # counts only grow; a group torch cleared meanwhile starts again from zero
+        return {k: now[k] - self.start[k] if now[k] >= self.start[k] else now[k] for k in sorted(now)
+                if now[k] and now[k] != self.start[k]}
 
     def decisions(self) -> list[dict]:
         return list(_decisions[self.first:])
@@ -175,8 +176,9 @@ def read_bundle(run_dir, record: dict) -> bytes:
     run_dir, bundle = Path(run_dir), record.get("bundle") or {}
     name = str(bundle.get("file", ""))
     env = (run_dir / "env").resolve()
-    path = (run_dir / name).resolve()
-    if not name.startswith("env/compile-") or path.parent != env:
+    path = (run_dir / name).resolve()  # a link is followed here, so a link out of env/ is refused below
+    if (not name.startswith("env/compile-") or path.parent != env or (run_dir / "env").is_symlink()
+            or (run_dir / name).is_symlink()):
         raise StoreError(run_dir / "run.json", f"compile bundle {name!r} is not a file of its env/")
     data = read_regular(path, BUNDLE_MAX_BYTES, "compile bundle")
     if hashlib.sha256(data).hexdigest() != bundle.get("sha256"):
@@ -256,7 +258,8 @@ def recorded_pin(run_dir) -> dict | None:
     run_dir = Path(run_dir)
     jobs = read_json(run_dir / "run.json").get("jobs") or []
     for job in reversed([j for j in jobs if isinstance(j, dict)]):
-        if isinstance(job.get("compile_bundle"), dict) and isinstance(job.get("index"), int):
+        bundle = job.get("compile_bundle")
+        if isinstance(bundle, dict) and bundle.get("sha256") and isinstance(job.get("index"), int):
             record = read_json(run_dir / "env" / f"job{int(job['index']):03d}.json").get("kernel_pin")
             if isinstance(record, dict) and record.get("bundle"):
                 return record

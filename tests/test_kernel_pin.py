@@ -13,13 +13,15 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import run_twinrun
 
 from twinrun.config import config_hash
 from twinrun.errors import EXIT_OK, KernelPathRefused, StoreError
-from twinrun.job import record_pin
+from twinrun.job import open_pin, record_pin
 from twinrun.provenance import kernel_pin
 
 TESTS = Path(__file__).resolve().parent
@@ -192,3 +194,17 @@ def test_a_pin_source_without_a_bundle_is_refused_in_one_line_before_any_compute
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(f"twinrun: error: determinism.kernel_path_from='{source}': {why}"), line
         assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_a_reference_s_bundle_from_elsewhere_is_not_replayed_but_a_named_one_is_refused(monkeypatch, capsys):
+    elsewhere = {**kernel_pin.capability(None), "cpu_capability": "AVX2-other"}
+    other = {"bundle": {"file": "env/compile-x.bundle"}, "capability": elsewhere}
+    monkeypatch.setattr(kernel_pin, "recorded_pin", lambda run_dir: other)
+    index = SimpleNamespace(doc={"reference": "REF"})
+    pin = open_pin(index, {"determinism": {}}, True, torch.device("cpu"))
+    assert pin["from"] is None and "the reference's compile bundle is not replayed" in capsys.readouterr().out
+    with pytest.raises(KernelPathRefused, match="AVX2-other"):
+        open_pin(index, {"determinism": {"kernel_path_from": "RUN"}}, True, torch.device("cpu"))
+    cold = {"determinism": {"kernel_path_from": "cold"}}
+    assert open_pin(index, cold, True, torch.device("cpu"))["from"] is None
+    assert open_pin(index, {}, False, torch.device("cpu")) is None  # an eager job watches nothing

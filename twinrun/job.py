@@ -296,8 +296,15 @@ def open_pin(index: RunIndex, config: dict, compiles: bool, device: torch.device
             raise ConfigError("determinism.kernel_path_from", source, "that run recorded no compile bundle "
                               "(eager, or measured before twinrun saved bundles); name a compiled run")
         return {"watch": watch, "from": None}
-    kernel_pin.refuse_other_capability(source, record.get("capability") or {},
-                                       kernel_pin.capability(device))
+    try:
+        kernel_pin.refuse_other_capability(source, record.get("capability") or {},
+                                           kernel_pin.capability(device))
+    except KernelPathRefused as err:
+        if explicit:
+            raise
+        # A reference measured elsewhere is still compared (and read dead or alive), just not replayed.
+        print(f"twinrun: the reference's compile bundle is not replayed: {err}", flush=True)
+        return {"watch": watch, "from": None}
     keys = kernel_pin.load_bundle(kernel_pin.read_bundle(source, record))
     print(f"twinrun: compile bundle of {source} loaded before the first compile "
           f"({sum(map(len, keys.values()))} cache entries)", flush=True)

@@ -16,7 +16,7 @@ from twinrun.config import TrainConfig, build
 from twinrun.errors import ConfigError
 from twinrun.interventions import Intervention
 from twinrun.measures import fold_sums as fs
-from twinrun.measures.trial import first_line
+from twinrun.measures.failures import first_line
 
 
 @dataclass

@@ -96,7 +96,8 @@ def measured_fields(a: dict, b: dict) -> list[str]:
 
 def _difference(measured: list[str], fields: list[str]) -> str:
     """How two sides differ, the measured thing first, then the environment."""
-    what = {"model_sha256": "models (their parameters and buffers as built)", "data_sha256": "images"}
+    what = {"model_sha256": "models (their parameters and buffers as built)",
+            "data_sha256": "images (with their conditioning, if any)", "adapter_sha256": "LoRA adapters"}
     parts = [f"measured different {' and '.join(what[k] for k in measured)}"] if measured else []
     parts += [f"ran on different kernel paths (differs in {', '.join(fields)})"] if fields else []
     return " and ".join(parts)

@@ -80,6 +80,8 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
                "gates": gate_rows, "effects": effects if ok else [],
                "family": family_reading(effects, used["family_alpha"]) if ok else None,
                "replicate": replicate_report(index, found)}
+    if twin_meta.get("data_files"):  # the caches the data were read from (twinrun.caches), each file's sha256
+        summary["data_files"] = twin_meta["data_files"]
     if index.reference:
         summary["reference"] = reference_report(index, readers, found, inter, Path(index.reference),
                                                 used["signal_alpha"], ok)

@@ -11,7 +11,7 @@ over all samples it reads, for the intervention against the twin,
 and the same for the twin's replicate (0 on a deterministic path: the floor the reading stands on).
 The machinery arm (the intervention at its no-op setting) is a gate, read as the probe's gates are
 (analysis/gates.py: decide): bit-identical to the twin, or — only where the replicate proves the path
-nondeterministic — within the replicate's own difference.
+nondeterministic — within the bound of the replicates' spread (arms.replicates of them).
 """
 
 import math
@@ -114,16 +114,19 @@ def _joined(stores: dict, arm: str, units: list[int]) -> dict:
 
 def machinery_gates(index: RunIndex, stores: dict, replicate_shift: dict, rule: str) -> list[dict]:
     """One gate row per machinery arm and chunk: bit-identical to the twin, or (a nondeterministic path
-    only) within the replicate's own largest difference in that chunk (gates.decide, the probe's rule)."""
+    only) within the bound of the replicates' largest differences in that chunk (gates.decide, the probe's
+    rule; every machinery arm's chunks one family)."""
     twin, kind, rows = index.arm("twin")["name"], index.measure, []
     for arm in index.arms_with_role("machinery"):
         for u in index.units:
             i = u["index"]
             shift = read_pair(stores[arm, i][0], stores[twin, i][0])["distance"]["max_abs_diff"]
-            passed, decided = decide(shift == 0.0, shift, replicate_shift.get(i), rule)
+            reps = replicate_shift.get(i)  # each replicate's (gates.decide bounds their spread)
+            passed, decided = decide(shift == 0.0, shift, reps, rule,
+                                     len(index.arms_with_role("machinery")) * len(index.units))
             rows.append({"first": u[kind]["first"], "arm": arm, "passed": passed, "rule": decided,
                          "bit_identical": shift == 0.0, "max_abs_diff": shift,
-                         "replicate_max_abs_diff": replicate_shift.get(i),
+                         "replicate_max_abs_diff": max(reps) if reps else None,
                          "detail": f"{arm} (the intervention's code at its no-op setting) against the twin, "
                          f"{u['label']}: {decided}"})
     return rows
@@ -158,7 +161,9 @@ def analyse(index: RunIndex, stores: dict, used: dict) -> dict:
     # machinery arm that differs at all is not a no-op.
     rep = {u["index"]: read_pair(stores[replicate, u["index"]][0], stores[twin, u["index"]][0])
            ["distance"]["max_abs_diff"] for u in index.units} if replicate else {}
-    gates = machinery_gates(index, stores, rep, used["gate_rule"])
+    every = {u["index"]: [read_pair(stores[r, u["index"]][0], stores[twin, u["index"]][0])["distance"]
+                          ["max_abs_diff"] for r in index.arms_with_role("replicate")] for u in index.units}
+    gates = machinery_gates(index, stores, every if replicate else {}, used["gate_rule"])
     checks_passed = all(c["passed"] for c in checks)
     passed = checks_passed and all(g["passed"] for g in gates)
     # A broken instrument shows no reading at all: its numbers would be the breakage's.

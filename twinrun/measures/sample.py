@@ -203,6 +203,8 @@ class SampleSession:
         self.sigmas = samplers.edm_sigmas(self.s.steps, self.s.sigma_min, self.s.sigma_max, self.s.rho)
         self.identity = {"model_sha256": model_sha256(self.model),
                          "data_sha256": tensors_sha256([("loss_sigmas", torch.tensor(self.s.loss_sigmas))])}
+        if getattr(self.model, "adapter_sha256", None) is not None:  # a LoRA adapter's file content
+            self.identity["adapter_sha256"] = self.model.adapter_sha256
         self.features = (build(config["sample"]["features"], "sample.features").to(device).eval()
                          if config["sample"].get("features") else None)
         if self.features is None:  # random Fourier features of an RBF kernel on the pixel vector

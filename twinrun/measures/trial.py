@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from twinrun import conditioning
 from twinrun.config import ProbeConfig
 from twinrun.errors import ConfigError
 from twinrun.interventions import Intervention, attached
@@ -85,7 +86,7 @@ def refuse_compiled_hooks(mode: str | None, interventions: dict) -> None:
 
 
 def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images: torch.Tensor, sigma: float,
-               interventions: dict) -> str:
+               interventions: dict, objective=None, cond: dict | None = None) -> str:
     """Plan time: each arm's model, eager, on the CPU; returns the method chosen.
 
     Nothing here touches a GPU or Inductor: in a local run the job follows in this process, and its
@@ -95,12 +96,15 @@ def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images:
     sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(device)
                    for arm, i in interventions.items()}
     mode = compile_mode(p.compile)
-    random_ops = p.train_mode and draws_randomness(model, images.to(device), sigma)
+    cond = conditioning.to(conditioning.take(cond or {}, slice(0, 4)), device)
+    plain = conditioning.with_first(model, cond)  # (the behaviour check passes no conditioning)
+    random_ops = p.train_mode and draws_randomness(plain, images.to(device), sigma)
     check_method(p.method, mode, random_ops)
     refuse_compiled_hooks(mode, interventions)
     tried = []
     method, _ = run_trial(model, names, images[:4].to(device), sigma, sigma_conds, p.method,
-                          interventions=interventions, random_ops=random_ops, tried=tried)
+                          interventions=interventions, random_ops=random_ops, tried=tried,
+                          objective=objective, cond=cond)
     if p.method == "auto":
         why = ("; ".join(f"{m} failed: {type(e).__name__}: {first_line(e)}" for m, e in tried) if tried
                else "the model draws randomness in train mode" if random_ops else "it runs this model")
@@ -113,23 +117,24 @@ def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images:
 
 
 def job_trial(model, names, images, sigma: float, interventions: dict, p: ProbeConfig, fold_of_image,
-              n_folds: int):
+              n_folds: int, objective=None, cond: dict | None = None):
     """The job, before its first bin: (method, forward to probe with, compile mode or None)."""
     mode = compile_mode(p.compile)
-    random_ops = p.train_mode and draws_randomness(model, images, sigma)
+    cond = cond or {}
+    random_ops = p.train_mode and draws_randomness(conditioning.with_first(model, cond), images, sigma)
     sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(images.device)
                    for arm, i in interventions.items()}
     method, forward = run_trial(model, names, images, sigma, sigma_conds, p.method, mode, interventions,
-                                random_ops=random_ops)
+                                random_ops=random_ops, objective=objective, cond=cond)
     if mode is not None:
         warm_up(model, forward, names, images, sigma, next(iter(sigma_conds.values())), p, fold_of_image,
-                n_folds)
+                n_folds, objective, cond)
     log.info("probe method %s, compile %s", method, mode or "off")
     return method, forward, mode
 
 
 def warm_up(model, forward, names, images, sigma, sigma_cond, p: ProbeConfig, fold_of_image,
-            n_folds: int) -> None:
+            n_folds: int, objective=None, cond: dict | None = None) -> None:
     """Compile every shape the bins and the sentinel will run (one bin's worth of calls, seeded
     draws), so the cache the fingerprint then reads is the cache the whole run uses: a resume on
     the same cache finds the same digest instead of the entries the first job's bins added."""
@@ -137,9 +142,11 @@ def warm_up(model, forward, names, images, sigma, sigma_cond, p: ProbeConfig, fo
     eps = torch.randn((images.shape[0], p.n_draws, *images.shape[1:]), generator=gen).to(images.device)
     halves = fs.half_draws(p.n_draws)  # the pairing receipt's second-half pieces are shapes of their own
     fs.fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, p.chunk_images,
-                 p.chunk_draws, method="folds", forward=forward, second_from=halves and halves[0])
+                 p.chunk_draws, method="folds", forward=forward, second_from=halves and halves[0],
+                 objective=objective, cond=cond)
     # The sentinel's model op as the job will read it (forward only where its backward need not repeat).
-    model_sentinel_fn(forward, images.device, tuple(images.shape[1:]), repeats_backward(images.device))()
+    model_sentinel_fn(conditioning.with_first(forward, cond or {}), images.device, tuple(images.shape[1:]),
+                      repeats_backward(images.device))()
 
 
 def run_trial(
@@ -153,6 +160,8 @@ def run_trial(
     interventions: dict | None = None,  # arm -> Intervention: its hooks are on during its trial
     random_ops: bool = False,  # the model draws randomness (train mode): only the folds method
     tried: list | None = None,  # filled with (method, error) of each method that failed
+    objective=None,  # twinrun.objectives.Objective; None = edm
+    cond: dict | None = None,  # per-image conditioning of `images` {name: [N, ...]}
 ) -> tuple[str, torch.nn.Module]:
     """(the method chosen, the forward to probe with); ConfigError (exit 2) if none can run."""
     check_method(method, mode, random_ops)
@@ -162,7 +171,7 @@ def run_trial(
         try:
             for arm, sigma_cond in sigma_conds.items():
                 with attached((interventions or {}).get(arm, Intervention()), model):
-                    tiny_probe(model, forward, names, images, sigma, sigma_cond, candidate)
+                    tiny_probe(model, forward, names, images, sigma, sigma_cond, candidate, objective, cond)
         except Exception as err:  # any failure of user code is reported, not raised as is
             # Neither memory nor determinism is a reason to take another method: `auto` is a rule
             # about the model (does it run under vmap), so each is reported as what it is.
@@ -176,15 +185,17 @@ def run_trial(
     raise ConfigError("probe.method", method, cannot_run(tried, mode))
 
 
-def tiny_probe(model, forward, names, images, sigma, sigma_cond, method) -> None:
+def tiny_probe(model, forward, names, images, sigma, sigma_cond, method, objective=None,
+               cond: dict | None = None) -> None:
     """Four images in two folds, two draws each: batches of more than one sample per group, since
     some ops take other paths at size 1 (diffusers' UNet runs under vmap with one image per group
     and fails with two)."""
     gen = torch.Generator().manual_seed(TRIAL_SEED)
-    x = images[torch.arange(4, device=images.device) % images.shape[0]]
+    index = torch.arange(4, device=images.device) % images.shape[0]
     eps = torch.randn((4, 2, *images.shape[1:]), generator=gen).to(images.device)
     folds = torch.tensor([0, 0, 1, 1], device=images.device)
-    fs.fold_sums(model, names, x, eps, sigma, sigma_cond, folds, 2, method=method, forward=forward)
+    fs.fold_sums(model, names, images[index], eps, sigma, sigma_cond, folds, 2, method=method,
+                 forward=forward, objective=objective, cond=conditioning.take(cond or {}, index))
 
 
 def cannot_run(tried: list[tuple[str, BaseException]], mode: str | None) -> str:

@@ -150,6 +150,9 @@ class GateRow(TypedDict):
     bit_identical: bool
     max_shift: float
     replicate_max_shift: float | None
+    # where the arms differ and replicates were measured: each replicate's shift, the bound of the wobble
+    replicate_shifts: NotRequired[list[float]]
+    wobble_bound: NotRequired[float | None]
     detail: str
 
 
@@ -212,6 +215,7 @@ class Summary(TypedDict):
     reference: NotRequired[ReferenceReport | None]
     post_hoc: NotRequired[PostHoc]
     twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
+    data_files: NotRequired[dict[str, str]]  # {path: sha256} of the caches the data were read from
 
 
 class SharedSummary(TypedDict):
@@ -258,6 +262,7 @@ class ProbeStoreMeta(TypedDict):
     # images with their ids; absent in stores written before they were recorded.
     model_sha256: NotRequired[HexDigest]
     data_sha256: NotRequired[HexDigest]
+    adapter_sha256: NotRequired[HexDigest]  # a LoRA adapter's files (twinrun.lora), where one is loaded
     layout: list[LayoutEntry]
     # The pairing receipt's inputs: the draws in each half [k1, k2] (None for one draw an image) and the
     # base64 float64 [n_tensors, F, F] blocks of S and H (twinrun.analysis.receipts reads them); absent in

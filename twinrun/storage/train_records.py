@@ -15,7 +15,9 @@ class TrainGateRow(TypedDict):
     rule: str  # which rule decided it (bit-identical, not a no-op on a deterministic path, ...)
     bit_identical: bool
     distance: float  # |θ_arm − θ_twin| / |θ_twin − θ_start| over every parameter
-    replicate_distance: float | None
+    replicate_distance: float | None  # the largest replicate's
+    replicate_distances: NotRequired[list[float]]  # each replicate's, where the machinery arm differs
+    wobble_bound: NotRequired[float | None]
     first_tensor: str | None  # the first parameter (in the model's order) whose bits differ
     detail: str
 

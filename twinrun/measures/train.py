@@ -29,6 +29,7 @@ from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_step as ts
 from twinrun.measures.kind import Measure, Plan, parse_device
+from twinrun.measures.train_override import arm_train, check_override
 from twinrun.measures.train_state import (
     ArmState,
     build_optimizer,
@@ -51,7 +52,7 @@ from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
 TRAIN_PROTOCOL_KEYS = ("data", "seed", "train.steps", "train.segment_steps", "train.batch_size",
                        "train.heldout_images")
 # Where an intervention can act in training; one that overrides none of these acts nowhere.
-TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight")
+TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight", "train_settings")
 
 
 def store_name(unit_index: int, to_step: int) -> str:
@@ -92,8 +93,11 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
         raise ConfigError("reference", cfg.reference, "a training run takes no reference: compare two "
                           "training runs with `python -m twinrun.compare RUN_A RUN_B`")
     refuse_derived(cfg.reduce.estimands)
+    check_override(cfg, intervention)
     check_training_intervention(intervention)
     (train_x, train_ids), (held_x, held_ids) = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
+    _validate_arm_settings(arm_train({"train": OmegaConf.to_container(t, resolve=True)}, intervention),
+                           train_x.shape[0])
     if t.batch_size > train_x.shape[0]:
         raise ConfigError("train.batch_size", t.batch_size, f"the training split has only {train_x.shape[0]} "
                           "images (a step draws without replacement); use at most that")
@@ -105,6 +109,21 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
             raise ConfigError("data._target_", cfg.data.get("_target_"), f"the {what} ids repeat: an id keys "
                               "a sample's noise, so each must name one image")
     return (train_x, list(train_ids)), (held_x, list(held_ids))
+
+
+def _validate_arm_settings(train: dict, n_train: int) -> None:
+    """The intervention arm's own training settings where an override sets them: the same rules as the
+    twin's, the key named as the override's (`intervention.set[train.batch_size]`)."""
+    try:
+        b, chunk = train.get("batch_size"), train.get("chunk_samples")
+        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= n_train:
+            raise ConfigError("train.batch_size", b, f"must be a positive integer, at most the training "
+                              f"split's {n_train} images")
+        if not isinstance(chunk, int) or chunk == 0 or chunk < -1:
+            raise ConfigError("train.chunk_samples", chunk, "must be ≥ 1, or -1 for the whole batch")
+        _validate_optimizer(train.get("optimizer"))
+    except ConfigError as err:
+        raise ConfigError(f"intervention.set[{err.key}]", err.value, err.fix) from None
 
 
 def _validate_optimizer(node) -> None:
@@ -187,7 +206,7 @@ def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple) 
         tried.add(code)
         intervention = build(arm.config["intervention"], "intervention")
         model = copy.deepcopy(start)
-        optimizer = build_optimizer(arm.config["train"]["optimizer"], model, intervention)
+        optimizer = build_optimizer(arm_train(arm.config, intervention)["optimizer"], model, intervention)
         try:
             with attached(intervention, model):
                 ts.train_step(model, optimizer, intervention, x, ts.sigma_of(normal), eps, 2)
@@ -272,8 +291,9 @@ class TrainSession:
             c = arm.config["train"]["chaos"]
             perturb(model, c["param"], c["index"], c["ulps"])
         intervention = build(arm.config["intervention"], "intervention")
-        return ArmState(model, build_optimizer(arm.config["train"]["optimizer"], model, intervention),
-                        intervention, 0)
+        train = arm_train(arm.config, intervention)  # its own settings: an override's keys set
+        return ArmState(model, build_optimizer(train["optimizer"], model, intervention), intervention, 0,
+                        typed(TrainConfig, train, f"arm {arm.name}'s train settings"))
 
     def arithmetic(self) -> dict:
         # How a step's batch is cut into forward/backward calls changes the summation order.
@@ -300,8 +320,10 @@ class TrainSession:
     def begin_unit(self, u: UnitEntry) -> None:
         # This segment's samples and noise, keyed by (seed, step, sample id): the same for every arm.
         a, b = u["train"]["from_step"], u["train"]["to_step"]
-        seg = draw_segment(self.seed, list(range(a + 1, b + 1)), self.train_ids, self.t.batch_size,
-                           self.shape)
+        # Drawn at the widest batch any arm takes: an arm's batch is a prefix of it, so the j-th sample of
+        # step s and its noise are the same in every arm whatever its batch size (an override's).
+        widest = max(s.t.batch_size for s in self.arms.values())
+        seg = draw_segment(self.seed, list(range(a + 1, b + 1)), self.train_ids, widest, self.shape)
         self.segment = Segment(seg.steps, seg.positions.to(self.device), seg.normal.to(self.device),
                                seg.eps.to(self.device), seg.digest)
 
@@ -346,15 +368,18 @@ class TrainSession:
     def _train(self, s: ArmState, seg: Segment) -> tuple[torch.Tensor, list[list[str]]]:
         """The segment's steps for one arm: (its loss at each step, its weights' digests after each)."""
         losses, digests = [], []
+        batch = s.t.batch_size
+        chunk = batch if s.t.chunk_samples == -1 else s.t.chunk_samples
         with attached(s.intervention, s.model):
             for k, step in enumerate(seg.steps):
-                # Step: this step's samples and noise (drawn once for every arm of the segment).
-                x, sigma = self.train_x[seg.positions[k]], ts.sigma_of(seg.normal[k])
+                # Step: this step's samples and noise (drawn once for every arm of the segment): the
+                # first `batch` of the segment's, so an arm with a smaller batch takes a prefix.
+                x, sigma = self.train_x[seg.positions[k, :batch]], ts.sigma_of(seg.normal[k, :batch])
                 # Step: forward, backward and update, a model's own dropout seeded by (seed, step).
                 with torch.random.fork_rng(devices=self.rng_devices):
                     seed_generators(dropout_seed(self.seed, step), self.rng_devices)
-                    losses.append(ts.train_step(s.model, s.optimizer, s.intervention, x, sigma, seg.eps[k],
-                                                self.chunk))
+                    losses.append(ts.train_step(s.model, s.optimizer, s.intervention, x, sigma,
+                                                seg.eps[k, :batch], chunk))
                 # Step: which bits the weights hold now (the first step an arm leaves the twin's).
                 digests.append(ts.weight_digests(s.model))
         s.optimizer.zero_grad(set_to_none=True)  # only the arm training now holds gradients

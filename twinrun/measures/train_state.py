@@ -7,6 +7,7 @@ import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
@@ -27,6 +28,7 @@ class ArmState:
     optimizer: torch.optim.Optimizer
     intervention: Intervention
     step: int  # the optimizer step its weights are at
+    t: Any = None  # its own training settings (TrainConfig): the twin's, or an override's
 
 
 def load_start(model: torch.nn.Module, path: str) -> None:

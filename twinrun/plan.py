@@ -43,7 +43,8 @@ from twinrun.storage.store import verify_store
 # model, data and interventions. Anything else must come from a config the user composed (its
 # `_target_`s are passed in as `trusted`) or a module named on the command line.
 # torch.optim's classes take parameters and numbers only: the built-in training experiment's AdamW.
-BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions", "torch.optim")
+BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions", "torch.optim",
+                   "torch.optim.lr_scheduler", "twinrun.measures.train_loop")
 
 
 # ----------------------------------------------------------------------------- validation

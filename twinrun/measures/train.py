@@ -27,8 +27,10 @@ from twinrun.config import TrainConfig, build, typed
 from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
+from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
 from twinrun.measures.kind import Measure, Plan, parse_device
+from twinrun.measures.train_offload import OFFLOADS, Parking
 from twinrun.measures.train_override import arm_train, check_override
 from twinrun.measures.train_state import (
     ArmState,
@@ -88,6 +90,10 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
                           "would be the twin); 1 is the default")
     optimizer = OmegaConf.to_container(t.optimizer, resolve=True) if t.optimizer is not None else None
     _validate_optimizer(optimizer)
+    loop.check_loop(t)
+    if t.offload not in OFFLOADS:
+        raise ConfigError("train.offload", t.offload, f"must be one of {', '.join(OFFLOADS)} "
+                          "(docs/training.md)")
     _validate_device(t.device)
     if cfg.reference is not None:
         raise ConfigError("reference", cfg.reference, "a training run takes no reference: compare two "
@@ -98,9 +104,10 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     (train_x, train_ids), (held_x, held_ids) = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
     _validate_arm_settings(arm_train({"train": OmegaConf.to_container(t, resolve=True)}, intervention),
                            train_x.shape[0])
-    if t.batch_size > train_x.shape[0]:
+    if t.batch_size * t.accumulate > train_x.shape[0]:
         raise ConfigError("train.batch_size", t.batch_size, f"the training split has only {train_x.shape[0]} "
-                          "images (a step draws without replacement); use at most that")
+                          f"images (a step draws its batch x train.accumulate={t.accumulate} without "
+                          "replacement); use at most that")
     if t.heldout_images > held_x.shape[0]:
         raise ConfigError("train.heldout_images", t.heldout_images, f"the held-out split has only "
                           f"{held_x.shape[0]} images; use at most that")
@@ -115,13 +122,14 @@ def _validate_arm_settings(train: dict, n_train: int) -> None:
     """The intervention arm's own training settings where an override sets them: the same rules as the
     twin's, the key named as the override's (`intervention.set[train.batch_size]`)."""
     try:
-        b, chunk = train.get("batch_size"), train.get("chunk_samples")
-        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= n_train:
+        b, chunk, acc = train.get("batch_size"), train.get("chunk_samples"), train.get("accumulate", 1)
+        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b * max(1, acc) <= n_train:
             raise ConfigError("train.batch_size", b, f"must be a positive integer, at most the training "
                               f"split's {n_train} images")
         if not isinstance(chunk, int) or chunk == 0 or chunk < -1:
             raise ConfigError("train.chunk_samples", chunk, "must be ≥ 1, or -1 for the whole batch")
         _validate_optimizer(train.get("optimizer"))
+        loop.check_loop(typed(TrainConfig, train, "intervention.set"))
     except ConfigError as err:
         raise ConfigError(f"intervention.set[{err.key}]", err.value, err.fix) from None
 
@@ -205,12 +213,13 @@ def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple) 
             continue
         tried.add(code)
         intervention = build(arm.config["intervention"], "intervention")
-        model = copy.deepcopy(start)
-        optimizer = build_optimizer(arm_train(arm.config, intervention)["optimizer"], model, intervention)
+        s = build_arm(start, arm_train(arm.config, intervention), intervention)
+        s.t.batch_size, s.t.accumulate, s.t.chunk_samples = 2, 1, -1
+        optimizer = s.optimizer
         try:
-            with attached(intervention, model):
-                ts.train_step(model, optimizer, intervention, x, ts.sigma_of(normal), eps, 2)
-            ts.heldout_losses(model, intervention, held_x[:2], normal, eps, 2)
+            with attached(intervention, s.model):
+                loop.loop_step(s, s.step_fn, x, [0, 1], ts.sigma_of(normal), eps, 0, 1)
+            ts.heldout_losses(s.model, intervention, held_x[:2], normal, eps, 2)
         except TwinrunError:
             raise
         except Exception as err:  # noqa: BLE001 — user code may raise anything: one line, exit 2
@@ -220,6 +229,28 @@ def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple) 
         state_bytes = max(state_bytes, sum(v.nbytes for s in optimizer.state_dict()["state"].values()
                                            for v in s.values() if isinstance(v, torch.Tensor)))
     return state_bytes
+
+
+def build_arm(start: torch.nn.Module, train: dict, intervention: Intervention) -> ArmState:
+    """An arm's model (a copy of the start), optimizer, scheduler, EMA and step, from its own training
+    settings `train` (the twin's, or an override's)."""
+    model = copy.deepcopy(start)
+    optimizer = build_optimizer(train["optimizer"], model, intervention)
+    t = typed(TrainConfig, train, "train")
+    return ArmState(model, optimizer, intervention, 0, t, loop.build_schedule(train.get("schedule"),
+                                                                              optimizer),
+                    loop.build_ema(t.ema, model), loop.build_step(train.get("step")))
+
+
+def layout_line(offload: str, n_arms: int, arm_bytes: int) -> str:
+    """What the device holds in each layout (train.offload), so a user sees which fits: every arm
+    resident, or one arm (the one training) with the others parked in host memory or on disk."""
+    mb = 1e6
+    layouts = {"none": f"all {n_arms} arms on the device ({n_arms * arm_bytes / mb:,.1f} MB)",
+               "cpu": f"one arm on the device ({arm_bytes / mb:,.1f} MB), {n_arms - 1} parked in host memory",
+               "disk": f"one arm on the device ({arm_bytes / mb:,.1f} MB), {n_arms - 1} parked on disk"}
+    others = "; ".join(f"offload={k}: {v}" for k, v in layouts.items() if k != offload)
+    return f"models and optimizer states: {layouts[offload]} (train.offload={offload}; {others})"
 
 
 def check_sizes(t: TrainConfig, model: torch.nn.Module, state_bytes: int, n_arms: int, n_units: int,
@@ -235,10 +266,11 @@ def check_sizes(t: TrainConfig, model: torch.nn.Module, state_bytes: int, n_arms
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    held = n_arms * (2 * weights + state_bytes)  # each arm's weights, gradients and optimizer state
+    arm_bytes = 2 * weights + state_bytes  # one arm's weights, gradients and optimizer state
+    held = n_arms * arm_bytes if t.offload != "disk" else arm_bytes  # in host memory at once
     print(f"twinrun: the stores will take about {store_bytes / 1e6:,.1f} MB ({n_arms} arms x {n_units} units "
-          f"of {per_store / 1e6:,.2f} MB); the job holds all {n_arms} arms' models and optimizer states at "
-          f"once ({held / 1e6:,.1f} MB); {free / 1e9:,.1f} GB free at {where}", flush=True)
+          f"of {per_store / 1e6:,.2f} MB); {layout_line(t.offload, n_arms, arm_bytes)}; "
+          f"{free / 1e9:,.1f} GB free at {where}", flush=True)
     if held > memory_bytes() // 2:
         raise ConfigError("train.optimizer", t.optimizer.get("_target_"), f"{n_arms} arms' models and "
                           f"optimizer states ({held / 2**30:.1f} GiB) would take over half this machine's "
@@ -281,7 +313,12 @@ class TrainSession:
         # Never trained: the sentinel reads the same model at the start and the end of every job.
         self.sentinel_model = copy.deepcopy(start)
         self.layout = weight_layout(start)
-        self.arms = {a.name: self._arm(start, a) for a in arms}
+        # train.offload: every arm parked as soon as it is built; only the arm training is resident.
+        self.parking = Parking(self.t.offload, device)
+        self.arms = {}
+        for a in arms:
+            self.arms[a.name] = self._arm(start, a)
+            self.parking.park(self.arms[a.name])
         self.rng_devices = [device.index or 0] if device.type == "cuda" else []
         self.segment: Segment | None = None
 
@@ -291,13 +328,13 @@ class TrainSession:
             c = arm.config["train"]["chaos"]
             perturb(model, c["param"], c["index"], c["ulps"])
         intervention = build(arm.config["intervention"], "intervention")
-        train = arm_train(arm.config, intervention)  # its own settings: an override's keys set
-        return ArmState(model, build_optimizer(train["optimizer"], model, intervention), intervention, 0,
-                        typed(TrainConfig, train, f"arm {arm.name}'s train settings"))
+        # Its own settings (an override's keys set); the chaos arm's EMA starts at its perturbed weights.
+        return build_arm(model, arm_train(arm.config, intervention), intervention)
 
     def arithmetic(self) -> dict:
         # How a step's batch is cut into forward/backward calls changes the summation order.
-        return {"device": self.device.type, "chunk_samples": self.t.chunk_samples}
+        amp = {"amp": self.t.amp} if self.t.amp is not None else {}  # the forward's dtype (absent: float32)
+        return {"device": self.device.type, "chunk_samples": self.t.chunk_samples, **amp}
 
     def sentinel(self) -> dict:
         return read_sentinel(self.sentinel_model, self.device, self.shape)
@@ -309,12 +346,21 @@ class TrainSession:
             if store.meta["arm"] != arm or store.meta["unit_index"] != u["index"]:
                 raise StoreError(path, "belongs to another arm or unit than run.json says")
             s = self.arms[arm]
+            self.parking.unpark(s)
             with torch.no_grad():
                 for name, tensor in s.model.state_dict().items():
                     key = f"weight/{name}" if f"weight/{name}" in store.tensors else f"buffer/{name}"
                     tensor.copy_(store.tensors[key])
             restore_optimizer(s.optimizer, model_names(s.model), store.tensors, store.meta)
+            try:
+                loop.restore_schedule(s.scheduler, s.optimizer, store.meta.get("schedule"))
+                if s.ema is not None:
+                    s.ema.restore(store.tensors)
+            except (KeyError, ValueError, TypeError) as err:
+                raise StoreError(path, f"holds no scheduler or EMA state this arm's settings need "
+                                 f"({type(err).__name__}: {err})") from None
             s.step = u["train"]["to_step"]
+            self.parking.park(s)
         print(f"twinrun: every arm continues from {u['label']}, read back from its stores", flush=True)
 
     def begin_unit(self, u: UnitEntry) -> None:
@@ -322,8 +368,9 @@ class TrainSession:
         a, b = u["train"]["from_step"], u["train"]["to_step"]
         # Drawn at the widest batch any arm takes: an arm's batch is a prefix of it, so the j-th sample of
         # step s and its noise are the same in every arm whatever its batch size (an override's).
-        widest = max(s.t.batch_size for s in self.arms.values())
+        widest = max(loop.step_samples(s.t) for s in self.arms.values())
         seg = draw_segment(self.seed, list(range(a + 1, b + 1)), self.train_ids, widest, self.shape)
+        self.segment_ids = [[self.train_ids[p] for p in row] for row in seg.positions.tolist()]
         self.segment = Segment(seg.steps, seg.positions.to(self.device), seg.normal.to(self.device),
                                seg.eps.to(self.device), seg.digest)
 
@@ -335,8 +382,8 @@ class TrainSession:
         except Exception as err:
             if is_out_of_memory(err):
                 raise DeviceMemoryError(f"arm {arm}, {u['label']}: {self.device} ran out of memory "
-                                        f"({first_line(err)}); every arm's model and optimizer state is held "
-                                        "at once: lower train.batch_size or train.chunk_samples (the "
+                                        f"({first_line(err)}); park the arms not training (train.offload=cpu or "
+                                        "disk), lower train.batch_size or train.chunk_samples (the "
                                         "activations), or train a smaller model") from err
             raise
 
@@ -344,8 +391,9 @@ class TrainSession:
         """Train this arm through the segment, then its held-out loss; the store's tensors and metadata."""
         s, seg = self.arms[arm], self.segment
         assert s.step == u["train"]["from_step"], (arm, s.step, u["label"])
+        self.parking.unpark(s)
         with self.memory_named(arm, u):
-            losses, digests = as_model_error(arm, u, self._train, s, seg)
+            losses, digests, global_steps = as_model_error(arm, u, self._train, s, seg, arm)
             held = as_model_error(arm, u, ts.heldout_losses, s.model, s.intervention, self.held_x,
                                   self.held_normal, self.held_eps, self.chunk)
         check_finite(arm, u, losses, held, s.model, seg.steps)
@@ -358,32 +406,51 @@ class TrainSession:
                    for n, v in state.items()}
         optim_tensors, optim_meta = optimizer_record(s.optimizer, model_names(s.model))
         tensors.update(optim_tensors, train_loss=losses, heldout_loss=held)
+        if s.ema is not None:
+            tensors.update(s.ema.record())
         meta = {"arm": arm, "unit_index": u["index"], "from_step": u["train"]["from_step"],
                 "to_step": u["train"]["to_step"], "seed": self.seed, "config_hash": stamp["config_hash"],
                 "layout": self.layout, "optimizer": optim_meta, "data_digest": seg.digest,
                 "heldout_digest": self.heldout_digest, "heldout_ids": self.held_ids, "step_digests": digests,
                 "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
+        if s.scheduler is not None:  # (absent without one: a constant-rate store is what it always was)
+            meta["schedule"] = loop.schedule_record(s.scheduler)
+        self.parking.park(s)  # (the store's tensors above are copies or the parked-from memory, kept alive)
+        if global_steps:
+            meta["global_generator_steps"] = global_steps
+            print(f"twinrun: arm {arm}, {u['label']}: the step drew from torch's global generator at step "
+                  f"{global_steps[0]} (train.step._target_={s.t.step.get('_target_')}); it is seeded per "
+                  "arm, so those draws pair with no other arm's and the replicate leaves the twin: draw from "
+                  "the `noise` twinrun hands the step instead (docs/training.md)", flush=True)
         return tensors, meta
 
-    def _train(self, s: ArmState, seg: Segment) -> tuple[torch.Tensor, list[list[str]]]:
-        """The segment's steps for one arm: (its loss at each step, its weights' digests after each)."""
-        losses, digests = [], []
-        batch = s.t.batch_size
-        chunk = batch if s.t.chunk_samples == -1 else s.t.chunk_samples
+    def _train(self, s: ArmState, seg: Segment, arm: str) -> tuple[torch.Tensor, list[list[str]], list[int]]:
+        """The segment's steps for one arm: (its loss at each step, its weights' digests after each, the
+        steps at which a step of your own drew from torch's global generator)."""
+        losses, digests, global_steps = [], [], []
+        batch = loop.step_samples(s.t)
+        own = s.step_fn is not loop.twinrun_step
         with attached(s.intervention, s.model):
             for k, step in enumerate(seg.steps):
                 # Step: this step's samples and noise (drawn once for every arm of the segment): the
                 # first `batch` of the segment's, so an arm with a smaller batch takes a prefix.
                 x, sigma = self.train_x[seg.positions[k, :batch]], ts.sigma_of(seg.normal[k, :batch])
+                ids = self.segment_ids[k][:batch]
                 # Step: forward, backward and update, a model's own dropout seeded by (seed, step).
+                # A step of your own finds the global generator seeded per arm: whatever it draws there
+                # pairs with no other arm's, so the replicate catches it (and the store names the step).
                 with torch.random.fork_rng(devices=self.rng_devices):
-                    seed_generators(dropout_seed(self.seed, step), self.rng_devices)
-                    losses.append(ts.train_step(s.model, s.optimizer, s.intervention, x, sigma,
-                                                seg.eps[k, :batch], chunk))
+                    seed_generators(dropout_seed(self.seed, step) ^ (loop.arm_salt(arm) if own else 0),
+                                    self.rng_devices)
+                    before = torch.random.default_generator.get_state() if own else None
+                    losses.append(loop.loop_step(s, s.step_fn, x, ids, sigma, seg.eps[k, :batch], self.seed,
+                                                 step))
+                    if own and not torch.equal(before, torch.random.default_generator.get_state()):
+                        global_steps.append(step)
                 # Step: which bits the weights hold now (the first step an arm leaves the twin's).
                 digests.append(ts.weight_digests(s.model))
         s.optimizer.zero_grad(set_to_none=True)  # only the arm training now holds gradients
-        return (torch.stack(losses).float().cpu() if losses else torch.zeros(0)), digests
+        return (torch.stack(losses).float().cpu() if losses else torch.zeros(0)), digests, global_steps
 
 
 def seed_generators(seed: int, cuda_devices: list[int]) -> None:

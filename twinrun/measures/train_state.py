@@ -29,6 +29,9 @@ class ArmState:
     intervention: Intervention
     step: int  # the optimizer step its weights are at
     t: Any = None  # its own training settings (TrainConfig): the twin's, or an override's
+    scheduler: Any = None  # its learning-rate scheduler (None: a constant rate)
+    ema: Any = None  # its EMA of the weights (train_loop.EMA), or None
+    step_fn: Any = None  # its step: twinrun's, or train.step._target_
 
 
 def load_start(model: torch.nn.Module, path: str) -> None:

@@ -21,7 +21,8 @@ SECTIONS = {
     "bench_reduce.py": ["self-check:", "reduce_run (fresh process", "summary written: True"],
     "bench_gpu.py": ["eager  vmap (", "eager folds (", "total"],
     "bench_index.py": ["100 units", "1,000 units"],
-    "bench_train.py": ["per step: plain", "whole run:", "peak RSS growth"],
+    "bench_train.py": ["per step: plain", "whole run:", "peak RSS growth", "per step with schedule",
+                       "whole run offloaded", "memory offloaded"],
     "train_floor.py": ["train_floor: torch", "median chaos floor at the last step"],
 }
 # Not benchmarks: gpu_check.sh's judge (tests/test_gpu_check.py holds it to failing loudly).

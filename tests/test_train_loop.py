@@ -258,3 +258,27 @@ def test_a_step_drawing_from_the_global_generator_is_caught_by_the_replicate_and
         assert last["native"].digests == last["scale_lr_noop"].digests  # the gate holds with your step
     else:
         assert not replicate_same and named == [2]
+
+
+# ----------------------------------------------------------------------------- one common objective
+
+
+def test_every_arm_also_reads_its_loss_under_the_twins_objective_unweighted():
+    from twinrun.interventions import WeightSigma
+    from twinrun.measures import train_step as ts
+
+    arm = arm_of(Tiny(), batch_size=16, chunk_samples=4)
+    arm.intervention = WeightSigma(power=-1.0)
+    x, sigma, eps = batch(16)
+    start = Tiny()
+    own, common = loop.loop_step(arm, arm.step_fn, x, list(range(16)), sigma, eps, 7, 1)
+    with torch.no_grad():
+        per = ts.per_sample_loss(start, x, sigma, eps, sigma)
+    assert common.item() == pytest.approx(per.mean().item(), rel=1e-6)  # unweighted, the start model's
+    assert own.item() == pytest.approx((per * (sigma / 0.5) ** -1).mean().item(), rel=1e-6)
+    assert abs(own.item() - common.item()) > 0.1 * common.item()
+    # An arm whose own step is not the twin's: the twin's step read on its model, without gradients.
+    other = arm_of(Tiny(), batch_size=16, step={"_target_": f"{__name__}.min_snr_step"})
+    _, common_other = loop.loop_step(other, other.step_fn, x, list(range(16)), sigma, eps, 7, 1,
+                                     loop.twinrun_step)
+    assert common_other.item() == pytest.approx(per.mean().item(), rel=1e-6)

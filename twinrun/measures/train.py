@@ -30,17 +30,18 @@ from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
 from twinrun.measures.kind import Measure, Plan, parse_device
-from twinrun.measures.train_offload import OFFLOADS, Parking
-from twinrun.measures.train_override import arm_train, check_override
+from twinrun.measures.train_offload import OFFLOADS, Parking, layout_line
+from twinrun.measures.train_override import arm_train, check_override, validate_arm_settings
 from twinrun.measures.train_state import (
     ArmState,
-    build_optimizer,
+    build_arm,
     build_start,
     check_chaos,
     model_names,
     optimizer_record,
     perturb,
     restore_optimizer,
+    validate_optimizer,
     weight_layout,
 )
 from twinrun.measures.train_streams import Segment, draw_segment, dropout_seed, heldout_draws
@@ -89,7 +90,7 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
         raise ConfigError("train.chaos.ulps", t.chaos.ulps, "must be a nonzero number of ulps (the chaos arm "
                           "would be the twin); 1 is the default")
     optimizer = OmegaConf.to_container(t.optimizer, resolve=True) if t.optimizer is not None else None
-    _validate_optimizer(optimizer)
+    validate_optimizer(optimizer)
     loop.check_loop(t)
     if t.offload not in OFFLOADS:
         raise ConfigError("train.offload", t.offload, f"must be one of {', '.join(OFFLOADS)} "
@@ -102,7 +103,7 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     check_override(cfg, intervention)
     check_training_intervention(intervention)
     (train_x, train_ids), (held_x, held_ids) = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
-    _validate_arm_settings(arm_train({"train": OmegaConf.to_container(t, resolve=True)}, intervention),
+    validate_arm_settings(arm_train({"train": OmegaConf.to_container(t, resolve=True)}, intervention),
                            train_x.shape[0])
     if t.batch_size * t.accumulate > train_x.shape[0]:
         raise ConfigError("train.batch_size", t.batch_size, f"the training split has only {train_x.shape[0]} "
@@ -116,32 +117,6 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
             raise ConfigError("data._target_", cfg.data.get("_target_"), f"the {what} ids repeat: an id keys "
                               "a sample's noise, so each must name one image")
     return (train_x, list(train_ids)), (held_x, list(held_ids))
-
-
-def _validate_arm_settings(train: dict, n_train: int) -> None:
-    """The intervention arm's own training settings where an override sets them: the same rules as the
-    twin's, the key named as the override's (`intervention.set[train.batch_size]`)."""
-    try:
-        b, chunk, acc = train.get("batch_size"), train.get("chunk_samples"), train.get("accumulate", 1)
-        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b * max(1, acc) <= n_train:
-            raise ConfigError("train.batch_size", b, f"must be a positive integer, at most the training "
-                              f"split's {n_train} images")
-        if not isinstance(chunk, int) or chunk == 0 or chunk < -1:
-            raise ConfigError("train.chunk_samples", chunk, "must be ≥ 1, or -1 for the whole batch")
-        _validate_optimizer(train.get("optimizer"))
-        loop.check_loop(typed(TrainConfig, train, "intervention.set"))
-    except ConfigError as err:
-        raise ConfigError(f"intervention.set[{err.key}]", err.value, err.fix) from None
-
-
-def _validate_optimizer(node) -> None:
-    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
-        raise ConfigError("train.optimizer", node, "must be a Hydra node with a _target_ (an optimizer class "
-                          "taking the parameters as `params`), e.g. {_target_: torch.optim.AdamW, lr: 1e-3}")
-    lr = node.get("lr")
-    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ConfigError("train.optimizer.lr", lr, "must be a positive number (the learning rate), "
-                          "e.g. 1e-3")
 
 
 def _validate_device(name: str) -> None:
@@ -215,10 +190,12 @@ def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple) 
         intervention = build(arm.config["intervention"], "intervention")
         s = build_arm(start, arm_train(arm.config, intervention), intervention)
         s.t.batch_size, s.t.accumulate, s.t.chunk_samples = 2, 1, -1
+        twin_step = arms[1].config["train"].get("step")  # the common objective's
         optimizer = s.optimizer
         try:
             with attached(intervention, s.model):
-                loop.loop_step(s, s.step_fn, x, [0, 1], ts.sigma_of(normal), eps, 0, 1)
+                loop.loop_step(s, s.step_fn, x, [0, 1], ts.sigma_of(normal), eps, 0, 1,
+                               None if s.t.step == twin_step else loop.build_step(twin_step))
             ts.heldout_losses(s.model, intervention, held_x[:2], normal, eps, 2)
         except TwinrunError:
             raise
@@ -229,28 +206,6 @@ def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple) 
         state_bytes = max(state_bytes, sum(v.nbytes for s in optimizer.state_dict()["state"].values()
                                            for v in s.values() if isinstance(v, torch.Tensor)))
     return state_bytes
-
-
-def build_arm(start: torch.nn.Module, train: dict, intervention: Intervention) -> ArmState:
-    """An arm's model (a copy of the start), optimizer, scheduler, EMA and step, from its own training
-    settings `train` (the twin's, or an override's)."""
-    model = copy.deepcopy(start)
-    optimizer = build_optimizer(train["optimizer"], model, intervention)
-    t = typed(TrainConfig, train, "train")
-    return ArmState(model, optimizer, intervention, 0, t, loop.build_schedule(train.get("schedule"),
-                                                                              optimizer),
-                    loop.build_ema(t.ema, model), loop.build_step(train.get("step")))
-
-
-def layout_line(offload: str, n_arms: int, arm_bytes: int) -> str:
-    """What the device holds in each layout (train.offload), so a user sees which fits: every arm
-    resident, or one arm (the one training) with the others parked in host memory or on disk."""
-    mb = 1e6
-    layouts = {"none": f"all {n_arms} arms on the device ({n_arms * arm_bytes / mb:,.1f} MB)",
-               "cpu": f"one arm on the device ({arm_bytes / mb:,.1f} MB), {n_arms - 1} parked in host memory",
-               "disk": f"one arm on the device ({arm_bytes / mb:,.1f} MB), {n_arms - 1} parked on disk"}
-    others = "; ".join(f"offload={k}: {v}" for k, v in layouts.items() if k != offload)
-    return f"models and optimizer states: {layouts[offload]} (train.offload={offload}; {others})"
 
 
 def check_sizes(t: TrainConfig, model: torch.nn.Module, state_bytes: int, n_arms: int, n_units: int,
@@ -382,9 +337,10 @@ class TrainSession:
         except Exception as err:
             if is_out_of_memory(err):
                 raise DeviceMemoryError(f"arm {arm}, {u['label']}: {self.device} ran out of memory "
-                                        f"({first_line(err)}); park the arms not training (train.offload=cpu or "
-                                        "disk), lower train.batch_size or train.chunk_samples (the "
-                                        "activations), or train a smaller model") from err
+                                        f"({first_line(err)}); park the arms not training "
+                                        "(train.offload=cpu or disk), lower train.batch_size or "
+                                        "train.chunk_samples (the activations), or train a smaller "
+                                        "model") from err
             raise
 
     def measure(self, u: UnitEntry, arm: str, stamp: dict) -> tuple[dict, dict]:
@@ -393,10 +349,10 @@ class TrainSession:
         assert s.step == u["train"]["from_step"], (arm, s.step, u["label"])
         self.parking.unpark(s)
         with self.memory_named(arm, u):
-            losses, digests, global_steps = as_model_error(arm, u, self._train, s, seg, arm)
+            (losses, common), digests, global_steps = as_model_error(arm, u, self._train, s, seg, arm)
             held = as_model_error(arm, u, ts.heldout_losses, s.model, s.intervention, self.held_x,
                                   self.held_normal, self.held_eps, self.chunk)
-        check_finite(arm, u, losses, held, s.model, seg.steps)
+        loop.check_finite(arm, u, losses, held, s.model, seg.steps)
         s.step = u["train"]["to_step"]
         state = s.model.state_dict()
         params = model_names(s.model).values()
@@ -405,7 +361,9 @@ class TrainSession:
         tensors = {f"weight/{n}" if n in params else f"buffer/{n}": v.detach().cpu()
                    for n, v in state.items()}
         optim_tensors, optim_meta = optimizer_record(s.optimizer, model_names(s.model))
-        tensors.update(optim_tensors, train_loss=losses, heldout_loss=held)
+        # The arm's own training loss, and the same batches' loss under the twin's objective, unweighted:
+        # what the report compares across arms (an intervention on the loss weight changes the former).
+        tensors.update(optim_tensors, train_loss=losses, heldout_loss=held, train_loss_common=common)
         if s.ema is not None:
             tensors.update(s.ema.record())
         meta = {"arm": arm, "unit_index": u["index"], "from_step": u["train"]["from_step"],
@@ -427,9 +385,10 @@ class TrainSession:
     def _train(self, s: ArmState, seg: Segment, arm: str) -> tuple[torch.Tensor, list[list[str]], list[int]]:
         """The segment's steps for one arm: (its loss at each step, its weights' digests after each, the
         steps at which a step of your own drew from torch's global generator)."""
-        losses, digests, global_steps = [], [], []
+        losses, commons, digests, global_steps = [], [], [], []
         batch = loop.step_samples(s.t)
         own = s.step_fn is not loop.twinrun_step
+        common_fn = None if s.t.step == self.t.step else loop.build_step(self.t.step)
         with attached(s.intervention, s.model):
             for k, step in enumerate(seg.steps):
                 # Step: this step's samples and noise (drawn once for every arm of the segment): the
@@ -443,14 +402,17 @@ class TrainSession:
                     seed_generators(dropout_seed(self.seed, step) ^ (loop.arm_salt(arm) if own else 0),
                                     self.rng_devices)
                     before = torch.random.default_generator.get_state() if own else None
-                    losses.append(loop.loop_step(s, s.step_fn, x, ids, sigma, seg.eps[k, :batch], self.seed,
-                                                 step))
+                    loss, common = loop.loop_step(s, s.step_fn, x, ids, sigma, seg.eps[k, :batch], self.seed,
+                                                  step, common_fn)
+                    losses.append(loss)
+                    commons.append(common)
                     if own and not torch.equal(before, torch.random.default_generator.get_state()):
                         global_steps.append(step)
                 # Step: which bits the weights hold now (the first step an arm leaves the twin's).
                 digests.append(ts.weight_digests(s.model))
         s.optimizer.zero_grad(set_to_none=True)  # only the arm training now holds gradients
-        return (torch.stack(losses).float().cpu() if losses else torch.zeros(0)), digests, global_steps
+        stacked = [torch.stack(v).float().cpu() if v else torch.zeros(0) for v in (losses, commons)]
+        return tuple(stacked), digests, global_steps
 
 
 def seed_generators(seed: int, cuda_devices: list[int]) -> None:
@@ -459,22 +421,6 @@ def seed_generators(seed: int, cuda_devices: list[int]) -> None:
     torch.random.default_generator.manual_seed(seed)
     for i in cuda_devices:
         torch.cuda.default_generators[i].manual_seed(seed)
-
-
-def check_finite(arm: str, u: UnitEntry, losses: torch.Tensor, held: torch.Tensor, model: torch.nn.Module,
-                 steps: list[int]) -> None:
-    """A NaN or inf loss or weight stops the run there, naming the arm, the step and the segment."""
-    bad = (~torch.isfinite(losses)).nonzero()
-    where = f"arm {arm}, {u['label']}"
-    keep = "earlier segments are kept; lower train.optimizer.lr or check the model, then start a new run"
-    if len(bad):
-        raise ts.NonFiniteLoss(f"{where}: the training loss is NaN or inf at step {steps[int(bad[0])]}; "
-                               f"{keep}")
-    finite = bool(torch.isfinite(held).all()) and all(bool(torch.isfinite(p).all())
-                                                       for p in model.parameters())
-    if not finite:
-        raise ts.NonFiniteLoss(f"{where}: the weights are NaN or inf after step {steps[-1] if steps else 0}; "
-                               f"{keep}")
 
 
 TRAIN = Measure(

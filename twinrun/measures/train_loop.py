@@ -17,6 +17,7 @@ from twinrun.errors import ConfigError
 from twinrun.measures import train_step as ts
 from twinrun.measures.train_streams import SampleNoise
 from twinrun.measures.trial import first_line
+from twinrun.storage.records import UnitEntry
 
 AMP_DTYPES = {"bf16": torch.bfloat16}
 EMA_PREFIX = "ema/"
@@ -202,16 +203,19 @@ def arm_salt(arm: str) -> int:
 
 
 def loop_step(arm, step_fn, x: torch.Tensor, ids: list[int], sigma: torch.Tensor, eps: torch.Tensor,
-              seed: int, step: int) -> torch.Tensor:
+              seed: int, step: int, common_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step of one arm (its own settings `arm.t`): `accumulate` micro-batches of
     `batch_size`, each forward and backward in chunks of ≤ `chunk_samples` (the memory knob), the loss
     the mean of the per-sample losses over the step's samples (an intervention's loss weight applied);
-    then clipping, the update, the schedule's step and the EMA's. Returns the loss (0-d, detached)."""
+    then clipping, the update, the schedule's step and the EMA's. Returns (the arm's own loss, the same
+    batch's loss under the common objective: the twin's step, unweighted), both 0-d and detached.
+    `common_fn`: the twin's step where it is not the arm's (None: the arm's own, read from its forward)."""
     t, model, intervention = arm.t, arm.model, arm.intervention
     n, micro = x.shape[0], t.batch_size
     chunk = micro if t.chunk_samples == -1 else t.chunk_samples
     arm.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=x.device)
+    common = torch.zeros((), device=x.device)
     for m0 in range(0, n, micro):
         end = min(m0 + micro, n)
         for lo in range(m0, end, chunk):
@@ -222,6 +226,8 @@ def loop_step(arm, step_fn, x: torch.Tensor, ids: list[int], sigma: torch.Tensor
                 losses = step_fn(model, batch, SampleNoise(seed, step, ids[part], x.device), step)
             check_losses(losses, part.stop - part.start)
             losses = losses.float()
+            common += (losses.detach() if common_fn is None else
+                       _common(common_fn, model, batch, seed, step, ids[part], t, x.device)).sum() / n
             weight = intervention.loss_weight(sigma[part], model.sigma_data)
             if weight is not None:
                 losses = losses * weight
@@ -235,7 +241,15 @@ def loop_step(arm, step_fn, x: torch.Tensor, ids: list[int], sigma: torch.Tensor
         arm.scheduler.step()
     if arm.ema is not None:
         arm.ema.update()
-    return total
+    return total, common
+
+
+def _common(common_fn, model, batch: dict, seed: int, step: int, ids: list[int], t, device) -> torch.Tensor:
+    """The twin's per-sample losses of the arm's model on this chunk, without gradients and leaving every
+    generator where it was (the arm's own training draws on as if this forward never ran)."""
+    gpus = [device.index or 0] if device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=gpus), autocast(t, device):
+        return common_fn(model, batch, SampleNoise(seed, step, ids, device), step).float()
 
 
 def check_losses(losses, n: int) -> None:
@@ -243,3 +257,19 @@ def check_losses(losses, n: int) -> None:
         shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ConfigError("train.step._target_", shape, f"a step must return the {n} per-sample losses of "
                           f"its batch (a tensor of shape ({n},)), not their mean")
+
+
+def check_finite(arm: str, u: UnitEntry, losses: torch.Tensor, held: torch.Tensor, model: torch.nn.Module,
+                 steps: list[int]) -> None:
+    """A NaN or inf loss or weight stops the run there, naming the arm, the step and the segment."""
+    bad = (~torch.isfinite(losses)).nonzero()
+    where = f"arm {arm}, {u['label']}"
+    keep = "earlier segments are kept; lower train.optimizer.lr or check the model, then start a new run"
+    if len(bad):
+        raise ts.NonFiniteLoss(f"{where}: the training loss is NaN or inf at step {steps[int(bad[0])]}; "
+                               f"{keep}")
+    finite = bool(torch.isfinite(held).all()) and all(bool(torch.isfinite(p).all())
+                                                       for p in model.parameters())
+    if not finite:
+        raise ts.NonFiniteLoss(f"{where}: the weights are NaN or inf after step {steps[-1] if steps else 0}; "
+                               f"{keep}")

@@ -82,3 +82,14 @@ def _held_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     own = dict(model.named_parameters())
     own.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
     return own
+
+
+def layout_line(offload: str, n_arms: int, arm_bytes: int) -> str:
+    """What the device holds in each layout (train.offload), so a user sees which fits: every arm
+    resident, or one arm (the one training) with the others parked in host memory or on disk."""
+    mb = 1e6
+    layouts = {"none": f"all {n_arms} arms on the device ({n_arms * arm_bytes / mb:,.1f} MB)",
+               "cpu": f"one arm on the device ({arm_bytes / mb:,.1f} MB), {n_arms - 1} parked in host memory",
+               "disk": f"one arm on the device ({arm_bytes / mb:,.1f} MB), {n_arms - 1} parked on disk"}
+    others = "; ".join(f"offload={k}: {v}" for k, v in layouts.items() if k != offload)
+    return f"models and optimizer states: {layouts[offload]} (train.offload={offload}; {others})"

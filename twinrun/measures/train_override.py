@@ -9,8 +9,11 @@ is measured rather than how it is trained are refused, each with its reason. doc
 
 from omegaconf import DictConfig, OmegaConf
 
+from twinrun.config import TrainConfig, typed
 from twinrun.errors import ConfigError
 from twinrun.interventions import Intervention, Override
+from twinrun.measures.train_loop import check_loop
+from twinrun.measures.train_state import validate_optimizer
 
 # What is measured, shared by every arm, rather than how an arm trains: refused, with the reason.
 REFUSED = {
@@ -82,3 +85,19 @@ def arm_train(arm_config: dict, intervention: Intervention) -> dict:
     """An arm's training settings as it trains them: its `train` node through its intervention's
     `train_settings` (an override's keys set; every other intervention's node as it is)."""
     return intervention.train_settings(arm_config["train"])
+
+
+def validate_arm_settings(train: dict, n_train: int) -> None:
+    """The intervention arm's own training settings where an override sets them: the same rules as the
+    twin's, the key named as the override's (`intervention.set[train.batch_size]`)."""
+    try:
+        b, chunk, acc = train.get("batch_size"), train.get("chunk_samples"), train.get("accumulate", 1)
+        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b * max(1, acc) <= n_train:
+            raise ConfigError("train.batch_size", b, f"must be a positive integer, at most the training "
+                              f"split's {n_train} images")
+        if not isinstance(chunk, int) or chunk == 0 or chunk < -1:
+            raise ConfigError("train.chunk_samples", chunk, "must be ≥ 1, or -1 for the whole batch")
+        validate_optimizer(train.get("optimizer"))
+        check_loop(typed(TrainConfig, train, "intervention.set"))
+    except ConfigError as err:
+        raise ConfigError(f"intervention.set[{err.key}]", err.value, err.fix) from None

@@ -3,6 +3,7 @@ safetensors, never pickle), each arm's optimizer built around its intervention, 
 perturbation, and the weight and optimizer records a segment's store holds and a resume reads back.
 """
 
+import copy
 import difflib
 import math
 from dataclasses import dataclass
@@ -13,10 +14,11 @@ import hydra
 import torch
 from safetensors import SafetensorError, safe_open
 
-from twinrun.config import TrainConfig, build
+from twinrun.config import TrainConfig, build, typed
 from twinrun.errors import ConfigError
 from twinrun.interventions import Intervention
 from twinrun.measures import fold_sums as fs
+from twinrun.measures import train_loop as loop
 from twinrun.measures.trial import first_line
 
 
@@ -61,6 +63,16 @@ def build_start(config: dict, t: TrainConfig, device: torch.device) -> torch.nn.
     if t.start_checkpoint is not None:
         load_start(model, t.start_checkpoint)
     return model.to(device).train()
+
+
+def validate_optimizer(node) -> None:
+    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+        raise ConfigError("train.optimizer", node, "must be a Hydra node with a _target_ (an optimizer class "
+                          "taking the parameters as `params`), e.g. {_target_: torch.optim.AdamW, lr: 1e-3}")
+    lr = node.get("lr")
+    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ConfigError("train.optimizer.lr", lr, "must be a positive number (the learning rate), "
+                          "e.g. 1e-3")
 
 
 def build_optimizer(node: dict, model: torch.nn.Module, intervention: Intervention) -> torch.optim.Optimizer:
@@ -167,3 +179,14 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], t
     for name, values in meta["optimizer"]["scalars"].items():
         state.setdefault(index_of[name], {}).update(values)
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def build_arm(start: torch.nn.Module, train: dict, intervention: Intervention) -> ArmState:
+    """An arm's model (a copy of the start), optimizer, scheduler, EMA and step, from its own training
+    settings `train` (the twin's, or an override's)."""
+    model = copy.deepcopy(start)
+    optimizer = build_optimizer(train["optimizer"], model, intervention)
+    t = typed(TrainConfig, train, "train")
+    return ArmState(model, optimizer, intervention, 0, t, loop.build_schedule(train.get("schedule"),
+                                                                              optimizer),
+                    loop.build_ema(t.ema, model), loop.build_step(train.get("step")))

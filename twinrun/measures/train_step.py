@@ -1,10 +1,10 @@
-"""One arm's training arithmetic: the EDM loss, one optimizer step, the held-out loss, the weights' digests.
+"""One arm's training arithmetic: the EDM loss, the held-out loss, the weights' digests (one optimizer step
+of an arm, with its schedule, clipping, accumulation and autocast, is train_loop.loop_step's).
 
 The loss is the one `python -m twinrun.train` trained the committed model with (Karras et al. 2022,
 Eq. 2 with Table 1's λ(σ) and log-normal p(σ)), written per sample so that a batch cut into chunks
 sums the same terms. An arm's intervention acts where it declares (twinrun/interventions.py): the
-σ fed to the conditioning pathway, forward hooks, a per-sample loss weight; its learning rate is
-set once, when its optimizer is built.
+σ fed to the conditioning pathway, forward hooks, a per-sample loss weight, its learning rate.
 """
 
 import hashlib
@@ -40,26 +40,6 @@ def per_sample_loss(model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor
     denoised = model(x + sigma_img * eps, sigma, sigma_cond)
     weight = edm_weight(sigma_img, model.sigma_data)
     return (weight * (denoised - x) ** 2).flatten(1).mean(1)
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, intervention: Intervention,
-               x: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor, chunk: int) -> torch.Tensor:
-    """One optimizer step on the batch (x, σ, ε), forward and backward in chunks of ≤ `chunk` samples;
-    the loss is the batch mean of the per-sample losses. Returns it (0-d, detached, on the device)."""
-    batch = x.shape[0]
-    optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), device=x.device)
-    for lo in range(0, batch, chunk):
-        part = slice(lo, lo + chunk)
-        losses = per_sample_loss(model, x[part], sigma[part], eps[part], intervention.sigma_cond(sigma[part]))
-        weight = intervention.loss_weight(sigma[part], model.sigma_data)
-        if weight is not None:
-            losses = losses * weight
-        loss = losses.sum() / batch
-        loss.backward()
-        total += loss.detach()
-    optimizer.step()
-    return total
 
 
 @torch.no_grad()

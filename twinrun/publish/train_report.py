@@ -59,9 +59,10 @@ def effect_lines(summary: dict) -> list[str]:
 
 
 def loss_lines(summary: dict) -> list[str]:
-    rows = [[r["step"], r["arm"], num(r["train_loss"], ".5f"),
+    rows = [[r["step"], r["arm"], num(r["train_loss"], ".5f"), num(r.get("train_loss_own"), ".5f"),
              f"{r['heldout_loss']:.5f} ± {r['heldout_se']:.1e}", _difference(r)] for r in summary["losses"]]
-    return table(["step", "arm", "training loss (segment mean)", "held-out loss ± SE",
+    return table(["step", "arm", "training loss, the twin's objective (segment mean)",
+                  "training loss, the arm's own objective", "held-out loss ± SE",
                   "held-out − twin's ± paired SE (* beyond the t interval)"], rows)
 
 

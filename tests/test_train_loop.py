@@ -63,11 +63,11 @@ def flat(model):
 
 
 def test_warmup_cosine_and_linear_follow_their_formulas():
-    f = loop.WarmupCosine(warmup_steps=4, total_steps=20, min_factor=0.1)
+    f = loop.WarmupCosine(warmup_steps=4, total_steps=20, end=0.1)
     assert [f(s) for s in range(4)] == [0.2, 0.4, 0.6, 0.8] and f(4) == 1.0
     assert f(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert f(20) == pytest.approx(0.1) and f(99) == pytest.approx(0.1)
-    g = loop.Linear(warmup_steps=0, total_steps=10, end_factor=0.0)
+    g = loop.Linear(warmup_steps=0, total_steps=10, end=0.0)
     assert [g(s) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
 
 

@@ -26,34 +26,36 @@ EMA_PREFIX = "ema/"
 # ----------------------------------------------------------------------------- schedules
 
 
-class WarmupCosine:
+class WarmupThen:
     """The factor on the base learning rate at step s: linear from 1/(warmup+1) up to 1 over `warmup_steps`,
-    then a half cosine from 1 down to `min_factor` at `total_steps`. A class, not a lambda: LambdaLR
-    stores a callable object's attributes in its state_dict, so a store records the shape it followed."""
+    then `decay(progress)` for progress 0 → 1 at `total_steps`. A class, not a lambda: LambdaLR stores a
+    callable object's attributes in its state_dict, so a store records the shape it followed."""
 
-    def __init__(self, warmup_steps: int, total_steps: int, min_factor: float = 0.0):
-        self.warmup_steps, self.total_steps, self.min_factor = warmup_steps, total_steps, min_factor
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_factor + (1 - self.min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-class Linear:
-    """The factor at step s: linear warmup as WarmupCosine's, then linear from 1 down to `end_factor`."""
-
-    def __init__(self, warmup_steps: int, total_steps: int, end_factor: float = 0.0):
-        self.warmup_steps, self.total_steps, self.end_factor = warmup_steps, total_steps, end_factor
+    def __init__(self, warmup_steps: int, total_steps: int, end: float = 0.0):
+        self.warmup_steps, self.total_steps, self.end = warmup_steps, total_steps, end
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / (self.warmup_steps + 1)
         span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return 1 + (self.end_factor - 1) * progress
+        return self.decay(min(1.0, (step - self.warmup_steps) / span))
+
+    def decay(self, progress: float) -> float:
+        raise NotImplementedError
+
+
+class WarmupCosine(WarmupThen):
+    """Warmup, then a half cosine from 1 down to `end` (the schedule's min_factor)."""
+
+    def decay(self, progress: float) -> float:
+        return self.end + (1 - self.end) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Linear(WarmupThen):
+    """Warmup, then linear from 1 down to `end` (the schedule's end_factor)."""
+
+    def decay(self, progress: float) -> float:
+        return 1 + (self.end - 1) * progress
 
 
 def constant(optimizer) -> None:

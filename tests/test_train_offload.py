@@ -6,6 +6,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from twinrun.analysis.train_reduce import reduce_train
 from twinrun.app import CONF_DIR
 from twinrun.config import TrainConfig, register_configs
 from twinrun.interventions import Native
@@ -91,3 +92,6 @@ def test_a_run_parked_on_disk_is_bit_identical_to_the_all_resident_layout(tmp_pa
     resident = run(tmp_path / "resident", [])
     parked = run(tmp_path / "parked", ["train.offload=disk"])
     assert resident == parked
+    # The EMA (train.ema) read as its own estimand: the intervention's EMA against the twin's, the floor.
+    ema = reduce_train(tmp_path / "resident").summary["ema"]
+    assert [r["step"] for r in ema] == [2, 4] and all(r["distance"] > 0 and r["floor"] > 0 for r in ema)

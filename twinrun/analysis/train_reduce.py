@@ -129,9 +129,12 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
             if chaos is not None:
                 moved = {n: int((w != weights[chaos][n]).sum()) for n, w in start.items()}
                 moved = {n: k for n, k in moved.items() if k}
+        emas = {arm: _weights(s, "ema/") for arm, s in stores.items()}
         for arm in (a for a in weights if a != TWIN):
             for name, selected in sel.items():
                 found[u["index"], arm, name] = pair_stats(weights[arm], weights[TWIN], start, selected)
+            if emas[TWIN] and emas[arm]:  # train.ema: the averaged weights, read as their own estimand
+                found[u["index"], arm, EMA] = pair_stats(emas[arm], emas[TWIN], start, sorted(emas[TWIN]))
         records.append({arm: {**s.meta, "digests": s.digests, "path": str(s.path)}
                         for arm, s in stores.items()})
         losses.append({arm: {k: s.tensors[k] for k in ("train_loss", "heldout_loss", "train_loss_common")
@@ -358,7 +361,30 @@ def analyse(run: Run, records: list[dict], losses: list[dict], found: dict, used
         "losses": loss_rows(run, records, losses, used["signal_alpha"]) if ok else []}
     if summary["losses"]:
         summary["verdict"] += loss_sentence(summary["losses"])
+    if ok and any(k[2] == EMA for k in found):
+        summary["ema"] = ema_rows(run, records, found)
     return summary
+
+
+EMA = "ema/all"  # the estimand of the EMA weights (train.ema), beside the registered ones
+
+
+def ema_rows(run: Run, records: list[dict], found: dict) -> list[dict]:
+    """Per stored step: the intervention's EMA weights against the twin's EMA (start: the start weights),
+    the chaos arm's the floor, as the registered estimands' effect rows read the weights."""
+    inter, chaos = run.roles["intervention"], run.roles.get("chaos")
+    rows = []
+    for i, per in enumerate(records[1:], start=1):
+        e, c = found.get((i, inter, EMA)), found.get((i, chaos, EMA)) if chaos else None
+        if e is None:
+            continue
+        floor = None if c is None else c["distance"]
+        rows.append({"step": per[TWIN]["to_step"], "estimand": EMA, "distance": e["distance"],
+                     "floor": floor, "floor_ratio": _ratio(e["distance"], floor), "cos": e["cos"],
+                     "norm_ratio": e["norm_ratio"],
+                     "above_floor": bool(e["distance"] is not None and floor is not None
+                                         and e["distance"] > run.margin * floor)})
+    return rows
 
 
 def loss_sentence(rows: list[dict]) -> str:
@@ -455,5 +481,5 @@ def compare_stores(a: dict[int, TrainStore], b: dict[int, TrainStore]) -> list[d
     return rows
 
 
-def _weights(store: TrainStore) -> dict[str, torch.Tensor]:
-    return {k.removeprefix("weight/"): v for k, v in store.tensors.items() if k.startswith("weight/")}
+def _weights(store: TrainStore, prefix: str = "weight/") -> dict[str, torch.Tensor]:
+    return {k.removeprefix(prefix): v for k, v in store.tensors.items() if k.startswith(prefix)}

@@ -128,6 +128,11 @@ def write_train_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
         lines += ["", "## Effects (the intervention against the twin, beside the floor)", ""]
         lines += effect_lines(summary)
         lines += ["", "## Losses", "", f"![loss curves]({LOSS_PNG})", ""] + loss_lines(summary)
+        if summary.get("ema"):  # train.ema: the averaged weights, their own estimand
+            lines += ["", "## The EMA of the weights (train.ema)", ""] + table(
+                ["step", "distance to the twin's EMA", "chaos floor", "× floor"],
+                [[r["step"], num(r["distance"], ".3e"), num(r["floor"], ".3e"), num(r["floor_ratio"], ".3g")]
+                 for r in summary["ema"]])
     lines += _tail(index)
     path = out_dir / REPORT_MD
     atomic_write(path, ("\n".join(lines) + "\n").encode())

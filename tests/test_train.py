@@ -241,7 +241,7 @@ def test_optimizer_state_round_trips_through_a_store_bit_for_bit(optimizer):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
         node = {"_target_": optimizer, "lr": 0.1, **({"momentum": 0.9} if optimizer.endswith("SGD") else {})}
-        return model, train_kind.build_optimizer(node, model, train_kind.Intervention())
+        return model, train_state.build_optimizer(node, model, train_kind.Intervention())
 
     def step(model, opt):
         opt.zero_grad()

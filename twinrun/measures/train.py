@@ -382,9 +382,10 @@ class TrainSession:
                   "the `noise` twinrun hands the step instead (docs/training.md)", flush=True)
         return tensors, meta
 
-    def _train(self, s: ArmState, seg: Segment, arm: str) -> tuple[torch.Tensor, list[list[str]], list[int]]:
-        """The segment's steps for one arm: (its loss at each step, its weights' digests after each, the
-        steps at which a step of your own drew from torch's global generator)."""
+    def _train(self, s: ArmState, seg: Segment, arm: str) -> tuple[tuple, list[list[str]], list[int]]:
+        """The segment's steps for one arm: ((its own loss at each step, the same under the twin's
+        objective), its weights' digests after each, the steps at which a step of your own drew from
+        torch's global generator)."""
         losses, commons, digests, global_steps = [], [], [], []
         batch = loop.step_samples(s.t)
         own = s.step_fn is not loop.twinrun_step

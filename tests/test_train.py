@@ -28,10 +28,10 @@ from twinrun.job import run_job
 from twinrun.measures import train as train_kind
 from twinrun.measures import train_state
 from twinrun.measures import train_streams as streams
+from twinrun.measures.registry import load_index
 from twinrun.measures.train_step import NonFiniteLoss
 from twinrun.plan import plan_run, trusted_targets
 from twinrun.publish import publish, table, trackers
-from twinrun.publish.train_report import write_train_report
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.train_store import read_train_store
 
@@ -321,7 +321,7 @@ def test_determinism_off_is_allowed_and_the_replicate_reads_the_path(tmp_path):
 def test_split_bins_is_refused_for_segments():
     from twinrun.pipeline import check_launcher
 
-    with pytest.raises(ConfigError, match=r"^launcher.split='bins': a training run's segments are sequ"):
+    with pytest.raises(ConfigError, match=r"^launcher.split='bins': the run's segments are sequ"):
         check_launcher(tiny_cfg(["launcher=submitit_local", "launcher.split=bins"]))
 
 
@@ -400,9 +400,9 @@ def test_on_a_nondeterministic_path_the_replicate_decides_the_gate():
 def test_a_training_run_is_a_table_and_a_tracker_payload(tiny):
     """The table and the trackers read a training run by its steps (they read σ bins only, and a
     training run raised KeyError in the table and was logged to no tracker)."""
-    publish(tiny, write_train_report)
+    publish(tiny, train_kind.TRAIN)
     index, summary = tiny.index, tiny.index.run_dir.read_summary()
-    rows = table.run_rows(index.run_dir.path)
+    rows = table.run_rows(index.run_dir.path, load_index)
     assert len(rows) == len(index.units) * len(summary["used"]["estimands"])
     effects = {(e["step"], e["estimand"]): e for e in summary["effects"]}
     for r in rows:
@@ -410,7 +410,7 @@ def test_a_training_run_is_a_table_and_a_tracker_payload(tiny):
         e = effects.get((r["to_step"], r["estimand"]))
         assert (r.get("cos"), r.get("distance")) == ((None, None) if e is None else (e["cos"], e["distance"]))
     assert any(r.get("cos") is not None for r in rows)
-    p = trackers.payload(index, summary, [])
+    p = trackers.payload(index, summary, [], train_kind.TRAIN)
     assert [s["step"] for s in p.steps] == [index.params(u)["to_step"] for u in index.units]
     last = p.steps[-1]
     assert last["distance/all"] == effects[last["step"], "all"]["distance"] and "loss_arm/heldout" in last

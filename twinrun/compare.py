@@ -25,8 +25,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinrun.analysis.checks import arm_stores, close, load_run, registered, scan_run
+from twinrun.analysis.checks import arm_stores, close, load_run, scan_run
 from twinrun.analysis.estimands import SHIFT_VIEW
+from twinrun.analysis.reduction import registered
 from twinrun.analysis.references import cross_estimates, protocol_mismatch, reference_report
 from twinrun.analysis.train_reduce import arm_stores as train_arm_stores
 from twinrun.analysis.train_reduce import compare_stores

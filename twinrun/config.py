@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import INTERVENTIONS, schema
+from twinrun.plugins import plugin_interventions
 
 # ----------------------------------------------------------------------------- components built
 # through one level of `_target_` (model, data, intervention): a user's own config may point
@@ -271,6 +272,40 @@ class ArmsConfig:
 
 
 @dataclass
+class SampleConfig:
+    # Twin sampling (measure=sample, docs/sampling.md): every arm generates the same samples from the same
+    # keyed initial noise and per-step sampler noise; a unit is a chunk of samples, so a kill resumes
+    # bit-identically at the first chunk not stored.
+    n_samples: int = 32  # samples per arm; the paired SEs are over these
+    chunk_samples: int = 8  # samples per unit (one store per arm and chunk); must divide n_samples
+    sampler: str = "heun"  # heun (EDM's 2nd order) | euler; s_churn > 0 makes either stochastic
+    steps: int = 18  # sampler steps (EDM's schedule: σ_max … σ_min, then 0)
+    sigma_min: float = 0.002
+    sigma_max: float = 80.0
+    rho: float = 7.0  # the schedule's curvature (EDM: 7)
+    # EDM's stochastic sampler (Karras et al. 2022, Algorithm 2): noise is added back at steps with σ in
+    # [s_tmin, s_tmax], drawn per sample and step from keyed streams (the same in every arm).
+    # 0: the deterministic sampler.
+    s_churn: float = 0.0
+    s_tmin: float = 0.0
+    s_tmax: float = 1.0e9
+    s_noise: float = 1.0
+    # The held-out denoising loss of each sample: the native model's EDM loss on it at these σ, on keyed
+    # noise (the same for every arm): how far a sample sits from what the twin's model calls data.
+    loss_sigmas: list[float] = field(default_factory=lambda: [0.2, 0.5, 1.2])
+    # The distribution distance (MMD² between the arms' samples, paired over samples) reads features:
+    # null = a fixed random-feature map of this many cosines (seeded), or a `_target_` feature net
+    # (a torch.nn.Module mapping [B, C, H, W] to [B, F]; its builder must be trusted as the model's is).
+    features: Any = None
+    random_features: int = 256
+    feature_bandwidth: float = 8.0  # the random features' RBF length scale, in pixel-vector units
+    device: str = "auto"  # as probe.device
+
+
+PLUGIN_NODE = "plugin"  # TwinrunConfig's node for a plugin kind's settings (only its own arms carry it)
+
+
+@dataclass
 class TwinrunConfig:
     # The measurement kind (twinrun/measures: MEASURES): probe = per-fold gradient sums at each σ bin;
     # train = twin training runs, segment by segment (docs/training.md).
@@ -280,6 +315,9 @@ class TwinrunConfig:
     intervention: Any = MISSING
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     train: TrainConfig = field(default_factory=TrainConfig)  # measure=train's settings
+    sample: SampleConfig = field(default_factory=SampleConfig)  # measure=sample's settings
+    # A plugin kind's own settings (twinrun/plugins.py), free-form: the kind checks them itself.
+    plugin: Any = field(default_factory=dict)
     sigma_grid: SigmaGridConfig = field(default_factory=SigmaGridConfig)
     reduce: ReduceConfig = field(default_factory=ReduceConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -357,9 +395,15 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="digits", node=DigitsDataConfig)
     for cls in INTERVENTIONS:
         cs.store(group="schema/intervention", name=cls.name, node=schema(cls))
+    # An installed package's interventions (entry point group twinrun.interventions): selected by name
+    # like a built-in, `intervention=NAME`, their schema straight from the class (no YAML needed).
+    for name, cls in plugin_interventions(INTERVENTIONS).items():
+        cs.store(group="schema/intervention", name=name, node=schema(cls))
+        cs.store(group="intervention", name=name, node=schema(cls))
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/train", name="train", node=TrainConfig)
+    cs.store(group="schema/sample", name="sample", node=SampleConfig)
     cs.store(group="schema/data", name="digits_train", node=DigitsTrainDataConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
     cs.store(group="schema/tracker", name="tracker", node=TrackerConfig)

@@ -21,6 +21,7 @@ from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.arms import Arm, derive_arms
 from twinrun.config import (
     GATE_RULES,
+    PLUGIN_NODE,
     SIGNAL_ALPHA_TEXT,
     build,
     config_hash,
@@ -201,7 +202,9 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
 def foreign_keys(kind: Measure) -> tuple[str, ...]:
     """The config nodes of the other measurement kinds: an arm's config holds only its own kind's."""
     own = set(kind.config_keys)
-    return tuple(k for m in MEASURES.values() if m is not kind for k in m.config_keys if k not in own)
+    others = [k for m in MEASURES.values() if m is not kind for k in m.config_keys if k not in own]
+    # the plugin kinds' settings node belongs to none of the built-in kinds
+    return tuple(dict.fromkeys([*others, *([PLUGIN_NODE] if PLUGIN_NODE not in own else [])]))
 
 
 def unit_entry(u: dict, arms: list[Arm]) -> dict:
@@ -239,8 +242,10 @@ def targets(tree) -> list[str]:
 
 
 def trusted_targets(cfg: DictConfig) -> list[str]:
-    """The builders of a config the user composed (its model, data, intervention and optimizer)."""
-    return sorted({t for key in ("model", "data", "intervention", "train")
+    """The builders of a config the user composed (its model, data, intervention, and what its kind's
+    settings name: the training optimizer, a sampling feature net)."""
+    own = measure_of(cfg.measure).config_keys
+    return sorted({t for key in ("model", "data", "intervention", *own) if key in cfg
                    for t in targets(OmegaConf.to_container(cfg[key], resolve=True))})
 
 

@@ -17,14 +17,20 @@ import torch
 from scipy import stats
 
 from twinrun import arms as arms_mod
-from twinrun.analysis.checks import check, provenance_checks, registered, used_settings
 from twinrun.analysis.estimands import ESTIMANDS, SHIFT_VIEW, check_estimands, registry
 from twinrun.analysis.gates import decide
-from twinrun.analysis.reduce import Reduction, view_name
+from twinrun.analysis.reduction import (
+    Reduction,
+    check,
+    provenance_checks,
+    registered,
+    used_settings,
+    view_name,
+)
 from twinrun.config import TrainConfig, typed
 from twinrun.errors import ConfigError, StoreError, TwinrunError
-from twinrun.storage.records import TrainSummary
 from twinrun.storage.rundir import RunIndex
+from twinrun.storage.train_records import TrainSummary
 from twinrun.storage.train_store import TrainStore, read_train_store
 
 TWIN = "native"

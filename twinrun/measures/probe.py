@@ -25,17 +25,18 @@ from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build,
 from twinrun.errors import ConfigError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, Native, attached
+from twinrun.measures import failures, trial
 from twinrun.measures import fold_sums as fs
-from twinrun.measures import trial
 from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.measures.modes import draws_randomness, set_mode
 from twinrun.measures.probe_cost import check_device_memory, estimate_cost, estimate_memory, out_of_memory
 from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
+from twinrun.publish import probe_rows
 from twinrun.publish.render import render
 from twinrun.publish.report import write_report
 from twinrun.storage.header import MAX_HEADER_BYTES
-from twinrun.storage.records import UnitEntry
+from twinrun.storage.records import ProbeUnit, Summary, UnitEntry
 from twinrun.storage.store import header_size, store_size
 
 
@@ -217,7 +218,7 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     try:
         method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
     except Exception as err:
-        if trial.is_out_of_memory(err):  # this host's memory: named as memory, never as the model's fault
+        if failures.is_out_of_memory(err):  # this host's memory: named as memory, never as the model's fault
             raise out_of_memory(err, "the trial run at plan time", None, p, c.device) from err
         raise
     estimate_cost(cfg, c, method, grid[0], n_stores)
@@ -281,7 +282,7 @@ class ProbeSession:
         try:
             yield
         except Exception as err:
-            if trial.is_out_of_memory(err):
+            if failures.is_out_of_memory(err):
                 raise out_of_memory(err, where, self.memory, self.p, self.c.device) from err
             raise
 
@@ -306,7 +307,7 @@ class ProbeSession:
         sigma_cond = intervention.sigma_cond(torch.tensor(sigma, dtype=torch.float32))
         second_from = None if self.halves is None else self.halves[0]
         with attached(intervention, c.model), self.memory_named(f"arm {arm}, {u['label']}"):
-            out = trial.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
+            out = failures.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
                                        sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
                                        p.chunk_images, p.chunk_draws, method=self.method,
                                        forward=self.forward, train_stream=self.train_stream,
@@ -390,4 +391,15 @@ PROBE = Measure(
     config_keys=("probe", "sigma_grid"),
     compiles=lambda config: trial.compile_mode(config["probe"].get("compile")) is not None,
     twin_first=True,  # every other arm's pairing blocks need the twin's sums and half-draw differences
+    unit_fields=ProbeUnit,
+    increasing="sigma",  # the σ grid: each σ once, in order
+    summary_type=Summary,
+    unit_key="sigma",
+    unit_own="sigma",
+    tracker_rows=probe_rows.tracker_rows,
+    sweep_point=probe_rows.sweep_point,
+    sweep_protocol="probe",
+    compile_setting=lambda config: ("probe.compile", config["probe"].get("compile")),
+    default_arithmetic=lambda method, device_type: arithmetic(ProbeConfig(), method or "vmap", device_type),
+    methods=("vmap", "folds"),
 )

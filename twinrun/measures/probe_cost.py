@@ -18,8 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from twinrun.config import ProbeConfig, typed
 from twinrun.errors import ConfigError, DeviceMemoryError
 from twinrun.files import memory_bytes
+from twinrun.measures import failures, trial
 from twinrun.measures import fold_sums as fs
-from twinrun.measures import trial
 from twinrun.measures.kind import parse_device
 
 # ----------------------------------------------------------------------------- the estimate of cost
@@ -188,5 +188,5 @@ def out_of_memory(err: BaseException, where: str, estimate: DeviceMemory | None,
                   device: torch.device) -> DeviceMemoryError:
     """The device ran out of memory (`where`: the trial, or an arm and bin): what was estimated, the knobs."""
     said = f"the estimate was {estimate.describe(p)}" if estimate is not None else "before any estimate"
-    return DeviceMemoryError(f"{where}: {device} ran out of memory ({trial.first_line(err)}); {said}; "
+    return DeviceMemoryError(f"{where}: {device} ran out of memory ({failures.first_line(err)}); {said}; "
                              f"{MEMORY_KNOBS}")

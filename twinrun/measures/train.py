@@ -29,6 +29,7 @@ from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
+from twinrun.measures.failures import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.measures.train_offload import OFFLOADS, Parking, layout_line
 from twinrun.measures.train_override import arm_train, check_override, validate_arm_settings
@@ -45,11 +46,12 @@ from twinrun.measures.train_state import (
     weight_layout,
 )
 from twinrun.measures.train_streams import Segment, draw_segment, dropout_seed, heldout_draws
-from twinrun.measures.trial import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
+from twinrun.publish import train_rows
 from twinrun.publish.train_report import render_train, write_train_report
-from twinrun.storage.records import UnitEntry
-from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
+from twinrun.storage.records import TrainUnit, UnitEntry
+from twinrun.storage.train_records import TrainSummary
+from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store, write_train_store
 
 # What two training runs must share to have trained on the same thing (a comparison's check).
 TRAIN_PROTOCOL_KEYS = ("data", "seed", "train.steps", "train.segment_steps", "train.batch_size",
@@ -441,4 +443,15 @@ TRAIN = Measure(
     replicate_always=True,
     chaos_arm=True,
     store_format=TRAIN_STORE_FORMAT,
+    default_arithmetic=lambda method, device_type: {"device": device_type,  # as TrainSession's
+                                                    "chunk_samples": TrainConfig().chunk_samples},
+    write_store=write_train_store,
+    verify_store=lambda path, sha256=None, payload_bytes=None: read_train_store(path, sha256).meta,
+    unit_fields=TrainUnit,
+    summary_type=TrainSummary,
+    unit_key="step",  # a segment by the step it ends at
+    unit_own="to_step",
+    tracker_rows=train_rows.tracker_rows,
+    tracker_step="step",  # its curves line up with the researcher's own training logs
+    sweep_point=train_rows.sweep_point,
 )

@@ -15,8 +15,8 @@ import torch
 
 from twinrun.errors import ConfigError
 from twinrun.measures import train_step as ts
+from twinrun.measures.failures import first_line
 from twinrun.measures.train_streams import SampleNoise
-from twinrun.measures.trial import first_line
 from twinrun.storage.records import UnitEntry
 
 AMP_DTYPES = {"bf16": torch.bfloat16}

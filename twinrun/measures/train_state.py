@@ -19,7 +19,7 @@ from twinrun.errors import ConfigError
 from twinrun.interventions import Intervention
 from twinrun.measures import fold_sums as fs
 from twinrun.measures import train_loop as loop
-from twinrun.measures.trial import first_line
+from twinrun.measures.failures import first_line
 
 
 @dataclass

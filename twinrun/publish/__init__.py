@@ -8,21 +8,21 @@ the registered files, and to no tracker. The tidy table (twinrun.publish.table) 
 
 from twinrun.files import make_dir, write_json
 from twinrun.provenance.version import twinrun_version
-from twinrun.publish.report import write_report
 from twinrun.publish.trackers import send
 from twinrun.storage.rundir import RunDir
 
 
-def publish(reduction, report=write_report, tracker: dict | None = None) -> None:
+def publish(reduction, kind, tracker: dict | None = None) -> None:
     """Write a Reduction (twinrun.analysis.reduce): the registered summary, or the post-hoc view; every
-    summary carries the twinrun that wrote it. `report`: the measurement kind's report writer (out_dir,
-    summary, index), the probe's by default. `tracker`: checked settings (check_tracker), or None."""
+    summary carries the twinrun that wrote it. `kind`: the run's measurement kind (its `report` writer
+    (out_dir, summary, index) and its tracker rows). `tracker`: checked settings (check_tracker), or None."""
+    report = kind.report
     rd = reduction.index.run_dir
     if reduction.view is None:
         summary = {**reduction.summary, "twinrun": twinrun_version()}
         write_json(rd.summary_json, summary)
         written = report(rd.path, summary, reduction.index)
-        send(tracker, reduction.index, summary, [rd.summary_json, written, rd.effect_png])
+        send(tracker, reduction.index, summary, [rd.summary_json, written, rd.effect_png], kind)
         return
     out = make_dir(rd.view_dir(reduction.view_name))
     view = {**reduction.view, "twinrun": twinrun_version()}

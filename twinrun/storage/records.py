@@ -9,7 +9,10 @@ A document that fails is one line naming the file and the field (exit 2), never 
 run.json's unit of twin validity is a *unit*: a σ bin for the probe, a training segment for the
 training measure. Every unit carries the fields every measurement kind shares (index, label,
 gate, stores) and, under the key of the run's measurement kind, that kind's own fields
-(`"probe": {"sigma": 0.5}`); UNIT_FIELDS lists each kind's.
+(`"probe": {"sigma": 0.5}`). This room names no kind: a kind declares its own unit fields and summary
+type (twinrun/measures/kind.py: `unit_fields`, `increasing`, `summary_type`), and whoever looked the kind
+up hands them to `validate_units` and `validate_summary`; run.json alone is checked for what every kind
+shares, the kind's fields as an object of plain values.
 """
 
 import typing
@@ -80,10 +83,8 @@ class TrainUnit(TypedDict):
     to_step: int  # the step its stores hold
 
 
-# Each measurement kind's own unit fields, under the kind's name in every unit.
-UNIT_FIELDS: dict[str, type] = {"probe": ProbeUnit, "train": TrainUnit}
-# A kind's unit field that runs strictly upward through `units` (the probe's σ grid: each σ once, in order).
-INCREASING: dict[str, str] = {"probe": "sigma"}
+class KindFields(TypedDict):
+    """A kind that declares no unit fields of its own (or no summary type beyond SharedSummary's)."""
 
 
 class UnitEntry(TypedDict):
@@ -213,40 +214,18 @@ class Summary(TypedDict):
     twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
 
 
-class TrainGateRow(TypedDict):
-    """The training run's no-op gate at one stored step: the machinery arm against the twin."""
+class SharedSummary(TypedDict):
+    """What every kind's summary.json holds, whatever it measures: read where no kind was looked up."""
 
-    step: int
-    arm: str
-    passed: bool
-    rule: str  # which rule decided it (bit-identical, not a no-op on a deterministic path, ...)
-    bit_identical: bool
-    distance: float  # |θ_arm − θ_twin| / |θ_twin − θ_start| over every parameter
-    replicate_distance: float | None
-    first_tensor: str | None  # the first parameter (in the model's order) whose bits differ
-    detail: str
-
-
-class TrainSummary(TypedDict):
-    """What one reduction of a training run found: checks, gates, then the floor and the effects (empty
-    unless every check and gate passed)."""
-
-    measure: Literal["train"]
     run_dir: str
     arms: list[str]
     registered: dict
     used: dict
     checks_passed: bool
     passed: bool
-    verdict: str  # one sentence: above the chaos floor, or not told apart from chaos
     checks: list[Check]
-    gates: list[TrainGateRow]
-    replicate: dict | None
-    first_differing: list[dict]  # per arm: the first step its bits leave the twin's (and the tensor)
-    floor: list[dict]  # per stored step and estimand: the chaos arm's distance from the twin
-    effects: list[dict]  # per stored step and estimand: the intervention against the twin and the floor
-    losses: list[dict]  # per stored step and arm: training and held-out loss (paired SE against the twin)
-    post_hoc: NotRequired[PostHoc]
+    gates: list[dict]
+    effects: list[dict]
 
 
 # ----------------------------------------------------------------------------- store metadata
@@ -328,7 +307,9 @@ def validate_run(path: Path, run: dict) -> RunRecord:
     if run.get("format") != RUN_FORMAT:
         c.fail("format", f"{show(run.get('format'))} is not {RUN_FORMAT!r} (not a twinrun run index)")
     check_typed(c, run, RunRecord, "")
-    kind = c.one_of(run, "measure", "measure", tuple(UNIT_FIELDS))
+    kind = run["measure"]
+    if not SAFE_NAME.fullmatch(kind):
+        c.fail("measure", f"{show(kind)} is not the name of a measurement kind")
     names = [a["name"] for a in run["arms"]]
     roles = [a["role"] for a in run["arms"]]
     if roles.count("intervention") != 1 or roles.count("twin") != 1 or len(set(names)) != len(names):
@@ -339,7 +320,6 @@ def validate_run(path: Path, run: dict) -> RunRecord:
         c.fail("units", "empty: a run has at least one unit")
     for i, u in enumerate(run["units"]):
         _validate_unit(c, u, i, names, kind)
-    _validate_order(c, run["units"], kind)
     for i, job in enumerate(run.get("jobs", [])):
         if job["index"] != i:
             c.fail(f"jobs[{i}].index", f"{job['index']!r} must equal its position {i}")
@@ -362,11 +342,17 @@ def _validate_registered(c: Checker, reg: Registered) -> None:
         c.fail("registered.gate_rule", f"{show(reg['gate_rule'])} is not one of {', '.join(GATE_RULES)}")
 
 
-def _validate_order(c: Checker, units: list[UnitEntry], kind: str) -> None:
-    """The kind's ordered field strictly increases unit by unit (a σ grid: each σ once, in order)."""
-    key = INCREASING.get(kind)
-    if key is None:
-        return
+def validate_units(path: Path, run: RunRecord, fields: type, increasing: str | None) -> None:
+    """Every unit's own fields against the run's kind's type, and its `increasing` field strictly upward
+    unit by unit (a σ grid: each σ once, in order): the kind is handed in by whoever looked it up."""
+    c, kind = Checker(path), run["measure"]
+    for i, u in enumerate(run["units"]):
+        check_typed(c, u[kind], fields, f"units[{i}].{kind}")
+    if increasing is not None:
+        _validate_order(c, run["units"], kind, increasing)
+
+
+def _validate_order(c: Checker, units: list[UnitEntry], kind: str, key: str) -> None:
     for i in range(1, len(units)):
         before, value = units[i - 1][kind][key], units[i][kind][key]
         if not value > before:
@@ -381,7 +367,8 @@ def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str
         c.fail(f"{field}.index", f"{u['index']!r} must equal its position {i}")
     if kind not in u:
         c.fail(f"{field}.{kind}", f"missing (the fields of a {kind} unit)")
-    check_typed(c, u[kind], UNIT_FIELDS[kind], f"{field}.{kind}")
+    if not isinstance(u[kind], dict):
+        c.fail(f"{field}.{kind}", f"{show(u[kind])} is not an object")
     # Every arm has a store in every unit; the twin's gate replicate (measured only where the gate
     # rule needs it) may add one more.
     if not set(names) <= set(u["stores"]) <= set(names) | {GATE_REPLICATE}:
@@ -391,9 +378,9 @@ def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str
             c.fail(f"{field}.stores.{arm}.sha256", "missing (the store is recorded done)")
 
 
-def validate_summary(path: Path, summary: dict) -> Summary | TrainSummary:
-    """summary.json against its kind's type (a training run's says `"measure": "train"`)."""
-    schema = TrainSummary if isinstance(summary, dict) and summary.get("measure") == "train" else Summary
+def validate_summary(path: Path, summary: dict, schema: type = SharedSummary) -> dict:
+    """summary.json against its kind's type (the kind's `summary_type`; SharedSummary where the reader
+    looked no kind up)."""
     if isinstance(summary, dict) and "valid" in summary and "checks_passed" not in summary:
         raise StoreError(path, "written by an older twinrun (its field `valid` is now `checks_passed`): "
                          "reduce the run again, `python -m twinrun.reduce RUN_DIR`")

@@ -105,8 +105,6 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     check_override(cfg, intervention)
     check_training_intervention(intervention)
     (train_x, train_ids), (held_x, held_ids) = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
-    validate_arm_settings(arm_train({"train": OmegaConf.to_container(t, resolve=True)}, intervention),
-                           train_x.shape[0])
     if t.batch_size * t.accumulate > train_x.shape[0]:
         raise ConfigError("train.batch_size", t.batch_size, f"the training split has only {train_x.shape[0]} "
                           f"images (a step draws its batch x train.accumulate={t.accumulate} without "
@@ -114,6 +112,9 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if t.heldout_images > held_x.shape[0]:
         raise ConfigError("train.heldout_images", t.heldout_images, f"the held-out split has only "
                           f"{held_x.shape[0]} images; use at most that")
+    # The intervention arm's own settings (an override's), after the twin's: a twin's error names its key.
+    validate_arm_settings(arm_train({"train": OmegaConf.to_container(t, resolve=True)}, intervention),
+                          train_x.shape[0])
     for what, ids in (("training", train_ids), ("held-out", held_ids)):
         if len(set(ids)) != len(ids):
             raise ConfigError("data._target_", cfg.data.get("_target_"), f"the {what} ids repeat: an id keys "

@@ -4,6 +4,10 @@
     python benchmarks/bench_train.py --steps 80 --reps 5   # longer runs, more repetitions
     python benchmarks/bench_train.py --smoke               # every section on a tiny run, in seconds
 
+Each section also runs with what a real loop has (a warmup+cosine schedule, clipping by norm, two
+micro-batches accumulated, bf16 autocast) on both sides, and with the arms not training parked
+(train.offload=disk: one arm's memory at a time), side by side with the plain run.
+
 Per step: one arm's optimizer step inside twinrun (the keyed samples and noise gathered, the step's
 own dropout seed, the loss per sample, the weights' digests) against a plain step of the same model
 and batch the way `python -m twinrun.train` trains (torch.randint / torch.randn from a generator).
@@ -33,12 +37,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from twinrun.app import CONF_DIR
-from twinrun.config import register_configs
+from twinrun.config import TrainConfig, register_configs
 from twinrun.data import load_train_and_heldout
 from twinrun.interventions import Native
 from twinrun.job import run_job
+from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
 from twinrun.measures.train import seed_generators
+from twinrun.measures.train_state import ArmState
 from twinrun.measures.train_streams import draw_segment, dropout_seed
 from twinrun.model import DEFAULT_ARCH, DiTDenoiser, load_pretrained
 from twinrun.plan import plan_run, trusted_targets
@@ -88,6 +94,11 @@ def config(a, run_overrides=()):
 # ----------------------------------------------------------------------------- the two sides
 
 
+# What a real loop has, on both sides of the loop sections.
+LOOP = {"schedule": {"_target_": "twinrun.measures.train_loop.warmup_cosine", "warmup_steps": 4,
+                     "total_steps": 400}, "clip_norm": 1.0, "accumulate": 2, "amp": "bf16"}
+
+
 def plain_run(a, data, model=None) -> float:
     """Plain training outside twinrun: `steps` steps, the held-out loss at every segment end. Seconds."""
     (train_x, _), (held_x, _) = data
@@ -119,26 +130,39 @@ def twin_run(a, root: Path, overrides=()) -> float:
     return time.perf_counter() - t0
 
 
-def step_pair(a, data, n_steps: int) -> tuple[float, float]:
-    """(plain, twinrun) seconds per step over n_steps each, on two copies of one model."""
+def step_pair(a, data, n_steps: int, settings: dict | None = None) -> tuple[float, float]:
+    """(plain, twinrun) seconds per step over n_steps each, on two copies of one model; `settings`: the
+    loop's (schedule, clipping, accumulation, AMP) on both sides."""
     (train_x, train_ids), _ = data
     plain, mine = model_for(None, None), model_for(None, None)
     opt_plain, opt_mine = optimizer(plain), optimizer(mine)
+    t = TrainConfig(batch_size=a.batch, **(settings or {}))
+    sched_plain = loop.build_schedule(t.schedule, opt_plain)
+    arm = ArmState(mine, opt_mine, Native(), 0, t, loop.build_schedule(t.schedule, opt_mine), None,
+                   loop.twinrun_step)
     batches, noise = stream_generator(0, "train_batches"), stream_generator(0, "train_noise")
-    seg = draw_segment(0, list(range(1, n_steps + 1)), train_ids, a.batch, tuple(train_x.shape[1:]))
+    n = loop.step_samples(t)
+    seg = draw_segment(0, list(range(1, n_steps + 1)), train_ids, n, tuple(train_x.shape[1:]))
+    ids = [[train_ids[p] for p in row] for row in seg.positions.tolist()]
     t0 = time.perf_counter()
-    for _ in range(n_steps):
-        batch = train_x[torch.randint(len(train_x), (a.batch,), generator=batches)]
-        loss = edm_loss(plain, batch, noise)
+    for _ in range(n_steps):  # a plain loop with the same settings
         opt_plain.zero_grad(set_to_none=True)
-        loss.backward()
+        for _ in range(t.accumulate):
+            batch = train_x[torch.randint(len(train_x), (a.batch,), generator=batches)]
+            with loop.autocast(t, batch.device):
+                loss = edm_loss(plain, batch, noise) / t.accumulate
+            loss.backward()
+        if t.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), t.clip_norm)
         opt_plain.step()
+        if sched_plain is not None:
+            sched_plain.step()
     t1 = time.perf_counter()
     for k, step in enumerate(seg.steps):  # what TrainSession._train does for one arm's step
         x, sigma = train_x[seg.positions[k]], ts.sigma_of(seg.normal[k])
         with torch.random.fork_rng(devices=[]):
             seed_generators(dropout_seed(0, step), [])
-            ts.train_step(mine, opt_mine, Native(), x, sigma, seg.eps[k], a.batch)
+            loop.loop_step(arm, arm.step_fn, x, ids[k], sigma, seg.eps[k], 0, step)
         ts.weight_digests(mine)
     t2 = time.perf_counter()
     return (t1 - t0) / n_steps, (t2 - t1) / n_steps
@@ -147,20 +171,20 @@ def step_pair(a, data, n_steps: int) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- sections
 
 
-def per_step(a, data) -> dict:
-    step_pair(a, data, 2)  # warm-up: first calls allocate
-    pairs = [step_pair(a, data, a.segment) for _ in range(a.reps)]
+def per_step(a, data, settings=None) -> dict:
+    step_pair(a, data, 2, settings)  # warm-up: first calls allocate
+    pairs = [step_pair(a, data, a.segment, settings) for _ in range(a.reps)]
     return {"plain_ms": 1e3 * med(p for p, _ in pairs), "twinrun_ms": 1e3 * med(m for _, m in pairs),
             "ratio": med(m / p for p, m in pairs)}
 
 
-def whole_run(a, data) -> dict:
+def whole_run(a, data, overrides=()) -> dict:
     with tempfile.TemporaryDirectory() as root:
         if not a.smoke:
-            twin_run(a, Path(root))  # warm-up: imports, the data's first read, determinism switched on
+            twin_run(a, Path(root), overrides)  # warm-up: imports, the data's first read, determinism on
         plain, twin = [], []
         for _ in range(a.reps):
-            twin.append(twin_run(a, Path(root)))
+            twin.append(twin_run(a, Path(root), overrides))
             plain.append(plain_run(a, data))
     ratios = [t / p for t, p in zip(twin, plain, strict=True)]
     return {"plain_s": med(plain), "twin_s": med(twin), "ratio": med(ratios),
@@ -170,7 +194,7 @@ def whole_run(a, data) -> dict:
 def memory(a) -> dict:
     """Peak RSS growth of a plain run and of a twin run, each in a fresh process, same imports."""
     out = {}
-    for side in ("plain", "twin"):
+    for side in ("plain", "twin", "offload"):
         proc = subprocess.run([sys.executable, __file__, "--memory-side", side, *memory_args(a)],
                               capture_output=True, text=True, check=True, env={**os.environ})
         out[side] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -179,6 +203,7 @@ def memory(a) -> dict:
     out["param_bytes"] = p_bytes
     out["per_arm_allowed_bytes"] = 3 * p_bytes  # one model and AdamW's two moments
     out["growth_bytes"] = out["twin"]["growth"] - out["plain"]["growth"]
+    out["offload_peak_ratio"] = out["offload"]["peak"] / out["plain"]["peak"]
     return out
 
 
@@ -197,7 +222,7 @@ def memory_side(a, side: str) -> None:
         plain_run(a, data)
     else:
         with tempfile.TemporaryDirectory() as root:
-            twin_run(a, Path(root))
+            twin_run(a, Path(root), ["train.offload=disk"] if side == "offload" else [])
     print(json.dumps({"base": base, "peak": peak_rss_bytes(), "growth": peak_rss_bytes() - base}))
 
 
@@ -213,7 +238,7 @@ def main(argv=None) -> None:
     p.add_argument("--mem-width", type=int, default=256)
     p.add_argument("--mem-depth", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="every section on a tiny run (seconds)")
-    p.add_argument("--memory-side", choices=("plain", "twin"), help=argparse.SUPPRESS)
+    p.add_argument("--memory-side", choices=("plain", "twin", "offload"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.width = a.depth = None
     if a.smoke:
@@ -231,16 +256,27 @@ def main(argv=None) -> None:
     s = per_step(a, data)
     print(f"per step: plain {s['plain_ms']:.2f} ms, one twinrun arm {s['twinrun_ms']:.2f} ms: "
           f"{s['ratio']:.3f}x (target ≤ 1.05)")
+    loop_settings = {**LOOP, "schedule": {**LOOP["schedule"], "total_steps": a.steps}}
+    s = per_step(a, data, loop_settings)
+    print(f"per step with schedule, clipping, accumulation (2) and bf16 autocast: plain {s['plain_ms']:.2f} "
+          f"ms, one twinrun arm {s['twinrun_ms']:.2f} ms: {s['ratio']:.3f}x (target ≤ 1.05)")
     w = whole_run(a, data)
     print(f"whole run: one plain run {w['plain_s']:.2f} s, the twin run with its four companion arms "
           f"{w['twin_s']:.2f} s: {w['ratio']:.2f}x (target ≤ 5.3); per arm and step, amortised: "
           f"{w['per_arm_step_ratio']:.3f}x")
+    w = whole_run(a, data, ["train.offload=disk"])
+    print(f"whole run offloaded (train.offload=disk): one plain run {w['plain_s']:.2f} s, the twin run "
+          f"{w['twin_s']:.2f} s: {w['ratio']:.2f}x (target ≤ 5.5)")
     m = memory(a)
     print(f"memory (DiT width {a.mem_width}, depth {a.mem_depth}: {m['param_bytes'] / 1e6:.1f} MB of "
           f"weights): peak RSS growth plain {m['plain']['growth'] / 1e6:.1f} MB, twin "
           f"{m['twin']['growth'] / 1e6:.1f} MB; "
           f"the twin run holds {ARMS} arms at once: {m['growth_bytes'] / 1e6:.1f} MB more than plain, "
           f"allowed {ARMS} x (weights + AdamW state) = {ARMS * m['per_arm_allowed_bytes'] / 1e6:.1f} MB")
+    print(f"memory offloaded (train.offload=disk): peak RSS {m['offload']['peak'] / 1e6:.1f} MB against a "
+          f"plain run's {m['plain']['peak'] / 1e6:.1f} MB: {m['offload_peak_ratio']:.2f}x (target ≤ 1.3); "
+          f"growth above imports and data {m['offload']['growth'] / 1e6:.1f} MB against plain's "
+          f"{m['plain']['growth'] / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ from omegaconf.errors import ConfigAttributeError
 from twinrun.app import CONF_DIR
 from twinrun.arms import derive_arms
 from twinrun.config import build
+from twinrun.measures.train_override import check_override
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
+# What an experiment needs on the command line (an override's keys have no default).
+GIVEN = {"train_override": ["intervention.set={train.optimizer.weight_decay: 0.1}"]}
 
 
 def test_there_are_experiments():
@@ -20,10 +23,14 @@ def test_there_are_experiments():
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_composes_and_builds(compose_cfg, name):
-    cfg = compose_cfg([f"+experiment={name}"])
+    cfg = compose_cfg([f"+experiment={name}", *GIVEN.get(name, [])])
     intervention = build(OmegaConf.to_container(cfg.intervention, resolve=True), "intervention")
     grid = list(cfg.sigma_grid.sigmas)
-    intervention.check(grid)
+    if cfg.measure == "train":  # a training intervention's checks (an override learns the twin's values)
+        intervention.check_train()
+        check_override(cfg, intervention)
+    else:
+        intervention.check(grid)
     noop = intervention.noop()
     assert intervention.gate_sigmas(grid) or noop is not None, ("every experiment needs a gate bin "
                                                                 "or a no-op setting")

@@ -140,7 +140,11 @@ def test_train_params_freeze_every_other_parameter_and_a_step_leaves_them_bit_id
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     gen = torch.Generator().manual_seed(0)
     x, normal = torch.rand(4, 1, 8, 8, generator=gen) * 2 - 1, torch.randn(4, generator=gen)
-    ts.train_step(model, optimizer, Native(), x, ts.sigma_of(normal), torch.randn(x.shape, generator=gen), 4)
+    sigma = ts.sigma_of(normal)
+    optimizer.zero_grad(set_to_none=True)
+    eps = torch.randn(x.shape, generator=gen)
+    ts.per_sample_loss(model, x, sigma, eps, Native().sigma_cond(sigma)).mean().backward()
+    optimizer.step()
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) != (n in trained), n
 

@@ -241,7 +241,7 @@ def test_optimizer_state_round_trips_through_a_store_bit_for_bit(optimizer):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
         node = {"_target_": optimizer, "lr": 0.1, **({"momentum": 0.9} if optimizer.endswith("SGD") else {})}
-        return model, train_kind.build_optimizer(node, model, train_kind.Intervention())
+        return model, train_state.build_optimizer(node, model, train_kind.Intervention())
 
     def step(model, opt):
         opt.zero_grad()
@@ -497,10 +497,10 @@ def test_running_out_of_memory_while_training_is_the_devices_not_the_models(tmp_
     # It was recorded as the model's exception (exit 4, "resume after fixing it"), not as exit 6.
     real = train_kind.TrainSession._train
 
-    def out_of_memory_in_the_second_segment(self, s, seg):
+    def out_of_memory_in_the_second_segment(self, s, seg, *rest):
         if seg.steps and seg.steps[0] > 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
-        return real(self, s, seg)
+        return real(self, s, seg, *rest)
 
     monkeypatch.setattr(train_kind.TrainSession, "_train", out_of_memory_in_the_second_segment)
     cfg, run_dir = tiny_cfg(), tmp_path / "run"

@@ -161,6 +161,23 @@ class TrainConfig:
     # perturbations measured on this model).
     floor_margin: float = 10.0
     device: str = "auto"  # auto | cpu | cuda[:N], as probe.device
+    # What a real loop has (twinrun/measures/train_loop.py; docs/training.md), each the arm's own setting
+    # (an override may set it). The learning-rate schedule: config group train/schedule (constant: none;
+    # warmup_cosine, linear, or any torch.optim.lr_scheduler class by _target_), stepped after every
+    # optimizer step. Typed Any for the reason `optimizer` is.
+    schedule: Any = None
+    clip_norm: float | None = None  # clip the gradients' total 2-norm to this before each update (null: none)
+    # Micro-batches of `batch_size` per optimizer step, their gradients summed (one update over
+    # batch_size x accumulate samples, each its own forward: batch statistics are a micro-batch's).
+    accumulate: int = 1
+    amp: str | None = None  # null (float32) | bf16: the forward under autocast (CPU too); in the kernel path
+    ema: float | None = None  # decay of an EMA of the weights, stored beside them (null: none)
+    # Your own step (train.step._target_: a function of (model, batch, noise, step) returning the
+    # per-sample losses); null = twinrun's objective (twinrun/measures/train_step.py).
+    step: Any = None
+    # Where the arms not being trained wait (twinrun/measures/train_offload.py): none (every arm resident on
+    # the device), cpu (host memory), disk (a file each): one arm's memory on the device.
+    offload: str = "none"
 
 
 @dataclass

@@ -167,7 +167,7 @@ class ConfigError(TwinrunError):
 
     def __init__(self, key: str, value, fix: str):
         super().__init__(f"{key}={value!r}: {fix}")
-        self.key, self.value = key, value
+        self.key, self.value, self.fix = key, value, fix
 
 
 class DeterminismError(ConfigError):

@@ -10,6 +10,7 @@ It may act at these places, each optional (the base class's defaults do nothing)
 and, in a training run (measure=train), also at
   train_lr(lr)         the learning rate its arm trains with,
   loss_weight(sigma, sigma_data)   a per-sample weight on the training loss (None: none),
+  train_settings(train)   the arm's training settings (its `train` node) as it trains (override),
 and it declares how it can be checked against its twin:
   gate_sigmas(grid)    the bins where it is a no-op: there it must be bit-identical to its twin,
   noop()               its no-op setting (overrides of its own config keys), or None: twinrun runs
@@ -21,15 +22,17 @@ and it declares how it can be checked against its twin:
 An intervention with neither a gate bin nor a no-op setting proves nothing and is refused.
 """
 
+import copy
 import dataclasses
 import difflib
 import math
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from twinrun.errors import ConfigError
 
@@ -67,6 +70,9 @@ class Intervention:
 
     def check_train(self) -> None:
         pass
+
+    def train_settings(self, train: dict) -> dict:
+        return train
 
 
 @dataclass
@@ -284,6 +290,49 @@ class WeightSigma(Intervention):
         self.check([])
 
 
+def set_dotted(tree: dict, key: str, value) -> dict:
+    """A copy of a nested dict with the dotted `key` set to `value` (a whole node replaced, never merged)."""
+    head, _, rest = key.partition(".")
+    out = dict(tree)
+    out[head] = set_dotted(tree.get(head) or {}, rest, value) if rest else copy.deepcopy(value)
+    return out
+
+
+@dataclass
+class Override(Intervention):
+    """Train with any training keys set to other values: `set` maps dotted keys under `train.` to values
+    (e.g. {train.optimizer.weight_decay: 0.1}, {train.batch_size: 128}, a whole {train.optimizer: {...}}).
+    Its twin is the run without it; its machinery arm runs this same code with the twin's own values,
+    which must be bit-identical to the twin at every step. Which keys it may set is the training kind's
+    to judge (twinrun/measures/train_override.py), which also hands it the twin's values (`bind`)."""
+
+    # {dotted training key: value}; a node value replaces the twin's node whole (never merged into it).
+    set: Any = None
+    name: ClassVar[str] = "override"
+
+    def __post_init__(self):
+        if isinstance(self.set, DictConfig):  # Hydra's instantiate hands a nested node over as a DictConfig
+            self.set = OmegaConf.to_container(self.set, resolve=True)
+        self._twin_values: dict | None = None
+
+    def bind(self, twin_values: dict) -> None:
+        """The twin's value of every key it sets: its no-op setting."""
+        self._twin_values = dict(twin_values)
+
+    def noop(self) -> dict | None:
+        return None if self._twin_values is None else {"set": dict(self._twin_values)}
+
+    def train_settings(self, train: dict) -> dict:
+        out = {"train": train}
+        for key, value in (self.set or {}).items():
+            out = set_dotted(out, key, value)
+        return out["train"]
+
+    def check(self, grid: list[float]) -> None:
+        raise ConfigError("intervention.set", self.set, "an override sets training keys: it is a training "
+                          "intervention (measure=train, e.g. +experiment=train_override)")
+
+
 class attached:
     """`with attached(intervention, model):` its hooks are on the model inside the block only."""
 
@@ -301,7 +350,7 @@ class attached:
 
 # The built-in interventions, each registered as its own schema under schema/intervention/<name>.
 INTERVENTIONS: tuple[type[Intervention], ...] = (Native, PinSigma, ScaleCond, ScaleModule, ScaleInput,
-                                                 ScaleLR, WeightSigma)
+                                                 ScaleLR, WeightSigma, Override)
 
 
 def target(cls: type) -> str:

@@ -50,7 +50,8 @@ from twinrun.storage.store import verify_store
 # torch.optim's classes take parameters and numbers only: the built-in training experiment's AdamW.
 # twinrun.models: the adapters of diffusers' networks twinrun ships.
 BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions", "twinrun.objectives",
-                   "twinrun.caches", "torch.optim", "twinrun.models.sd3", "twinrun.models.pixart")
+                   "twinrun.caches", "torch.optim", "torch.optim.lr_scheduler", "twinrun.measures.train_loop",
+                   "twinrun.models.sd3", "twinrun.models.pixart")
 
 
 # ----------------------------------------------------------------------------- validation

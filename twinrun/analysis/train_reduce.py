@@ -142,13 +142,16 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
             if chaos is not None:
                 moved = {n: int((w != weights[chaos][n]).sum()) for n, w in start.items()}
                 moved = {n: k for n, k in moved.items() if k}
+        emas = {arm: _weights(s, "ema/") for arm, s in stores.items()}
         for arm in (a for a in weights if a != TWIN):
             for name, selected in sel.items():
                 found[u["index"], arm, name] = pair_stats(weights[arm], weights[TWIN], start, selected)
+            if emas[TWIN] and emas[arm]:  # train.ema: the averaged weights, read as their own estimand
+                found[u["index"], arm, EMA] = pair_stats(emas[arm], emas[TWIN], start, sorted(emas[TWIN]))
         records.append({arm: {**s.meta, "digests": s.digests, "path": str(s.path)}
                         for arm, s in stores.items()})
-        losses.append({arm: {k: s.tensors[k] for k in ("train_loss", "heldout_loss")}
-                       for arm, s in stores.items()})
+        losses.append({arm: {k: s.tensors[k] for k in ("train_loss", "heldout_loss", "train_loss_common")
+                             if k in s.tensors} for arm, s in stores.items()})
     run = Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved, by_role)
     return run, records, found, losses
 
@@ -296,10 +299,15 @@ def loss_rows(run: Run, records: list[dict], losses: list[dict], alpha: float) -
         t_crit = float(stats.t.ppf(1 - alpha / 2, n - 1)) if n > 1 else math.nan
         for arm, t in tensors.items():
             held, train = t["heldout_loss"], t["train_loss"]
+            # Every arm's training loss under one objective, the twin's unweighted (a store written
+            # before it was recorded: the arm's own), beside the arm's own objective, labelled so.
+            common = t.get("train_loss_common", train)
             diff, se = paired(held, twin)
             rows.append({"step": per[arm]["to_step"], "arm": arm, "role": _role(run, arm),
-                         "train_loss": float(train.double().mean()) if train.numel() else None,
-                         "train_loss_steps": [float(x) for x in train],
+                         "train_loss": float(common.double().mean()) if common.numel() else None,
+                         "train_loss_steps": [float(x) for x in common],
+                         "train_loss_own": float(train.double().mean()) if train.numel() else None,
+                         "train_loss_own_steps": [float(x) for x in train],
                          "heldout_loss": float(held.double().mean()),
                          "heldout_se": float(held.double().std() / math.sqrt(n)) if n > 1 else math.nan,
                          "heldout_diff": diff, "heldout_diff_se": se,
@@ -396,7 +404,47 @@ def analyse(run: Run, records: list[dict], losses: list[dict], found: dict, used
         "checks": checks, "gates": gates, "replicate": replicate_report(run, records, found),
         "first_differing": firsts, "floor": floor if ok else [], "effects": effects if ok else [],
         "losses": loss_rows(run, records, losses, used["signal_alpha"]) if ok else []}
+    if summary["losses"]:
+        summary["verdict"] += loss_sentence(summary["losses"])
+    if ok and any(k[2] == EMA for k in found):
+        summary["ema"] = ema_rows(run, records, found)
     return summary
+
+
+EMA = "ema/all"  # the estimand of the EMA weights (train.ema), beside the registered ones
+
+
+def ema_rows(run: Run, records: list[dict], found: dict) -> list[dict]:
+    """Per stored step: the intervention's EMA weights against the twin's EMA (start: the start weights),
+    the chaos arm's the floor, as the registered estimands' effect rows read the weights."""
+    inter, chaos = run.roles["intervention"], run.roles.get("chaos")
+    rows = []
+    for i, per in enumerate(records[1:], start=1):
+        e, c = found.get((i, inter, EMA)), found.get((i, chaos, EMA)) if chaos else None
+        if e is None:
+            continue
+        floor = None if c is None else c["distance"]
+        rows.append({"step": per[TWIN]["to_step"], "estimand": EMA, "distance": e["distance"],
+                     "floor": floor, "floor_ratio": _ratio(e["distance"], floor), "cos": e["cos"],
+                     "norm_ratio": e["norm_ratio"],
+                     "above_floor": bool(e["distance"] is not None and floor is not None
+                                         and e["distance"] > run.margin * floor)})
+    return rows
+
+
+def loss_sentence(rows: list[dict]) -> str:
+    """The verdict's reading of the losses at the last stored step, like with like: the intervention's
+    training loss under the twin's objective (unweighted) against the twin's, and the held-out difference."""
+    last = max(r["step"] for r in rows)
+    at = {r["role"]: r for r in rows if r["step"] == last}
+    mine, twin = at.get("intervention"), at.get("twin")
+    if mine is None or twin is None or mine["train_loss"] is None or twin["train_loss"] is None:
+        return ""
+    own = ("" if mine.get("train_loss_own") in (None, mine["train_loss"]) else
+           f" (under its own objective {mine['train_loss_own']:.4g})")
+    return (f"; losses at step {last}, under the twin's objective: training {mine['train_loss']:.4g} against "
+            f"the twin's {twin['train_loss']:.4g}{own}, held-out {mine['heldout_diff']:+.2e} ± "
+            f"{mine['heldout_diff_se']:.1e} from the twin's")
 
 
 def refuse_derived(names, key: str = "reduce.estimands") -> None:
@@ -478,5 +526,5 @@ def compare_stores(a: dict[int, TrainStore], b: dict[int, TrainStore]) -> list[d
     return rows
 
 
-def _weights(store: TrainStore) -> dict[str, torch.Tensor]:
-    return {k.removeprefix("weight/"): v for k, v in store.tensors.items() if k.startswith("weight/")}
+def _weights(store: TrainStore, prefix: str = "weight/") -> dict[str, torch.Tensor]:
+    return {k.removeprefix(prefix): v for k, v in store.tensors.items() if k.startswith(prefix)}

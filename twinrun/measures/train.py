@@ -28,18 +28,22 @@ from twinrun.config import TrainConfig, build, objective_of, typed
 from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
+from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
 from twinrun.measures.failures import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.measures.kind import Measure, Plan, parse_device
+from twinrun.measures.train_offload import OFFLOADS, Parking, layout_line
+from twinrun.measures.train_override import arm_train, check_override, validate_arm_settings
 from twinrun.measures.train_state import (
     ArmState,
-    build_optimizer,
+    build_arm,
     build_start,
     check_chaos,
     model_names,
     optimizer_record,
     perturb,
     restore_optimizer,
+    validate_optimizer,
     weight_layout,
 )
 from twinrun.measures.train_streams import Segment, draw_segment, dropout_seed, heldout_draws
@@ -54,7 +58,7 @@ from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store, wr
 TRAIN_PROTOCOL_KEYS = ("data", "seed", "train.steps", "train.segment_steps", "train.batch_size",
                        "train.heldout_images")
 # Where an intervention can act in training; one that overrides none of these acts nowhere.
-TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight")
+TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight", "train_settings")
 
 
 def store_name(unit_index: int, to_step: int) -> str:
@@ -89,21 +93,30 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
         raise ConfigError("train.chaos.ulps", t.chaos.ulps, "must be a nonzero number of ulps (the chaos arm "
                           "would be the twin); 1 is the default")
     optimizer = OmegaConf.to_container(t.optimizer, resolve=True) if t.optimizer is not None else None
-    _validate_optimizer(optimizer)
+    validate_optimizer(optimizer)
+    loop.check_loop(t)
+    if t.offload not in OFFLOADS:
+        raise ConfigError("train.offload", t.offload, f"must be one of {', '.join(OFFLOADS)} "
+                          "(docs/training.md)")
     _validate_device(t.device)
     if cfg.reference is not None:
         raise ConfigError("reference", cfg.reference, "a training run takes no reference: compare two "
                           "training runs with `python -m twinrun.compare RUN_A RUN_B`")
     refuse_derived(cfg.reduce.estimands)
+    check_override(cfg, intervention)
     check_training_intervention(intervention)
     train, held = split_data(build(OmegaConf.to_container(cfg.data, resolve=True), "data"))
     (train_x, train_ids, train_cond), (held_x, held_ids, held_cond) = train, held
-    if t.batch_size > train_x.shape[0]:
+    if t.batch_size * t.accumulate > train_x.shape[0]:
         raise ConfigError("train.batch_size", t.batch_size, f"the training split has only {train_x.shape[0]} "
-                          "images (a step draws without replacement); use at most that")
+                          f"images (a step draws its batch x train.accumulate={t.accumulate} without "
+                          "replacement); use at most that")
     if t.heldout_images > held_x.shape[0]:
         raise ConfigError("train.heldout_images", t.heldout_images, f"the held-out split has only "
                           f"{held_x.shape[0]} images; use at most that")
+    # The intervention arm's own settings (an override's), after the twin's: a twin's error names its key.
+    validate_arm_settings(arm_train({"train": OmegaConf.to_container(t, resolve=True)}, intervention),
+                          train_x.shape[0])
     for what, ids in (("training", train_ids), ("held-out", held_ids)):
         if len(set(ids)) != len(ids):
             raise ConfigError("data._target_", cfg.data.get("_target_"), f"the {what} ids repeat: an id keys "
@@ -124,16 +137,6 @@ def split_data(data) -> tuple[tuple, tuple]:
         raise ConfigError("data._target_", sorted(set(out[0][2]) ^ set(out[1][2])), "the training and "
                           "held-out splits must carry the same conditioning entries")
     return out
-
-
-def _validate_optimizer(node) -> None:
-    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
-        raise ConfigError("train.optimizer", node, "must be a Hydra node with a _target_ (an optimizer class "
-                          "taking the parameters as `params`), e.g. {_target_: torch.optim.AdamW, lr: 1e-3}")
-    lr = node.get("lr")
-    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ConfigError("train.optimizer.lr", lr, "must be a positive number (the learning rate), "
-                          "e.g. 1e-3")
 
 
 def _validate_device(name: str) -> None:
@@ -209,14 +212,17 @@ def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple,
             continue
         tried.add(code)
         intervention = build(arm.config["intervention"], "intervention")
-        model = copy.deepcopy(start)
-        optimizer = build_optimizer(arm.config["train"]["optimizer"], model, intervention)
+        s = build_arm(start, arm_train(arm.config, intervention), intervention)
+        s.t.batch_size, s.t.accumulate, s.t.chunk_samples = 2, 1, -1
+        twin_step = arms[1].config["train"].get("step")  # the common objective's
+        optimizer = s.optimizer
         try:
-            with attached(intervention, model):
-                level = (objective or objectives.EDM()).train_level(model, normal)
-                ts.train_step(model, optimizer, intervention, x, level, eps, 2, objective,
-                              conditioning.take(train_cond, slice(0, 2)))
-            ts.heldout_losses(model, intervention, held_x[:2], normal, eps, 2, objective,
+            with attached(intervention, s.model):
+                level = (objective or objectives.EDM()).train_level(s.model, normal)
+                loop.loop_step(s, s.step_fn, x, [0, 1], level, eps, 0, 1,
+                               None if s.t.step == twin_step else loop.build_step(twin_step),
+                               conditioning.take(train_cond, slice(0, 2)), objective)
+            ts.heldout_losses(s.model, intervention, held_x[:2], normal, eps, 2, objective,
                               conditioning.take(held_cond, slice(0, 2)))
         except TwinrunError:
             raise
@@ -242,10 +248,11 @@ def check_sizes(t: TrainConfig, model: torch.nn.Module, state_bytes: int, n_arms
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    held = n_arms * (2 * weights + state_bytes)  # each arm's weights, gradients and optimizer state
+    arm_bytes = 2 * weights + state_bytes  # one arm's weights, gradients and optimizer state
+    held = n_arms * arm_bytes if t.offload != "disk" else arm_bytes  # in host memory at once
     print(f"twinrun: the stores will take about {store_bytes / 1e6:,.1f} MB ({n_arms} arms x {n_units} units "
-          f"of {per_store / 1e6:,.2f} MB); the job holds all {n_arms} arms' models and optimizer states at "
-          f"once ({held / 1e6:,.1f} MB); {free / 1e9:,.1f} GB free at {where}", flush=True)
+          f"of {per_store / 1e6:,.2f} MB); {layout_line(t.offload, n_arms, arm_bytes)}; "
+          f"{free / 1e9:,.1f} GB free at {where}", flush=True)
     if held > memory_bytes() // 2:
         raise ConfigError("train.optimizer", t.optimizer.get("_target_"), f"{n_arms} arms' models and "
                           f"optimizer states ({held / 2**30:.1f} GiB) would take over half this machine's "
@@ -301,7 +308,12 @@ class TrainSession:
         # Never trained: the sentinel reads the same model at the start and the end of every job.
         self.sentinel_model = copy.deepcopy(start)
         self.layout = weight_layout(start)
-        self.arms = {a.name: self._arm(start, a) for a in arms}
+        # train.offload: every arm parked as soon as it is built; only the arm training is resident.
+        self.parking = Parking(self.t.offload, device)
+        self.arms = {}
+        for a in arms:
+            self.arms[a.name] = self._arm(start, a)
+            self.parking.park(self.arms[a.name])
         self.rng_devices = [device.index or 0] if device.type == "cuda" else []
         self.segment: Segment | None = None
 
@@ -311,12 +323,13 @@ class TrainSession:
             c = arm.config["train"]["chaos"]
             perturb(model, c["param"], c["index"], c["ulps"])
         intervention = build(arm.config["intervention"], "intervention")
-        return ArmState(model, build_optimizer(arm.config["train"]["optimizer"], model, intervention),
-                        intervention, 0)
+        # Its own settings (an override's keys set); the chaos arm's EMA starts at its perturbed weights.
+        return build_arm(model, arm_train(arm.config, intervention), intervention)
 
     def arithmetic(self) -> dict:
         # How a step's batch is cut into forward/backward calls changes the summation order.
-        return {"device": self.device.type, "chunk_samples": self.t.chunk_samples}
+        amp = {"amp": self.t.amp} if self.t.amp is not None else {}  # the forward's dtype (absent: float32)
+        return {"device": self.device.type, "chunk_samples": self.t.chunk_samples, **amp}
 
     def sentinel(self) -> dict:
         return read_sentinel(conditioning.with_first(self.sentinel_model, self.held_cond), self.device,
@@ -329,19 +342,31 @@ class TrainSession:
             if store.meta["arm"] != arm or store.meta["unit_index"] != u["index"]:
                 raise StoreError(path, "belongs to another arm or unit than run.json says")
             s = self.arms[arm]
+            self.parking.unpark(s)
             with torch.no_grad():
                 for name, tensor in s.model.state_dict().items():
                     key = f"weight/{name}" if f"weight/{name}" in store.tensors else f"buffer/{name}"
                     tensor.copy_(store.tensors[key])
             restore_optimizer(s.optimizer, model_names(s.model), store.tensors, store.meta)
+            try:
+                loop.restore_schedule(s.scheduler, s.optimizer, store.meta.get("schedule"))
+                if s.ema is not None:
+                    s.ema.restore(store.tensors)
+            except (KeyError, ValueError, TypeError) as err:
+                raise StoreError(path, f"holds no scheduler or EMA state this arm's settings need "
+                                 f"({type(err).__name__}: {err})") from None
             s.step = u["train"]["to_step"]
+            self.parking.park(s)
         print(f"twinrun: every arm continues from {u['label']}, read back from its stores", flush=True)
 
     def begin_unit(self, u: UnitEntry) -> None:
         # This segment's samples and noise, keyed by (seed, step, sample id): the same for every arm.
         a, b = u["train"]["from_step"], u["train"]["to_step"]
-        seg = draw_segment(self.seed, list(range(a + 1, b + 1)), self.train_ids, self.t.batch_size,
-                           self.shape)
+        # Drawn at the widest batch any arm takes: an arm's batch is a prefix of it, so the j-th sample of
+        # step s and its noise are the same in every arm whatever its batch size (an override's).
+        widest = max(loop.step_samples(s.t) for s in self.arms.values())
+        seg = draw_segment(self.seed, list(range(a + 1, b + 1)), self.train_ids, widest, self.shape)
+        self.segment_ids = [[self.train_ids[p] for p in row] for row in seg.positions.tolist()]
         self.segment = Segment(seg.steps, seg.positions.to(self.device), seg.normal.to(self.device),
                                seg.eps.to(self.device), seg.digest)
 
@@ -353,20 +378,22 @@ class TrainSession:
         except Exception as err:
             if is_out_of_memory(err):
                 raise DeviceMemoryError(f"arm {arm}, {u['label']}: {self.device} ran out of memory "
-                                        f"({first_line(err)}); every arm's model and optimizer state is held "
-                                        "at once: lower train.batch_size or train.chunk_samples (the "
-                                        "activations), or train a smaller model") from err
+                                        f"({first_line(err)}); park the arms not training "
+                                        "(train.offload=cpu or disk), lower train.batch_size or "
+                                        "train.chunk_samples (the activations), or train a smaller "
+                                        "model") from err
             raise
 
     def measure(self, u: UnitEntry, arm: str, stamp: dict) -> tuple[dict, dict]:
         """Train this arm through the segment, then its held-out loss; the store's tensors and metadata."""
         s, seg = self.arms[arm], self.segment
         assert s.step == u["train"]["from_step"], (arm, s.step, u["label"])
+        self.parking.unpark(s)
         with self.memory_named(arm, u):
-            losses, digests = as_model_error(arm, u, self._train, s, seg)
+            (losses, common), digests, global_steps = as_model_error(arm, u, self._train, s, seg, arm)
             held = as_model_error(arm, u, ts.heldout_losses, s.model, s.intervention, self.held_x,
                                   self.held_normal, self.held_eps, self.chunk, self.objective, self.held_cond)
-        check_finite(arm, u, losses, held, s.model, seg.steps)
+        loop.check_finite(arm, u, losses, held, s.model, seg.steps)
         s.step = u["train"]["to_step"]
         state = s.model.state_dict()
         params = model_names(s.model).values()
@@ -375,31 +402,62 @@ class TrainSession:
         tensors = {f"weight/{n}" if n in params else f"buffer/{n}": v.detach().cpu()
                    for n, v in state.items()}
         optim_tensors, optim_meta = optimizer_record(s.optimizer, model_names(s.model))
-        tensors.update(optim_tensors, train_loss=losses, heldout_loss=held)
+        # The arm's own training loss, and the same batches' loss under the twin's objective, unweighted:
+        # what the report compares across arms (an intervention on the loss weight changes the former).
+        tensors.update(optim_tensors, train_loss=losses, heldout_loss=held, train_loss_common=common)
+        if s.ema is not None:
+            tensors.update(s.ema.record())
         meta = {"arm": arm, "unit_index": u["index"], "from_step": u["train"]["from_step"],
                 "to_step": u["train"]["to_step"], "seed": self.seed, "config_hash": stamp["config_hash"],
                 "layout": self.layout, "optimizer": optim_meta, "data_digest": seg.digest,
                 "heldout_digest": self.heldout_digest, "heldout_ids": self.held_ids, "step_digests": digests,
                 "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
+        if s.scheduler is not None:  # (absent without one: a constant-rate store is what it always was)
+            meta["schedule"] = loop.schedule_record(s.scheduler)
+        self.parking.park(s)  # (the store's tensors above are copies or the parked-from memory, kept alive)
+        if global_steps:
+            meta["global_generator_steps"] = global_steps
+            print(f"twinrun: arm {arm}, {u['label']}: the step drew from torch's global generator at step "
+                  f"{global_steps[0]} (train.step._target_={s.t.step.get('_target_')}); it is seeded per "
+                  "arm, so those draws pair with no other arm's and the replicate leaves the twin: draw from "
+                  "the `noise` twinrun hands the step instead (docs/training.md)", flush=True)
         return tensors, meta
 
-    def _train(self, s: ArmState, seg: Segment) -> tuple[torch.Tensor, list[list[str]]]:
-        """The segment's steps for one arm: (its loss at each step, its weights' digests after each)."""
-        losses, digests = [], []
+    def _train(self, s: ArmState, seg: Segment, arm: str) -> tuple[tuple, list[list[str]], list[int]]:
+        """The segment's steps for one arm: ((its own loss at each step, the same under the twin's
+        objective), its weights' digests after each, the steps at which a step of your own drew from
+        torch's global generator)."""
+        losses, commons, digests, global_steps = [], [], [], []
+        batch = loop.step_samples(s.t)
+        own = s.step_fn is not loop.twinrun_step
+        common_fn = None if s.t.step == self.t.step else loop.build_step(self.t.step)
         with attached(s.intervention, s.model):
             for k, step in enumerate(seg.steps):
-                # Step: this step's samples and noise (drawn once for every arm of the segment).
-                x, sigma = self.train_x[seg.positions[k]], self.objective.train_level(s.model, seg.normal[k])
-                cond = conditioning.take(self.train_cond, seg.positions[k])  # each sample's own rows
+                # Step: this step's samples and noise (drawn once for every arm of the segment): the
+                # first `batch` of the segment's, so an arm with a smaller batch takes a prefix; each
+                # sample is fed its own image's conditioning rows.
+                x = self.train_x[seg.positions[k, :batch]]
+                sigma = self.objective.train_level(s.model, seg.normal[k, :batch])
+                cond = conditioning.take(self.train_cond, seg.positions[k, :batch])
+                ids = self.segment_ids[k][:batch]
                 # Step: forward, backward and update, a model's own dropout seeded by (seed, step).
+                # A step of your own finds the global generator seeded per arm: whatever it draws there
+                # pairs with no other arm's, so the replicate catches it (and the store names the step).
                 with torch.random.fork_rng(devices=self.rng_devices):
-                    seed_generators(dropout_seed(self.seed, step), self.rng_devices)
-                    losses.append(ts.train_step(s.model, s.optimizer, s.intervention, x, sigma, seg.eps[k],
-                                                self.chunk, self.objective, cond))
+                    seed_generators(dropout_seed(self.seed, step) ^ (loop.arm_salt(arm) if own else 0),
+                                    self.rng_devices)
+                    before = torch.random.default_generator.get_state() if own else None
+                    loss, common = loop.loop_step(s, s.step_fn, x, ids, sigma, seg.eps[k, :batch], self.seed,
+                                                  step, common_fn, cond, self.objective)
+                    losses.append(loss)
+                    commons.append(common)
+                    if own and not torch.equal(before, torch.random.default_generator.get_state()):
+                        global_steps.append(step)
                 # Step: which bits the weights hold now (the first step an arm leaves the twin's).
                 digests.append(ts.weight_digests(s.model))
         s.optimizer.zero_grad(set_to_none=True)  # only the arm training now holds gradients
-        return (torch.stack(losses).float().cpu() if losses else torch.zeros(0)), digests
+        stacked = [torch.stack(v).float().cpu() if v else torch.zeros(0) for v in (losses, commons)]
+        return tuple(stacked), digests, global_steps
 
 
 def seed_generators(seed: int, cuda_devices: list[int]) -> None:
@@ -408,22 +466,6 @@ def seed_generators(seed: int, cuda_devices: list[int]) -> None:
     torch.random.default_generator.manual_seed(seed)
     for i in cuda_devices:
         torch.cuda.default_generators[i].manual_seed(seed)
-
-
-def check_finite(arm: str, u: UnitEntry, losses: torch.Tensor, held: torch.Tensor, model: torch.nn.Module,
-                 steps: list[int]) -> None:
-    """A NaN or inf loss or weight stops the run there, naming the arm, the step and the segment."""
-    bad = (~torch.isfinite(losses)).nonzero()
-    where = f"arm {arm}, {u['label']}"
-    keep = "earlier segments are kept; lower train.optimizer.lr or check the model, then start a new run"
-    if len(bad):
-        raise ts.NonFiniteLoss(f"{where}: the training loss is NaN or inf at step {steps[int(bad[0])]}; "
-                               f"{keep}")
-    finite = bool(torch.isfinite(held).all()) and all(bool(torch.isfinite(p).all())
-                                                       for p in model.parameters())
-    if not finite:
-        raise ts.NonFiniteLoss(f"{where}: the weights are NaN or inf after step {steps[-1] if steps else 0}; "
-                               f"{keep}")
 
 
 TRAIN = Measure(

@@ -3,20 +3,23 @@ safetensors, never pickle), each arm's optimizer built around its intervention, 
 perturbation, and the weight and optimizer records a segment's store holds and a resume reads back.
 """
 
+import copy
 import difflib
 import fnmatch
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
 from safetensors import SafetensorError, safe_open
 
-from twinrun.config import ChaosConfig, TrainConfig, build
+from twinrun.config import ChaosConfig, TrainConfig, build, typed
 from twinrun.errors import ConfigError
 from twinrun.interventions import Intervention
 from twinrun.measures import fold_sums as fs
+from twinrun.measures import train_loop as loop
 from twinrun.measures.failures import first_line
 
 
@@ -28,6 +31,10 @@ class ArmState:
     optimizer: torch.optim.Optimizer
     intervention: Intervention
     step: int  # the optimizer step its weights are at
+    t: Any = None  # its own training settings (TrainConfig): the twin's, or an override's
+    scheduler: Any = None  # its learning-rate scheduler (None: a constant rate)
+    ema: Any = None  # its EMA of the weights (train_loop.EMA), or None
+    step_fn: Any = None  # its step: twinrun's, or train.step._target_
 
 
 def load_start(model: torch.nn.Module, path: str) -> None:
@@ -68,6 +75,16 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
                           f"{[n for n, _ in model.named_parameters()][:4]}")
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
+
+
+def validate_optimizer(node) -> None:
+    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+        raise ConfigError("train.optimizer", node, "must be a Hydra node with a _target_ (an optimizer class "
+                          "taking the parameters as `params`), e.g. {_target_: torch.optim.AdamW, lr: 1e-3}")
+    lr = node.get("lr")
+    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ConfigError("train.optimizer.lr", lr, "must be a positive number (the learning rate), "
+                          "e.g. 1e-3")
 
 
 def build_optimizer(node: dict, model: torch.nn.Module, intervention: Intervention) -> torch.optim.Optimizer:
@@ -180,3 +197,14 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], t
     for name, values in meta["optimizer"]["scalars"].items():
         state.setdefault(index_of[name], {}).update(values)
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def build_arm(start: torch.nn.Module, train: dict, intervention: Intervention) -> ArmState:
+    """An arm's model (a copy of the start), optimizer, scheduler, EMA and step, from its own training
+    settings `train` (the twin's, or an override's)."""
+    model = copy.deepcopy(start)
+    optimizer = build_optimizer(train["optimizer"], model, intervention)
+    t = typed(TrainConfig, train, "train")
+    return ArmState(model, optimizer, intervention, 0, t, loop.build_schedule(train.get("schedule"),
+                                                                              optimizer),
+                    loop.build_ema(t.ema, model), loop.build_step(train.get("step")))

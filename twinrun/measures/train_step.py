@@ -1,12 +1,12 @@
-"""One arm's training arithmetic: the objective's loss, one optimizer step, the held-out loss, the weights'
-digests.
+"""One arm's training arithmetic: the objective's per-sample loss, the held-out loss, the weights' digests
+(one optimizer step of an arm, with its schedule, clipping, accumulation and autocast, is
+train_loop.loop_step's).
 
 The loss is the run's objective's (twinrun/objectives.py; edm, the default, is the one
 `python -m twinrun.train` trained the committed model with: Karras et al. 2022, Eq. 2 with Table 1's
 λ(σ) and log-normal p(σ)), written per sample so that a batch cut into chunks
 sums the same terms. An arm's intervention acts where it declares (twinrun/interventions.py): the
-σ fed to the conditioning pathway, forward hooks, a per-sample loss weight; its learning rate is
-set once, when its optimizer is built.
+σ fed to the conditioning pathway, forward hooks, a per-sample loss weight, its learning rate.
 """
 
 import hashlib
@@ -43,29 +43,6 @@ def per_sample_loss(model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor
     objective = EDM() if objective is None else objective
     out = model(objective.noisy(model, x, eps, sigma), sigma, sigma_cond, **(cond or {}))
     return objective.per_sample_loss(model, out, x, eps, sigma)
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, intervention: Intervention,
-               x: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor, chunk: int,
-               objective: Objective | None = None, cond: dict | None = None) -> torch.Tensor:
-    """One optimizer step on the batch (x, σ, ε, and each sample's conditioning rows), forward and backward
-    in chunks of ≤ `chunk` samples; the loss is the batch mean of the per-sample losses. Returns it (0-d,
-    detached, on the device)."""
-    batch = x.shape[0]
-    optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), device=x.device)
-    for lo in range(0, batch, chunk):
-        part = slice(lo, lo + chunk)
-        losses = per_sample_loss(model, x[part], sigma[part], eps[part], intervention.sigma_cond(sigma[part]),
-                                 objective, conditioning.take(cond or {}, part))
-        weight = intervention.loss_weight(sigma[part], getattr(model, "sigma_data", 1.0))
-        if weight is not None:
-            losses = losses * weight
-        loss = losses.sum() / batch
-        loss.backward()
-        total += loss.detach()
-    optimizer.step()
-    return total
 
 
 @torch.no_grad()

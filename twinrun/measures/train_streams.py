@@ -114,3 +114,33 @@ def digest(ids: np.ndarray, normal: np.ndarray, eps: np.ndarray) -> str:
     h.update(np.ascontiguousarray(normal, dtype="<f4").tobytes())
     h.update(np.ascontiguousarray(eps, dtype="<f4").tobytes())
     return h.hexdigest()
+
+
+_USER = b"twinrun/train-user/v1"
+
+
+class SampleNoise:
+    """The randomness a step of your own draws from (`train.step._target_`): every draw is keyed by (seed,
+    step, sample id, the draw's number within the step), so sample j's draws are the same in every arm,
+    however the batch is cut into micro-batches and chunks, and after any resume. `normal(*shape)` and
+    `uniform(*shape)` return [B, *shape] float32 on the batch's device, row j from sample j's stream."""
+
+    def __init__(self, seed: int, step: int, ids: list[int], device: torch.device):
+        self.seed, self.step, self.ids, self.device = seed, step, [int(i) for i in ids], device
+        self.calls = 0
+        self.keyed = Keyed()
+
+    def _draw(self, shape: tuple, how: str) -> torch.Tensor:
+        call, self.calls = self.calls, self.calls + 1
+        out = np.empty((len(self.ids), *shape), dtype=np.float32)
+        for j, sample in enumerate(self.ids):
+            gen = self.keyed(_USER, self.seed, self.step, sample, call)
+            out[j] = (gen.standard_normal(shape, dtype=np.float32) if how == "normal"
+                      else gen.random(shape, dtype=np.float32))
+        return torch.from_numpy(out).to(self.device)
+
+    def normal(self, *shape: int) -> torch.Tensor:
+        return self._draw(tuple(shape), "normal")
+
+    def uniform(self, *shape: int) -> torch.Tensor:
+        return self._draw(tuple(shape), "uniform")

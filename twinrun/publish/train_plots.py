@@ -37,6 +37,9 @@ def plot_losses(summary: dict, path: Path) -> Path:
         steps = [s for r in mine for s in range(r["step"] - len(r["train_loss_steps"]) + 1, r["step"] + 1)]
         losses = [x for r in mine for x in r["train_loss_steps"]]
         ax_train.plot(steps, losses, ls, color=color, lw=width, label=label)
+        own = [x for r in mine for x in r.get("train_loss_own_steps", r["train_loss_steps"])]
+        if own != losses:  # an arm trained on another objective (a loss weight, its own step): labelled
+            ax_train.plot(steps, own, ":", color=color, lw=1, label=f"{arm}: its own objective")
         ax_held.plot([r["step"] for r in mine], [r["heldout_loss"] for r in mine], ls, color=color,
                      marker=marker, ms=5, lw=width, label=label)
     inter = [r for r in rows if r["role"] == "intervention"]
@@ -45,7 +48,7 @@ def plot_losses(summary: dict, path: Path) -> Path:
         twin = np.array([r["heldout_loss"] - r["heldout_diff"] for r in inter])
         ax_held.fill_between([r["step"] for r in inter], twin - half, twin + half, color="C3", alpha=0.15,
                              label="twin ± 95% paired interval of the intervention's difference")
-    ax_train.set_ylabel("training loss (each step's batch,\neach arm's own objective)")
+    ax_train.set_ylabel("training loss, the twin's objective\n(each step's batch)")
     ax_held.set_ylabel("held-out loss (same images, same draws)")
     ax_held.set_xlabel("optimizer step")
     ax_train.set_title("loss of every arm")

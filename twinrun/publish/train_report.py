@@ -60,9 +60,10 @@ def effect_lines(summary: dict) -> list[str]:
 
 
 def loss_lines(summary: dict) -> list[str]:
-    rows = [[r["step"], r["arm"], num(r["train_loss"], ".5f"),
+    rows = [[r["step"], r["arm"], num(r["train_loss"], ".5f"), num(r.get("train_loss_own"), ".5f"),
              f"{r['heldout_loss']:.5f} ± {r['heldout_se']:.1e}", _difference(r)] for r in summary["losses"]]
-    return table(["step", "arm", "training loss (segment mean)", "held-out loss ± SE",
+    return table(["step", "arm", "training loss, the twin's objective (segment mean)",
+                  "training loss, the arm's own objective", "held-out loss ± SE",
                   "held-out − twin's ± paired SE (* beyond the t interval)"], rows)
 
 
@@ -128,6 +129,11 @@ def write_train_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
         lines += ["", "## Effects (the intervention against the twin, beside the floor)", ""]
         lines += effect_lines(summary)
         lines += ["", "## Losses", "", f"![loss curves]({LOSS_PNG})", ""] + loss_lines(summary)
+        if summary.get("ema"):  # train.ema: the averaged weights, their own estimand
+            lines += ["", "## The EMA of the weights (train.ema)", ""] + table(
+                ["step", "distance to the twin's EMA", "chaos floor", "× floor"],
+                [[r["step"], num(r["distance"], ".3e"), num(r["floor"], ".3e"), num(r["floor_ratio"], ".3g")]
+                 for r in summary["ema"]])
     lines += _tail(index)
     path = out_dir / REPORT_MD
     atomic_write(path, ("\n".join(lines) + "\n").encode())

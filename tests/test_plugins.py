@@ -51,6 +51,25 @@ def test_a_plugin_intervention_is_selected_by_name_like_a_built_in(tmp_path, ins
     assert "factor: 1.5" in proc.stdout
 
 
+def test_a_plugin_objective_is_selected_by_name_listed_and_built(tmp_path, installed):
+    proc = run_twinrun(["+experiment=pin_sigma", "objective=edm_minsnr", "objective.gamma=2.0",
+                        "probe.device=cpu", "--cfg", "job"], cwd=tmp_path, env=installed)
+    assert proc.returncode == 0, proc.stderr
+    assert "_target_: twinrun_activation.objective.MinSNR" in proc.stdout and "gamma: 2.0" in proc.stdout
+    helped = run_twinrun(["--help"], cwd=tmp_path, env=installed)
+    assert "edm_minsnr" in next(line for line in helped.stdout.splitlines() if line.startswith("objective:"))
+    bare = run_twinrun(["+experiment=pin_sigma", "objective=edm_minsnr", "--cfg", "job"], cwd=tmp_path)
+    assert bare.returncode == 2  # not installed: no such choice (exit 2, as any unknown config choice)
+
+
+def test_a_plugin_objective_that_is_no_dataclass_is_left_out_with_one_warning(monkeypatch, capsys):
+    odd = EntryPoint("odd", "math:pi", plugins.OBJECTIVES_GROUP)
+    monkeypatch.setattr(plugins, "installed", lambda group: {"odd": odd})
+    assert plugins.plugin_objectives({"edm": object}) == {}
+    warned = capsys.readouterr().err.strip()
+    assert warned == "twinrun: warning: plugin objective odd (math:pi) is no dataclass; left out"
+
+
 def test_a_plugin_that_fails_to_load_is_one_line_naming_it(monkeypatch):
     broken = EntryPoint("broken", "no_such_module_anywhere:KIND", plugins.MEASURES_GROUP)
     monkeypatch.setattr(plugins, "installed", lambda group: {"broken": broken})

@@ -21,7 +21,7 @@ from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import INTERVENTIONS, schema
 from twinrun.objectives import EDM, EDM_P_MEAN, EDM_P_STD, OBJECTIVES, Objective
 from twinrun.objectives import schema as objective_schema
-from twinrun.plugins import plugin_interventions
+from twinrun.plugins import plugin_interventions, plugin_objectives
 
 # ----------------------------------------------------------------------------- components built
 # through one level of `_target_` (model, data, intervention): a user's own config may point
@@ -485,6 +485,10 @@ def register_configs() -> None:
     for name, cls in plugin_interventions(INTERVENTIONS).items():
         cs.store(group="schema/intervention", name=name, node=schema(cls))
         cs.store(group="intervention", name=name, node=schema(cls))
+    # ... and objectives (group twinrun.objectives): `objective=NAME`, the schema from the class.
+    for name, cls in plugin_objectives(OBJECTIVES).items():
+        cs.store(group="schema/objective", name=name, node=objective_schema(cls))
+        cs.store(group="objective", name=name, node=objective_schema(cls))
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/train", name="train", node=TrainConfig)

@@ -9,10 +9,13 @@ A package names them in its own pyproject.toml:
     [project.entry-points."twinrun.interventions"]
     my_scale = "my_probes.interventions:MyScale"         # an Intervention dataclass
 
+    [project.entry-points."twinrun.objectives"]
+    edm_minsnr = "my_probes.objectives:MinSNR"           # an Objective dataclass
+
 A measurement kind is loaded only when a config (or a run's run.json) names it. An intervention is
 loaded when twinrun's configs are registered: Hydra composes `intervention=NAME` from its schema,
-which is its class. What a run directory names is never imported without `--trust` beyond this:
-an entry point is code its user installed, as twinrun itself is.
+which is its class; an objective likewise (`objective=NAME`). What a run directory names is never
+imported without `--trust` beyond this: an entry point is code its user installed, as twinrun is.
 """
 
 import dataclasses
@@ -23,7 +26,7 @@ from twinrun.errors import ConfigError
 
 MEASURES_GROUP = "twinrun.measures"
 INTERVENTIONS_GROUP = "twinrun.interventions"
-OBJECTIVES_GROUP = "twinrun.objectives"  # the objectives' registry (twinrun/objectives.py) plugs in here
+OBJECTIVES_GROUP = "twinrun.objectives"
 
 
 def installed(group: str) -> dict[str, EntryPoint]:
@@ -58,17 +61,31 @@ def lookup(group: str, key: str, name: str, builtin: dict):
 def plugin_interventions(builtin) -> dict[str, type]:
     """Every installed plugin intervention class by its entry point name (a built-in name is never
     shadowed); one that fails to load, or is no dataclass, is a one-line warning and left out."""
-    taken = {cls.name for cls in builtin}
+    return _plugin_classes(INTERVENTIONS_GROUP, "intervention", {cls.name for cls in builtin})
+
+
+def plugin_objectives(builtin: dict) -> dict[str, type]:
+    """Every installed plugin objective class (a dataclass subclassing twinrun.objectives.Objective,
+    which config.objective_of holds it to when built) by its entry point name, as for interventions."""
+    return _plugin_classes(OBJECTIVES_GROUP, "objective", set(builtin))
+
+
+def _plugin_classes(group: str, what: str, taken: set[str]) -> dict[str, type]:
+    """The dataclasses `group`'s entry points name, built-in names left out; a plugin that fails to load
+    is a one-line warning, never a traceback (it is foreign code, and --help must still print)."""
     found = {}
-    for name, ep in installed(INTERVENTIONS_GROUP).items():
+    for name, ep in installed(group).items():
         if name in taken:
             continue
         try:
             cls = ep.load()
         except Exception as err:  # noqa: BLE001 — foreign code: its failure is one line, not a traceback
-            print(f"twinrun: warning: plugin intervention {name} ({ep.value}) failed to load "
+            print(f"twinrun: warning: plugin {what} {name} ({ep.value}) failed to load "
                   f"({type(err).__name__}: {err}); left out", file=sys.stderr)
             continue
         if isinstance(cls, type) and dataclasses.is_dataclass(cls):
             found[name] = cls
+        else:
+            print(f"twinrun: warning: plugin {what} {name} ({ep.value}) is no dataclass; left out",
+                  file=sys.stderr)
     return found

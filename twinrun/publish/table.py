@@ -11,7 +11,7 @@ import io
 from pathlib import Path
 
 from twinrun.errors import StoreError, TwinrunError
-from twinrun.files import atomic_write
+from twinrun.files import write_output
 from twinrun.publish.seeds import pool_seeds
 from twinrun.publish.sweep import collect_points
 from twinrun.storage.rundir import RunDir, RunIndex
@@ -166,7 +166,8 @@ def load(paths) -> "pd.DataFrame":
 
 
 def write(df: "pd.DataFrame", path: Path, fmt: str) -> Path:
-    """The table as CSV or parquet, written atomically (a half-written table never replaces a whole one)."""
+    """The table as CSV or parquet, written atomically (a half-written table never replaces a whole one),
+    onto a new name or a regular file only."""
     buf = io.BytesIO()
     if fmt == "parquet":
         try:
@@ -175,5 +176,5 @@ def write(df: "pd.DataFrame", path: Path, fmt: str) -> Path:
             raise TwinrunError(f"--parquet {path}: needs pyarrow ({err}): {EXTRA_HINT}") from None
     else:
         buf.write(df.to_csv(index=False).encode())
-    atomic_write(Path(path), buf.getvalue())
-    return Path(path)
+    # A user's path: a new name or a regular file only (never through a link, never over a device node).
+    return write_output(Path(path), buf.getvalue(), "table")

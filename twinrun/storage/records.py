@@ -84,6 +84,9 @@ class TrainUnit(TypedDict):
 UNIT_FIELDS: dict[str, type] = {"probe": ProbeUnit, "train": TrainUnit}
 # A kind's unit field that runs strictly upward through `units` (the probe's σ grid: each σ once, in order).
 INCREASING: dict[str, str] = {"probe": "sigma"}
+# A kind's (from, to) unit fields that chain: each unit starts where the one before ended and moves on (a
+# training run's segments: an overlapping or repeated segment would train some steps twice).
+CHAINED: dict[str, tuple[str, str]] = {"train": ("from_step", "to_step")}
 
 
 class UnitEntry(TypedDict):
@@ -308,8 +311,10 @@ class TrainStoreMeta(TypedDict):
     optimizer: dict  # its class, param_groups and the state that is not a tensor
     data_digest: str  # sha256 of the samples and noise this unit's steps consumed (equal in every arm)
     heldout_digest: str  # sha256 of the held-out images and noise the held-out loss read
-    # per step of the unit, per weight (layout order): sha256 prefix of the weight after that step
-    step_digests: list[list[str]]
+    heldout_ids: NotRequired[list[int]]  # the held-out images' ids (the reducer holds them to the data)
+    # per step of the unit, per weight (layout order): sha256 prefix of the weight after that step (the
+    # last step's is a prefix of the stored weight's own digest: read_train_store checks it)
+    step_digests: list[list[HexDigest]]
     env: NotRequired[dict | None]
     kernel_path: NotRequired[dict | None]
 
@@ -364,6 +369,8 @@ def _validate_registered(c: Checker, reg: Registered) -> None:
 
 def _validate_order(c: Checker, units: list[UnitEntry], kind: str) -> None:
     """The kind's ordered field strictly increases unit by unit (a σ grid: each σ once, in order)."""
+    if kind in CHAINED:
+        _validate_chain(c, units, kind, *CHAINED[kind])
     key = INCREASING.get(kind)
     if key is None:
         return
@@ -372,6 +379,17 @@ def _validate_order(c: Checker, units: list[UnitEntry], kind: str) -> None:
         if not value > before:
             c.fail(f"units[{i}].{kind}.{key}", f"{value!r} is not above units[{i - 1}]'s {before!r}: the "
                    f"{key} of the units increase strictly, each once")
+
+
+def _validate_chain(c: Checker, units: list[UnitEntry], kind: str, start: str, end: str) -> None:
+    """The first unit is empty (from = to = 0: the start), every later one starts where the one before
+    ended and ends after it starts."""
+    for i, u in enumerate(units):
+        first, last = u[kind][start], u[kind][end]
+        before = units[i - 1][kind][end] if i else 0
+        if first != before or (last <= first if i else last != first):
+            c.fail(f"units[{i}].{kind}.{end}", f"{first!r} … {last!r} does not follow units[{i - 1}]'s end "
+                   f"{before!r}" if i else f"{first!r} … {last!r}: the first unit is the start, 0 … 0")
 
 
 def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str) -> None:
@@ -441,6 +459,7 @@ def validate_train_store_meta(path: Path, meta: dict, n_tensors: dict[str, list[
     if (len(digests) != meta["to_step"] - meta["from_step"]
             or any(len(d) != len(meta["layout"]) for d in digests)):
         c.fail("metadata.step_digests", "not one digest per weight for every step of the unit")
+    _validate_kernel_path(c, meta)
     return meta
 def _validate_kernel_path(c: Checker, meta: ProbeStoreMeta) -> None:
     """The kernel-path object is what its digest says (the digest alone is what run.json, the straddling

@@ -12,8 +12,10 @@ at publish time a sink that still fails is one line on stderr, after the run's o
 and the exit code stays the reducer's.
 """
 
+import contextlib
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 import tempfile
@@ -23,6 +25,7 @@ from typing import NamedTuple
 
 from twinrun.arms import flatten
 from twinrun.errors import ConfigError
+from twinrun.files import refuse_links_under
 from twinrun.provenance.version import twinrun_version
 from twinrun.storage.rundir import RunIndex
 
@@ -43,6 +46,44 @@ EXTRA_HINT = "pip install 'twinrun[trackers]'"
 QUIET_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "WANDB_SILENT": "true",
              "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off",
              "WANDB_ERROR_REPORTING": "false", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+# Set to 1 to see a tracker package's own log lines (MLflow's database migrations, W&B's notices).
+VERBOSE_ENV = "TWINRUN_TRACKER_LOGS"
+CHATTY_LOGGERS = ("mlflow", "alembic", "wandb", "tensorboard", "absl")
+
+
+@contextlib.contextmanager
+def quiet(name: str):
+    """A tracker package's own output kept off the user's terminal while it logs (unless VERBOSE_ENV=1):
+    its loggers raised to ERROR, and what it prints, at Python's level or the descriptors' (a helper
+    process's), into a temporary file that is dropped. twinrun's own line says what was logged."""
+    if os.environ.get(VERBOSE_ENV) == "1":
+        yield
+        return
+    loggers = {n: logging.getLogger(n) for n in CHATTY_LOGGERS}
+    levels = {n: lg.level for n, lg in loggers.items()}
+    for lg in loggers.values():
+        lg.setLevel(logging.ERROR)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with tempfile.TemporaryFile() as sink, open(os.dup(sink.fileno()), "w") as text, \
+                contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                text.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    finally:
+        for fd in saved:
+            os.close(fd)
+        for n, lg in loggers.items():
+            lg.setLevel(levels[n])
 
 
 def writable_dir(path: Path) -> None:
@@ -193,7 +234,9 @@ def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]
         sink = importlib.import_module(SINKS[name].module)
         store = Path(tracker["dir"])
         writable_dir(store)
-        where = sink.log(payload(index, summary, files), store, tracker["project"])
+        refuse_links_under(store, f"{name} store")
+        with quiet(name):
+            where = sink.log(payload(index, summary, files), store, tracker["project"])
     except (Exception, SystemExit) as err:  # noqa: BLE001 — a tracker is foreign code; its failure is one line
         said = " ".join(str(err).split())[:300] or type(err).__name__
         print(f"twinrun: warning: tracker={name} did not log {index.run_dir.path} ({type(err).__name__}: "

@@ -216,18 +216,95 @@ class Summary(TypedDict):
     twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
 
 
+# A number of a training summary: a JSON number, inf allowed (a ratio over a zero floor), NaN never (where a
+# number is undefined twinrun writes null, so a NaN literal there is an edit).
+Num = Annotated[float, "not nan"]
+Step = Annotated[int, "non-negative"]
+
+
+class Analysis(TypedDict):
+    """The settings of one reading: registered at plan time, or those a post-hoc view used."""
+
+    estimands: list[str]
+    gate_rule: str
+    signal_alpha: Num
+    family_alpha: NotRequired[Num]
+    groups: NotRequired[dict[str, list[str]]]
+
+
 class TrainGateRow(TypedDict):
     """The training run's no-op gate at one stored step: the machinery arm against the twin."""
 
-    step: int
+    step: Step
     arm: str
     passed: bool
     rule: str  # which rule decided it (bit-identical, not a no-op on a deterministic path, ...)
     bit_identical: bool
-    distance: float  # |θ_arm − θ_twin| / |θ_twin − θ_start| over every parameter
-    replicate_distance: float | None
+    distance: Num  # |θ_arm − θ_twin| / |θ_twin − θ_start| over every parameter
+    replicate_distance: Num | None
     first_tensor: str | None  # the first parameter (in the model's order) whose bits differ
     detail: str
+
+
+class ReplicateStep(TypedDict):
+    step: Step
+    n_differ: int
+    n_tensors: int
+    bit_identical: bool
+    distance: Num
+    first_tensor: str | None
+
+
+class TrainReplicate(TypedDict):
+    """The twin trained twice in one job: whether the kernel path is deterministic for this run."""
+
+    deterministic: bool
+    steps: list[ReplicateStep]
+    detail: str
+
+
+class FirstDiffering(TypedDict):
+    arm: str
+    step: Step | None  # None: never left the twin's bits
+    first_tensor: str | None
+    n_differ: int
+    n_tensors: int
+
+
+class FloorRow(TypedDict):
+    step: Step
+    estimand: str
+    distance: Num | None
+    cos: Num | None
+    norm_ratio: Num | None
+
+
+class TrainEffectRow(TypedDict):
+    step: Step
+    estimand: str
+    cos: Num | None
+    norm_ratio: Num | None
+    distance: Num | None
+    floor: Num | None
+    margin: Num
+    floor_ratio: Num | None
+    above_floor: bool
+    machinery_distance: NotRequired[Num | None]
+    replicate_distance: NotRequired[Num | None]
+
+
+class LossRow(TypedDict):
+    step: Step
+    arm: str
+    role: Role
+    train_loss: Num | None
+    train_loss_steps: list[Num]
+    heldout_loss: Num
+    heldout_se: float  # NaN for one held-out image (no spread to read), as are the next two
+    heldout_diff: Num
+    heldout_diff_se: float
+    heldout_diff_significant: bool
+    t_crit: float
 
 
 class TrainSummary(TypedDict):
@@ -237,19 +314,20 @@ class TrainSummary(TypedDict):
     measure: Literal["train"]
     run_dir: str
     arms: list[str]
-    registered: dict
-    used: dict
+    registered: Analysis
+    used: Analysis
     checks_passed: bool
     passed: bool
     verdict: str  # one sentence: above the chaos floor, or not told apart from chaos
     checks: list[Check]
     gates: list[TrainGateRow]
-    replicate: dict | None
-    first_differing: list[dict]  # per arm: the first step its bits leave the twin's (and the tensor)
-    floor: list[dict]  # per stored step and estimand: the chaos arm's distance from the twin
-    effects: list[dict]  # per stored step and estimand: the intervention against the twin and the floor
-    losses: list[dict]  # per stored step and arm: training and held-out loss (paired SE against the twin)
+    replicate: TrainReplicate | None
+    first_differing: list[FirstDiffering]  # per arm: the first step its bits leave the twin's, the tensor
+    floor: list[FloorRow]  # per stored step and estimand: the chaos arm's distance from the twin
+    effects: list[TrainEffectRow]  # per stored step and estimand: the intervention against twin and floor
+    losses: list[LossRow]  # per stored step and arm: training and held-out loss (paired SE against twin)
     post_hoc: NotRequired[PostHoc]
+    twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
 
 
 # ----------------------------------------------------------------------------- store metadata

@@ -121,7 +121,7 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
         stores = {arm: _store(index, u, arm, voucher) for arm in u["stores"]}
         for arm in (a for a in stores if a != TWIN):
             check_step_digests(stores[arm].path, stores[arm].meta, stores[TWIN].meta, stores[arm].digests,
-                               stores[TWIN].digests)
+                               stores[TWIN].digests, stores[TWIN].path)
         weights = {arm: _weights(s) for arm, s in stores.items()}
         if start is None:
             start, layout = weights[TWIN], stores[TWIN].meta["layout"]

@@ -125,12 +125,14 @@ def bit_identical_ends(mine: dict, twin: dict) -> bool:
     return set(mine) == set(twin) and all(mine[k] == twin[k] for k in keys)
 
 
-def check_step_digests(path: Path, mine: dict, twin: dict, digests: dict, twin_digests: dict) -> None:
+def check_step_digests(path: Path, mine: dict, twin: dict, digests: dict, twin_digests: dict,
+                       twin_path: Path) -> None:
     """An arm whose stored state is bit-identical to the twin's cannot have parted from it within the
     unit (a trajectory that parts does not come back to the same bits of every weight and every optimizer
     moment): step digests that say otherwise were edited, and would read as a failed gate at distance 0."""
     if mine["step_digests"] != twin["step_digests"] and bit_identical_ends(digests, twin_digests):
-        raise StoreError(path, "metadata field step_digests: differs from the twin's within the unit, but "
-                         "every weight and optimizer state it stores is bit-identical to the twin's: damaged "
-                         "or forged")
+        raise StoreError(path, f"metadata field step_digests: differs from the twin's "
+                         f"({'/'.join(Path(twin_path).parts[-3:])}) within the unit, but every weight and "
+                         "optimizer state it stores is bit-identical to the twin's: one of the two is "
+                         "damaged or forged")
 

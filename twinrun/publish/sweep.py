@@ -55,7 +55,7 @@ def last_train_effect(summary: dict) -> dict | None:
 def _intervention(index: RunIndex) -> tuple[dict, dict | None, int | None]:
     """The intervention arm's `intervention` node (its sweep axis), its `probe` node and its seed."""
     name = index.arm("intervention")["name"]
-    config = index.run_dir.read_arm_config(name)
+    config = index.arm_config(name)
     if not isinstance(config.get("intervention"), dict):
         raise StoreError(index.run_dir.arm_config(name), "field intervention: missing or not a config node")
     probe, seed = config.get("probe"), config.get("seed")

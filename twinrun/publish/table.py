@@ -99,7 +99,7 @@ def run_rows(run_dir: Path, sweep_dir: Path | None = None) -> list[dict]:
     """One row per unit × estimand of one run: its effects, or (broken, not reduced) rows without numbers."""
     index = RunIndex.load(run_dir)
     rd = index.run_dir
-    config = rd.read_arm_config(index.arm("intervention")["name"])
+    config = index.arm_config(index.arm("intervention")["name"])  # held to run.json's config_hash
     summary = rd.read_summary() if rd.has_summary() else None
     passed = None if summary is None else summary["passed"]
     field = UNIT_KEY[index.measure]
@@ -134,7 +134,7 @@ def pooled_rows(sweep_dir: Path) -> list[dict]:
         first = Path(c["run_dirs"][0])
         if first not in typed:  # the group's shared overrides, typed as the run rows type them
             index = RunIndex.load(first)
-            typed[first] = _overrides(first, index.run_dir.read_arm_config(index.arm("intervention")["name"]))
+            typed[first] = _overrides(first, index.arm_config(index.arm("intervention")["name"]))
         numbers = {k: v for k, v in c.items() if k.startswith(("effect_", "norm_ratio_"))}
         out.append({"row_kind": "pooled over seeds", "sweep_dir": str(sweep_dir), "sigma": c["sigma"],
                     "estimand": c["estimand"], "effect": c["effect_mean"], "norm_ratio": c["norm_ratio_mean"],

@@ -208,7 +208,7 @@ def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
     """The payload of one registered reduction (its summary, as summary.json holds it)."""
     rd = index.run_dir
     arm, twin = index.arm("intervention")["name"], index.arm("twin")["name"]
-    config = rd.read_arm_config(arm)
+    config = index.arm_config(arm)  # held to run.json's config_hash: the params are the measured config
     version = twinrun_version()
     verdict = {"passed": bool(summary["passed"]), "checks_passed": bool(summary["checks_passed"])}
     verdict.update({_gate_key(g): bool(g["passed"]) for g in summary["gates"]})

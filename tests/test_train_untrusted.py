@@ -3,6 +3,7 @@ would change a number (a config, a weight, a step digest, a store's seed or held
 a summary row) is one line naming the file and the field, exit 2, never a verdict; a start checkpoint is
 untrusted input; nothing written outside a run directory goes through a link or over a device node."""
 
+import errno
 import json
 import math
 import os
@@ -314,3 +315,85 @@ def test_a_nan_literal_where_twinrun_writes_a_number_is_refused(run):
     (run / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(StoreError, match=r"field gates\[0\].distance: NaN"):
         RunIndex.load(run).run_dir.read_summary()
+
+
+# ----------------------------------------------------------------------------- the attack's categories
+
+
+def _weights(run: Path) -> dict:
+    """Every store's tensor digests, each store read through its checks."""
+    doc = _doc(run)
+    return {f"{arm}/{e['file']}": read_train_store(run / "arms" / arm / e["file"], e["sha256"]).digests
+            for u in doc["units"] for arm, e in u["stores"].items()}
+
+
+def test_a_full_disk_during_a_training_segment_is_one_line_and_the_run_completes_later(made, tmp_path,
+                                                                                       monkeypatch):
+    from test_train import tiny_cfg
+
+    from twinrun.job import run_job
+    from twinrun.plan import plan_run, trusted_targets
+
+    cfg = tiny_cfg()
+    run = tmp_path / "run"
+    plan_run(cfg, run)
+    real_fsync = os.fsync
+
+    def fsync_until_full(fd):
+        # full once the first segment's stores are being written (the start unit's are on disk)
+        if list(run.glob("arms/*/.seg001*.tmp-*")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_until_full)
+    with pytest.raises(StoreError, match="No space left on device") as err:
+        run_job(run, trusted_targets(cfg))
+    assert "\n" not in str(err.value) and "finished stores are kept" in str(err.value)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert not list(run.glob("arms/*/.*.tmp-*")), "no half-written store is left"
+    index = RunIndex.load(run)
+    assert index.is_whole(index.units[0], verify=True) and not index.is_whole(index.units[1])
+    run_job(run, trusted_targets(cfg))  # room again: the run completes, bit-identical to one never stopped
+    assert _weights(run) == _weights(made)
+
+
+def _planted(store: Path, outside: Path, name: str) -> Path:
+    """A link planted in a tracker's store: mlflow.db to a victim file, a run folder to a folder outside."""
+    outside.mkdir()
+    victim = outside / "victim"
+    victim.write_bytes(b"precious")
+    at = store / name
+    at.parent.mkdir(parents=True, exist_ok=True)
+    at.symlink_to(victim if name.endswith(".db") else outside)
+    return victim
+
+
+@pytest.mark.parametrize("sink,name", [("mlflow", "mlflow.db"), ("tensorboard", "twinrun/run"),
+                                       ("wandb", "wandb")])
+def test_a_link_planted_in_a_trackers_store_is_refused_and_nothing_outside_changes(run, tmp_path, capsys,
+                                                                                    sink, name):
+    store, outside = tmp_path / sink, tmp_path / "outside"
+    victim = _planted(store, outside, name)
+    index = RunIndex.load(run)
+    tracker = {"name": sink, "dir": str(store), "project": "twinrun"}
+    assert not trackers.send(tracker, index, index.run_dir.read_summary(), [])
+    err = capsys.readouterr().err
+    assert f"warning: tracker={sink} did not log" in err and "symlink" in err and name in err, err
+    assert victim.read_bytes() == b"precious" and sorted(p.name for p in outside.iterdir()) == ["victim"]
+
+
+def test_a_hard_link_or_a_fifo_in_a_trackers_store_is_refused(tmp_path):
+    from twinrun.files import refuse_links_under
+
+    store = tmp_path / "store"
+    (store / "a").mkdir(parents=True)
+    (store / "a" / "ok").write_text("x")
+    (store / "inner").symlink_to(store / "a")  # a pointer the tracker keeps inside its store: allowed
+    refuse_links_under(store, "store")
+    os.link(store / "a" / "ok", tmp_path / "outside")
+    with pytest.raises(StoreError, match=r"ok: is a hard link \(2 names\)"):
+        refuse_links_under(store, "store")
+    (tmp_path / "outside").unlink()
+    os.mkfifo(store / "a" / "fifo")
+    with pytest.raises(StoreError, match="fifo: is a FIFO"):
+        refuse_links_under(store, "store")

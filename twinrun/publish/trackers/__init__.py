@@ -229,12 +229,12 @@ def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]
         return False
     name = tracker["name"]
     try:
+        store = Path(tracker["dir"])
+        writable_dir(store)
+        refuse_links_under(store, f"{name} store")  # before the tracker's package opens a file in it
         for key, value in QUIET_ENV.items():
             os.environ.setdefault(key, value)
         sink = importlib.import_module(SINKS[name].module)
-        store = Path(tracker["dir"])
-        writable_dir(store)
-        refuse_links_under(store, f"{name} store")
         with quiet(name):
             where = sink.log(payload(index, summary, files), store, tracker["project"])
     except (Exception, SystemExit) as err:  # noqa: BLE001 — a tracker is foreign code; its failure is one line

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -397,3 +398,50 @@ def test_a_hard_link_or_a_fifo_in_a_trackers_store_is_refused(tmp_path):
     os.mkfifo(store / "a" / "fifo")
     with pytest.raises(StoreError, match="fifo: is a FIFO"):
         refuse_links_under(store, "store")
+
+
+def _wait_for(proc, ready, what: str, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"finished before {what}:\n{proc.stdout.read()[-2000:]}"
+        assert time.monotonic() < deadline, f"{what} never came"
+        time.sleep(0.005)
+
+
+def _recorded_not_indexed(run: Path, prefix: str) -> bool:
+    """A store of this unit renamed into place whose run.json entry is not yet done: the instant between
+    the two writes that record a segment."""
+    try:
+        doc = _doc(run)
+    except (OSError, ValueError):
+        return False
+    for u in doc["units"]:
+        for arm, e in u["stores"].items():
+            on_disk = (run / "arms" / arm / e["file"]).exists()
+            if e["file"].startswith(prefix) and e["status"] != "done" and on_disk:
+                return True
+    return False
+
+
+def test_kill_9_as_a_segment_is_recorded_and_in_the_last_segment_then_resume_is_bit_identical(made,
+                                                                                              tmp_path):
+    from conftest import slow_fsync_env, start_twinrun
+    from test_train import TINY
+
+    env = slow_fsync_env(tmp_path / "inject", 0.15)
+    run = tmp_path / "killed"
+    args = ["twinrun", "+experiment=train_scale_lr", *TINY, f"hydra.run.dir={run}"]
+    proc = start_twinrun(args, tmp_path, env)
+    _wait_for(proc, lambda: _recorded_not_indexed(run, "seg001"), "segment 1's store on disk, unindexed")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc = start_twinrun(["twinrun.resume", str(run)], tmp_path, env)
+    _wait_for(proc, lambda: list(run.glob("arms/*/.seg002*.tmp-*")), "the last segment's store on its way")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list(run.glob("arms/*/.seg002*.tmp-*")), "killed with a half-written store of the last segment"
+    proc = start_twinrun(["twinrun.resume", str(run)], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert not list(run.glob("arms/*/.*.tmp-*"))
+    assert _weights(run) == _weights(made)  # every store, the final weights among them, bit for bit

@@ -445,3 +445,21 @@ def test_kill_9_as_a_segment_is_recorded_and_in_the_last_segment_then_resume_is_
     assert proc.returncode == 0, out[-3000:]
     assert not list(run.glob("arms/*/.*.tmp-*"))
     assert _weights(run) == _weights(made)  # every store, the final weights among them, bit for bit
+
+
+@pytest.mark.trackers
+@pytest.mark.parametrize("sink", ["mlflow", "wandb"])
+def test_a_tracker_logs_twice_into_its_store_and_keeps_its_own_chatter_off_the_terminal(made, tmp_path, capfd,
+                                                                                        sink):
+    """MLflow printed its database migrations on stderr; W&B's own links in its store (latest-run,
+    debug.log) are the tracker's and never refused on the second publish."""
+    for package in trackers.SINKS[sink].packages:
+        pytest.importorskip(package)
+    index = RunIndex.load(made)
+    tracker = {"name": sink, "dir": str(tmp_path / sink), "project": "twinrun"}
+    for _ in range(2):
+        assert trackers.send(tracker, index, index.run_dir.read_summary(), [made / "summary.json"])
+    out, err = capfd.readouterr()
+    lines = out.splitlines()
+    assert err == "" and len(lines) == 2, (out, err)
+    assert all(line.startswith(f"twinrun: logged to {sink}: ") for line in lines), lines

@@ -30,6 +30,9 @@ RUN_STATUSES = ("planned", "running", "measured", "failed", "interrupted")
 STORE_STATUSES = ("pending", "done", "failed")
 
 HexDigest = Annotated[str, "hex digest"]
+# A number of a summary: a JSON number, inf allowed (a ratio over a zero floor), NaN never (where a number is
+# undefined twinrun writes null, so a NaN literal there is an edit the table would show).
+Num = Annotated[float, "not nan"]
 SafeName = Annotated[str, "safe name"]
 Sigma = Annotated[float, "positive"]  # finite and > 0
 RunStatus = Literal["planned", "running", "measured", "failed", "interrupted"]
@@ -161,11 +164,11 @@ class EffectRow(TypedDict):
     sigma: Sigma
     estimand: str
     gate: bool
-    cos: float | None
-    se: float | None
-    norm_ratio: float | None
-    norm_ratio_se: float | None
-    cos_naive: float
+    cos: Num | None
+    se: Num | None
+    norm_ratio: Num | None
+    norm_ratio_se: Num | None
+    cos_naive: float  # NaN where an arm's mean gradient is zero
     below_noise: bool
     norm2: float
     norm2_se: float
@@ -216,9 +219,6 @@ class Summary(TypedDict):
     twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
 
 
-# A number of a training summary: a JSON number, inf allowed (a ratio over a zero floor), NaN never (where a
-# number is undefined twinrun writes null, so a NaN literal there is an edit).
-Num = Annotated[float, "not nan"]
 Step = Annotated[int, "non-negative"]
 
 

@@ -113,16 +113,23 @@ def refuse_links(paths) -> None:
     link): code that writes it in place (Hydra's records, a log opened for appending) would write through it
     into a file outside the directory. Absent paths pass."""
     for path in map(Path, paths):
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
+        st = _lstat(path)
+        if st is None:
             continue
-        except OSError as err:
-            raise StoreError(path, f"cannot be inspected ({err.strerror})") from None
         if stat.S_ISLNK(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else f"a hard link ({st.st_nlink} names)"
             raise StoreError(path, f"is {kind}: refusing to write through it into a file elsewhere; "
                              "remove it and run again")
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    """The entry at `path` itself (a link, not its target); None if there is none."""
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise StoreError(path, f"cannot be inspected ({err.strerror})") from None
 
 
 def make_dir(path: Path) -> Path:
@@ -274,12 +281,9 @@ def refuse_unsafe_target(path: Path, what: str) -> None:
     through (or replaced, losing where it pointed); a device node, FIFO or directory is never replaced
     (as root, `--csv /dev/null` would otherwise swap the machine's /dev/null for a regular file)."""
     path = Path(path)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    st = _lstat(path)
+    if st is None:
         return
-    except OSError as err:
-        raise StoreError(path, f"cannot be inspected ({err.strerror})") from None
     if stat.S_ISLNK(st.st_mode):
         raise StoreError(path, f"is a symlink: refusing to write a {what} through it; name a new file or a "
                          "regular one")

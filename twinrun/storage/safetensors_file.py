@@ -18,7 +18,7 @@ import torch
 
 from twinrun.errors import StoreError
 from twinrun.files import loads, memory_bytes, open_regular
-from twinrun.storage.header import MAX_HEADER_BYTES, MAX_STORE_BYTES, refuse_sparse
+from twinrun.storage.header import MAX_HEADER_BYTES, MAX_STORE_BYTES, HeldFile, refuse_sparse
 
 # Every dtype safetensors writes that torch holds, with its element size in bytes.
 DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
@@ -26,7 +26,7 @@ DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.fl
           "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1)}
 
 
-class SafetensorsFile:
+class SafetensorsFile(HeldFile):
     """One untrusted safetensors file, its header checked on opening: `shapes` ({name: shape}), then
     `expect(shapes)` and `tensors()`. A context manager (it holds a descriptor)."""
 
@@ -45,23 +45,6 @@ class SafetensorsFile:
 
     def __enter__(self) -> Self:
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if getattr(self, "fd", None) is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def _pread(self, n: int, offset: int) -> bytes:
-        try:
-            data = os.pread(self.fd, n, offset)
-        except OSError as err:
-            raise StoreError(self.path, f"cannot read ({err.strerror})") from None
-        if len(data) != n:
-            raise StoreError(self.path, "changed size while being read")
-        return data
 
     def _header(self) -> tuple[dict, int]:
         if self.size < 8:

@@ -4,6 +4,7 @@ a summary row) is one line naming the file and the field, exit 2, never a verdic
 untrusted input; nothing written outside a run directory goes through a link or over a device node."""
 
 import errno
+import importlib.util
 import json
 import math
 import os
@@ -381,6 +382,9 @@ def test_a_link_planted_in_a_trackers_store_is_refused_and_nothing_outside_chang
     err = capsys.readouterr().err
     assert f"warning: tracker={sink} did not log" in err and "symlink" in err and name in err, err
     assert victim.read_bytes() == b"precious" and sorted(p.name for p in outside.iterdir()) == ["victim"]
+    if all(importlib.util.find_spec(p) for p in trackers.SINKS[sink].packages):  # the `trackers` extra
+        with pytest.raises(ConfigError, match=rf"^tracker.dir=.*{name}: is a symlink"):  # before any compute
+            trackers.check_tracker({"name": sink, "dir": str(store)})
 
 
 def test_a_hard_link_or_a_fifo_in_a_trackers_store_is_refused(tmp_path):

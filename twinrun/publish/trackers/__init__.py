@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from twinrun.arms import flatten
-from twinrun.errors import ConfigError
+from twinrun.errors import ConfigError, StoreError
 from twinrun.files import refuse_links_under
 from twinrun.provenance.version import twinrun_version
 from twinrun.storage.rundir import RunIndex
@@ -113,6 +113,10 @@ def check_tracker(tracker: dict) -> dict | None:
     except OSError as err:
         raise ConfigError("tracker.dir", str(store), f"cannot be written ({err.strerror or err}); choose a "
                           "writable directory") from None
+    try:  # a link planted in the store: refused before any compute, and again before each publish
+        refuse_links_under(store, f"{name} store")
+    except StoreError as err:
+        raise ConfigError("tracker.dir", str(store), f"{err}; or choose a fresh directory") from None
     return {"name": name, "dir": str(store), "project": str(tracker.get("project") or "twinrun")}
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from twinrun.files import read_json, write_json
-from twinrun.measures.probe import fold_tensors
+from twinrun.measures.probe import PROBE, fold_tensors
 from twinrun.provenance.record import straddling_rule
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.store import read_store, write_store
@@ -140,7 +140,7 @@ def reduce_in_child(run_dir: Path) -> dict:
     io_before, t = proc_io(), time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         reduction = reduce_run(run_dir)
-        publish(reduction)  # summary.json and report.md, as `python -m twinrun.reduce` writes them
+        publish(reduction, PROBE)  # summary.json and report.md, as `python -m twinrun.reduce` writes them
     seconds, io_after = time.perf_counter() - t, proc_io()
     summary, code = reduction.summary, reduction.exit_code
     return {"seconds": seconds, "scan_s": spent["scan"], "exit_code": code, "valid": summary["checks_passed"],

@@ -22,6 +22,8 @@ SECTIONS = {
     "bench_gpu.py": ["eager  vmap (", "eager folds (", "total"],
     "bench_index.py": ["100 units", "1,000 units"],
     "bench_train.py": ["per step: plain", "whole run:", "peak RSS growth"],
+    "bench_text_probe.py": ["plain batched backward", "probe, method=vmap", "probe, method=folds",
+                            "draws/image: peak"],
     "train_floor.py": ["train_floor: torch", "median chaos floor at the last step"],
 }
 # Not benchmarks: gpu_check.sh's judge (tests/test_gpu_check.py holds it to failing loudly).

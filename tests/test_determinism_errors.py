@@ -13,8 +13,8 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 from twinrun.errors import EXIT_USAGE, DeterminismError, ModelError
 from twinrun.job import run_job
+from twinrun.measures import failures, trial
 from twinrun.measures import fold_sums as fs
-from twinrun.measures import trial
 from twinrun.plan import plan_run, trusted_targets
 from twinrun.provenance import determinism, record
 from twinrun.provenance.sentinel import repeats_backward
@@ -48,14 +48,14 @@ def refused_put() -> RuntimeError:
 
 def test_torchs_refusal_of_an_op_names_the_op_and_the_knob_not_the_model():
     with pytest.raises(DeterminismError) as err:
-        trial.as_model_error("native", UNIT, lambda: (_ for _ in ()).throw(refused_put()))
+        failures.as_model_error("native", UNIT, lambda: (_ for _ in ()).throw(refused_put()))
     line = str(err.value)
     assert line.startswith("determinism.enabled=True: arm native, bin 2 (σ=1.2): the op put_ has no ")
     assert "deterministic algorithms are on" in line and "set determinism.enabled=false" in line
     assert "not the model's fault" in line and "user code raised" not in line
     assert err.value.exit_code == EXIT_USAGE
     with pytest.raises(ModelError):  # any other error of the model stays the model's (exit 4)
-        trial.as_model_error("native", UNIT, lambda: (_ for _ in ()).throw(ValueError("my bug")))
+        failures.as_model_error("native", UNIT, lambda: (_ for _ in ()).throw(ValueError("my bug")))
 
 
 def wrapped(cause: BaseException) -> BaseException:
@@ -81,7 +81,7 @@ def wrapped(cause: BaseException) -> BaseException:
 def test_cublas_and_inductor_refusals_are_named_with_their_own_fix(monkeypatch, raised, says, fix):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
     with pytest.raises(DeterminismError) as err:
-        trial.as_model_error("native", UNIT, lambda: (_ for _ in ()).throw(raised))
+        failures.as_model_error("native", UNIT, lambda: (_ for _ in ()).throw(raised))
     assert says in str(err.value) and fix in str(err.value), str(err.value)
     if "cuBLAS" in says:
         assert "':0:0'" in str(err.value)  # the value this process has, which twinrun kept

@@ -50,7 +50,8 @@ def test_auto_takes_folds_for_the_unet_and_vmap_for_the_dit():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("experiment", "method"), [("unet_pin_sigma", "folds"), ("dit_pin_sigma", "vmap")])
+@pytest.mark.parametrize(("experiment", "method"), [("unet_pin_sigma", "folds"), ("dit_pin_sigma", "vmap"),
+                                                    ("dit_labels_pin_sigma", "vmap")])
 def test_end_to_end(tmp_path, experiment, method):
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")])}
@@ -63,3 +64,31 @@ def test_end_to_end(tmp_path, experiment, method):
     assert all(g["bit_identical"] for g in summary["gates"])
     kernel_path = json.loads(next(Path(run_dir).glob("env/kernel_path-*.json")).read_text())["kernel_path"]
     assert kernel_path["probe"]["method"] == method and "diffusers" in kernel_path["torch"]["packages"]
+
+
+@pytest.mark.parametrize("method", ["vmap", "folds"])
+def test_the_class_conditional_dit_reads_each_images_own_label(method):
+    images, ids, cond = edm_diffusers.labelled_digits()
+    images, labels = images[: len(FOLDS)], cond["class_labels"][: len(FOLDS)]
+    assert len(set(labels.tolist())) > 1 and len(ids) == len(cond["class_labels"])
+    model = edm_diffusers.dit(num_classes=edm_diffusers.N_DIGIT_CLASSES)
+    eps = torch.randn(len(FOLDS), 2, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    names = probe.select_params(model, ["*"])
+    lam = (SIGMA**2 + 0.25) / (SIGMA * 0.5) ** 2  # EDM weight, sigma_data 0.5
+    params = dict(model.named_parameters())
+    want = torch.zeros(2, sum(params[n].numel() for n in names), dtype=torch.float64)
+    for i, fold in enumerate(FOLDS):  # one image and draw at a time, with its own label
+        for d in range(2):
+            model.zero_grad(set_to_none=True)
+            x = images[i : i + 1]
+            out = model(x + SIGMA * eps[i, d : d + 1], torch.tensor([SIGMA]), torch.tensor([SIGMA_COND]),
+                        class_labels=labels[i : i + 1])
+            (lam * ((out - x) ** 2).mean()).backward()
+            want[fold] += torch.cat([params[n].grad.flatten() for n in names]).double()
+    want = want.float()
+    got = probe.fold_sums(model, names, images, eps, SIGMA, torch.tensor(SIGMA_COND), torch.tensor(FOLDS), 2,
+                          method=method, cond={"class_labels": labels})
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    unlabelled = probe.fold_sums(model, names, images, eps, SIGMA, torch.tensor(SIGMA_COND),
+                                 torch.tensor(FOLDS), 2, method=method)
+    assert not torch.allclose(unlabelled, got)  # the labels reach the network

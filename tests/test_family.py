@@ -10,9 +10,10 @@ from rundirs import REGISTERED, planned_run
 from sim import run_effect_rows, run_fold_sums
 from stores import meta, write_sums
 
-from twinrun.analysis.checks import Bin, registered
+from twinrun.analysis.checks import Bin
 from twinrun.analysis.family import family_verdict, holm_adjusted
 from twinrun.analysis.reduce import effect_estimates, effect_rows, family_reading
+from twinrun.analysis.reduction import registered
 from twinrun.analysis.scan import scan
 from twinrun.errors import ConfigError, StoreError
 from twinrun.plan import validate_reduce

@@ -7,7 +7,7 @@ from rundirs import create, run_doc
 from stores import scan_sums
 
 from twinrun.analysis.estimator import estimate
-from twinrun.analysis.gates import decide, gates, replicate_report
+from twinrun.analysis.gates import decide, gates, replicate_report, wobble_bound
 from twinrun.analysis.references import reproduced
 from twinrun.storage.rundir import RunDir, RunIndex
 
@@ -80,17 +80,17 @@ def test_an_anti_aligned_gate_fails_whatever_the_replicate(tmp_path):
     assert not any(r["passed"] for r in rows) and rows[0]["max_shift"] == pytest.approx(2.0)
 
 
-def test_on_a_nondeterministic_path_only_a_difference_within_the_replicate_passes(tmp_path):
+def test_on_a_nondeterministic_path_one_replicate_cannot_bound_the_wobble(tmp_path):
+    """One differing replicate says the path is nondeterministic, not how far its wobble reaches (a true
+    no-op beat it half the time): the row fails, naming the setting that measures more."""
     twin = twin_sums(signal=3.0)
     jitter = torch.randn(F, P, generator=torch.Generator().manual_seed(3))
     replicate = twin + 1e-5 * jitter.abs().max() ** -1 * jitter  # the path itself moves results
-    within = run_gates(tmp_path, twin + 0.5e-5 * jitter / jitter.abs().max(), replicate, twin=twin)
-    assert all(r["passed"] for r in within) and {r["rule"] for r in within} == {"within the replicate"}
-    beyond = run_gates(tmp_path, twin + 1e-3 * jitter / jitter.abs().max(), replicate, twin=twin)
-    assert not any(r["passed"] for r in beyond) and {r["rule"] for r in beyond} == {"beyond the replicate"}
-    strict = run_gates(tmp_path, twin + 0.5e-5 * jitter / jitter.abs().max(), replicate,
-                       rule="bit_identical", twin=twin)
-    assert not any(r["passed"] for r in strict)
+    rows = run_gates(tmp_path, twin + 0.5e-5 * jitter / jitter.abs().max(), replicate, twin=twin)
+    assert not any(r["passed"] for r in rows)
+    assert {r["rule"] for r in rows} == {"too few replicates differ to bound the path's wobble"}
+    assert "arms.replicates ≥ 3" in rows[0]["detail"] and rows[0]["replicate_shifts"] == [rows[0]
+                                                                                             ["replicate_max_shift"]]
 
 
 def test_a_gate_that_is_not_bit_identical_without_a_replicate_fails(tmp_path):
@@ -101,11 +101,16 @@ def test_a_gate_that_is_not_bit_identical_without_a_replicate_fails(tmp_path):
 
 def test_decide_is_the_whole_rule():
     assert decide(True, 0.0, None, "replicate") == (True, "bit-identical")
-    assert decide(False, 1e-9, 0.0, "replicate")[0] is False
+    assert decide(False, 1e-9, [0.0], "replicate")[0] is False
     assert decide(False, 1e-9, None, "replicate")[0] is False
-    assert decide(False, 1e-6, 1e-6, "replicate") == (True, "within the replicate")
-    assert decide(False, 2e-6, 1e-6, "replicate")[0] is False
-    assert decide(False, 1e-6, 1e-6, "bit_identical")[0] is False
+    assert decide(False, 1e-6, [1e-6], "replicate")[0] is False  # one replicate bounds nothing
+    reps = [1e-6, 1.1e-6, 0.9e-6, 1.05e-6]
+    assert decide(False, 1e-6, reps, "replicate") == (True, "within the path's wobble")
+    assert decide(False, 2e-6, reps, "replicate") == (False, "beyond the path's wobble")
+    assert decide(False, 1e-6, reps, "bit_identical")[0] is False
+    assert decide(False, 1e-9, [0.0, 0.0, 0.0], "replicate")[1] == "not a no-op on a deterministic path"
+    # the bound widens with the family: more gate rows, a higher bar for each
+    assert wobble_bound(reps, 40) > wobble_bound(reps, 2) > max(reps)
 
 
 def test_replicate_report_counts_differing_tensors(tmp_path):

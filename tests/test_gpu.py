@@ -14,8 +14,8 @@ from conftest import REPO, TINY, run_twinrun
 from fault_models import tiny_dit
 from per_sample import loop_sums
 
+from twinrun.measures import failures, trial
 from twinrun.measures import fold_sums as probe
-from twinrun.measures import trial
 from twinrun.provenance import determinism
 from twinrun.storage.store import read_store
 
@@ -91,7 +91,7 @@ def test_compiled_probe_on_cuda_equals_eager(mode, deterministic):
     try:
         compiled = sums_on("cuda", "folds", folds, 4, compiled_forward)
     except Exception as err:  # noqa: BLE001 — Inductor's deterministic mode may refuse: a run names it
-        cause = trial.determinism_cause(err)
+        cause = failures.determinism_cause(err)
         assert deterministic and cause is not None, err
         pytest.skip(f"{mode} under deterministic algorithms: {cause} (a run says so, exit 2)")
     close(compiled, eager, rtol=1e-4)

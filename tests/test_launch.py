@@ -366,4 +366,4 @@ def test_split_bins_with_a_compiled_probe_is_refused_before_planning(tmp_path):
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "launcher.split='bins'" in err[0] and "probe.compile='default'" in err[0], err
     assert "launcher.split=pair, or probe.compile=false" in err[0] and not (run_dir / "run.json").exists()
-    check(launcher(name="submitit_local", split="bins"), False)  # uncompiled: fine
+    check(launcher(name="submitit_local", split="bins"), ("probe.compile", False))  # uncompiled: fine

@@ -23,10 +23,12 @@ FLOORS = [
     ("planning", ["twinrun.plan"]),
     ("measurement", ["twinrun.measures"]),
     ("analysis and presentation", ["twinrun.analysis", "twinrun.publish"]),
-    ("components", ["twinrun.arms", "twinrun.model", "twinrun.data", "twinrun.draws"]),
+    ("components", ["twinrun.arms", "twinrun.model", "twinrun.data", "twinrun.draws", "twinrun.conditioning",
+                    "twinrun.caches", "twinrun.lora", "twinrun.models"]),
     ("storage", ["twinrun.storage"]),
     ("provenance", ["twinrun.provenance"]),
-    ("schema", ["twinrun.config", "twinrun.interventions", "twinrun.errors", "twinrun.files", "twinrun"]),
+    ("schema", ["twinrun.config", "twinrun.interventions", "twinrun.objectives", "twinrun.errors",
+                "twinrun.files", "twinrun"]),
 ]
 COMMANDS = set(FLOORS[0][1])
 # Side by side on one floor, neither reads the other: the reducer hands a summary to publish.

@@ -13,8 +13,8 @@ from rundirs import create, run_doc
 
 from twinrun.config import ProbeConfig
 from twinrun.errors import EXIT_MODEL, EXIT_USAGE, ConfigError, ModelError
+from twinrun.measures import failures, trial
 from twinrun.measures import fold_sums as probe
-from twinrun.measures import trial
 from twinrun.measures.probe import arithmetic
 from twinrun.provenance.record import kernel_path_sha256
 
@@ -79,7 +79,7 @@ def test_a_model_error_mid_run_becomes_exit_4_with_its_record():
 
     unit = run_doc([0.2, 0.5, 1.2])["units"][2]  # as run.json names it: "bin 2 (σ=1.2)"
     with pytest.raises(ModelError) as err:
-        trial.as_model_error("pin_sigma", unit, boom)
+        failures.as_model_error("pin_sigma", unit, boom)
     assert err.value.exit_code == EXIT_MODEL == 4
     assert "arm pin_sigma, bin 2 (σ=1.2)" in str(err.value)
     assert err.value.record["type"] == "FloatingPointError"
@@ -98,7 +98,7 @@ def test_failure_record_lands_in_run_json(tmp_path):
     index = create(tmp_path, run_doc([0.2]))
     err = ModelError("x")
     err.record = {"type": "FloatingPointError", "message": "overflow", "at": "m.py:3 in forward"}
-    index.mark_failed(index.units[0], "pin_sigma", trial.failure_record(err))
+    index.mark_failed(index.units[0], "pin_sigma", failures.failure_record(err))
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["failure"] == {"arm": "pin_sigma", "unit_index": 0, "unit": "bin 0 (σ=0.2)",
                               "type": "FloatingPointError", "message": "overflow", "at": "m.py:3 in forward"}

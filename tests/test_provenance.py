@@ -205,7 +205,7 @@ def test_a_bin_pieced_from_two_processes_fails_the_same_allocation_check(tmp_pat
 
 
 def test_sentinel_check_fails_when_a_job_saw_the_path_move(tmp_path):
-    from twinrun.analysis.checks import provenance_checks
+    from twinrun.analysis.reduction import provenance_checks
 
     class FakeStore:
         def __init__(self, sentinel):

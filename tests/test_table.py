@@ -37,7 +37,7 @@ def seed_sweep(tmp_path_factory):
 @needs_pandas
 def test_one_row_per_run_sigma_estimand_with_the_summary_s_numbers(seed_sweep):
     sweep, run = seed_sweep
-    df = table.load([sweep, run])
+    df = table_cli.load([sweep, run])
     runs = df[df.row_kind == "run"]
     assert len(runs) == 4 * 3 * 3  # 4 runs × 3 σ bins × 3 registered estimands
     assert set(runs.seed) == {0, 1, 2} and list(runs[runs.run_dir == str(run)].seed.unique()) == [0]
@@ -67,7 +67,7 @@ def test_one_row_per_run_sigma_estimand_with_the_summary_s_numbers(seed_sweep):
 @needs_pandas
 def test_a_seed_sweep_adds_rows_pooled_over_seeds(seed_sweep):
     sweep, _ = seed_sweep
-    df = table.load(sweep)
+    df = table_cli.load(sweep)
     pooled = df[df.row_kind == "pooled over seeds"]
     assert len(pooled) == 3 * 3 and set(pooled.seeds) <= {"0,1,2", "0,1", "0,2", "1,2", ""}
     summary = json.loads((sweep / "sweep_summary.json").read_text())
@@ -83,7 +83,7 @@ def test_a_seed_sweep_adds_rows_pooled_over_seeds(seed_sweep):
 @needs_pandas
 def test_csv_and_parquet_round_trip_through_the_command_line(seed_sweep, tmp_path, capsys):
     sweep, run = seed_sweep
-    want = table.load([sweep, run])
+    want = table_cli.load([sweep, run])
     assert table_cli.main([str(sweep), str(run), "--csv", str(tmp_path / "t.csv")]) == 0
     back = pd.read_csv(tmp_path / "t.csv")
     assert list(back.columns) == list(want.columns) and len(back) == len(want)
@@ -105,7 +105,7 @@ def test_a_run_not_yet_reduced_is_a_row_per_unit_and_estimand_without_numbers(tm
     for arm in index.arm_names:
         (arms / arm).mkdir(parents=True)
         (arms / arm / "config.yaml").write_text("seed: 3\nintervention: {}\n")
-    df = table.load(tmp_path / "r")
+    df = table_cli.load(tmp_path / "r")
     assert len(df) == 2 and set(df.verdict) == {"not reduced"} and df.cos.isna().all()
     assert list(df.seed) == [3, 3] and list(df.sigma) == [0.1, 0.2]
 

@@ -10,6 +10,7 @@ import pytest
 from conftest import TINY, run_twinrun
 
 from twinrun.errors import ConfigError
+from twinrun.measures.probe import PROBE
 from twinrun.publish import trackers
 from twinrun.storage.rundir import RunIndex
 
@@ -163,7 +164,7 @@ def test_a_failing_sink_is_one_line_and_the_run_stays_whole(logged, tmp_path, ca
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     for name in trackers.SINKS:
         ok = trackers.send({"name": name, "dir": str(blocker / "store"), "project": "twinrun"}, index,
-                           summary, [run / "summary.json"])
+                           summary, [run / "summary.json"], PROBE)
         assert ok is False
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"twinrun: warning: tracker={name} did not log {run} (")

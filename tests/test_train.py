@@ -28,10 +28,10 @@ from twinrun.job import run_job
 from twinrun.measures import train as train_kind
 from twinrun.measures import train_state
 from twinrun.measures import train_streams as streams
+from twinrun.measures.registry import load_index
 from twinrun.measures.train_step import NonFiniteLoss
 from twinrun.plan import plan_run, trusted_targets
 from twinrun.publish import publish, table, trackers
-from twinrun.publish.train_report import write_train_report
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.train_store import read_train_store
 
@@ -321,7 +321,7 @@ def test_determinism_off_is_allowed_and_the_replicate_reads_the_path(tmp_path):
 def test_split_bins_is_refused_for_segments():
     from twinrun.pipeline import check_launcher
 
-    with pytest.raises(ConfigError, match=r"^launcher.split='bins': a training run's segments are sequ"):
+    with pytest.raises(ConfigError, match=r"^launcher.split='bins': the run's segments are sequ"):
         check_launcher(tiny_cfg(["launcher=submitit_local", "launcher.split=bins"]))
 
 
@@ -375,23 +375,45 @@ def test_a_training_store_that_was_altered_is_refused(tiny, tmp_path):
         read_train_store(bad, u["stores"]["native"]["sha256"])
 
 
-def test_on_a_nondeterministic_path_the_replicate_decides_the_gate():
-    # Synthetic records: the replicate differs from the twin (the path is nondeterministic), so the
-    # machinery arm passes only within the replicate's distance, as the probe's gate rule says.
+def test_on_a_nondeterministic_path_the_replicates_spread_decides_the_gate():
+    # Synthetic records: the replicates differ from the twin (the path is nondeterministic), so the
+    # machinery arm passes only within the bound of their spread; one replicate bounds nothing.
     def store(last: str) -> dict:
         return {"to_step": 2, "from_step": 0, "step_digests": [["a"], [last]], "digests": {"weight/w": last}}
 
-    records = [{"native": store("b"), "native_replicate": store("c"), "x_noop": store("d")}]
+    reps = {"native_replicate": 1.0e-3, "native_replicate_2": 1.2e-3, "native_replicate_3": 0.9e-3}
+    records = [{"native": store("b"), "x_noop": store("d"), **{r: store(r) for r in reps}}]
     index = SimpleNamespace(units=[{"label": "segment 1 (steps 1–2)"}])
     roles = {"machinery": "x_noop", "replicate": "native_replicate"}
-    run = Run(index, roles, [{"name": "w"}], 10.0, [], "w", {})
-    for machinery, passed, rule in ((1e-4, True, "within the replicate"),
-                                    (1e-2, False, "beyond the replicate")):
+    run = Run(index, roles, [{"name": "w"}], 10.0, [], "w", {},
+              {"machinery": ["x_noop"], "replicate": list(reps)})
+    for machinery, passed, rule in ((1.1e-3, True, "within the path's wobble"),
+                                    (1e-2, False, "beyond the path's wobble")):
         found = {(0, "x_noop", "all"): {"distance": machinery, "abs_distance": 1.0},
-                 (0, "native_replicate", "all"): {"distance": 1e-3, "abs_distance": 1.0}}
+                 **{(0, r, "all"): {"distance": d, "abs_distance": 1.0} for r, d in reps.items()}}
         row = gate_rows(run, records, found, "replicate")[0]
         assert (row["passed"], row["rule"], row["first_tensor"]) == (passed, rule, "w (after step 2)")
+        assert row["replicate_distances"] == list(reps.values()) and row["wobble_bound"] > 1.2e-3
         assert not gate_rows(run, records, found, "bit_identical")[0]["passed"]
+        one = Run(index, roles, [{"name": "w"}], 10.0, [], "w", {})  # the first replicate only
+        assert gate_rows(one, records, found, "replicate")[0]["rule"] == ("too few replicates differ to "
+                                                                          "bound the path's wobble")
+
+
+def test_a_no_op_that_moves_only_a_buffer_fails_the_gate():
+    # Every weight bit-identical after every step, a BatchNorm running mean moved: not a no-op.
+    def store(buf: str) -> dict:
+        return {"to_step": 2, "from_step": 0, "step_digests": [["a"], ["b"]],
+                "digests": {"weight/w": "b", "buffer/bn.running_mean": buf}}
+
+    records = [{"native": store("x"), "native_replicate": store("x"), "x_noop": store("y")}]
+    index = SimpleNamespace(units=[{"label": "segment 1 (steps 1–2)"}])
+    run = Run(index, {"machinery": "x_noop", "replicate": "native_replicate"}, [{"name": "w"}], 10.0, [],
+              "w", {})
+    found = {(0, "x_noop", "all"): {"distance": 0.0, "abs_distance": 0.0}}
+    row = gate_rows(run, records, found, "replicate")[0]
+    assert not row["passed"] and row["rule"] == "not a no-op on a deterministic path"
+    assert row["first_tensor"] == "buffer/bn.running_mean"
 
 
 # ----------------------------------------------------------------------------- where researchers work
@@ -400,9 +422,9 @@ def test_on_a_nondeterministic_path_the_replicate_decides_the_gate():
 def test_a_training_run_is_a_table_and_a_tracker_payload(tiny):
     """The table and the trackers read a training run by its steps (they read σ bins only, and a
     training run raised KeyError in the table and was logged to no tracker)."""
-    publish(tiny, write_train_report)
+    publish(tiny, train_kind.TRAIN)
     index, summary = tiny.index, tiny.index.run_dir.read_summary()
-    rows = table.run_rows(index.run_dir.path)
+    rows = table.run_rows(index.run_dir.path, load_index)
     assert len(rows) == len(index.units) * len(summary["used"]["estimands"])
     effects = {(e["step"], e["estimand"]): e for e in summary["effects"]}
     for r in rows:
@@ -410,7 +432,7 @@ def test_a_training_run_is_a_table_and_a_tracker_payload(tiny):
         e = effects.get((r["to_step"], r["estimand"]))
         assert (r.get("cos"), r.get("distance")) == ((None, None) if e is None else (e["cos"], e["distance"]))
     assert any(r.get("cos") is not None for r in rows)
-    p = trackers.payload(index, summary, [])
+    p = trackers.payload(index, summary, [], train_kind.TRAIN)
     assert [s["step"] for s in p.steps] == [index.params(u)["to_step"] for u in index.units]
     last = p.steps[-1]
     assert last["distance/all"] == effects[last["step"], "all"]["distance"] and "loss_arm/heldout" in last

@@ -131,3 +131,20 @@ def test_refusal_is_a_config_error():
 
     with pytest.raises(ConfigError, match="BatchNorm2d at bn"):
         modes.set_mode(Coupled(), torch.randn(3, 1, 4, 4), 0.5, train_mode=True, announce=False)
+
+
+def test_a_batch_statistic_computed_by_hand_is_refused_in_eval_mode_too():
+    """Eval mode switches off modules, not a forward that averages over the batch itself: the coupling
+    check runs in either mode (it ran with train_mode=true only, and such a model was accepted)."""
+    class ByHand(nn.Module):
+        def forward(self, x, sigma, sigma_cond):
+            return x - x.mean(0, keepdim=True)
+
+    with pytest.raises(ConfigError, match="couples samples in eval mode"):
+        modes.set_mode(ByHand(), torch.randn(3, 1, 4, 4), 0.5, train_mode=False, announce=False)
+
+    class PerSample(ByHand):
+        def forward(self, x, sigma, sigma_cond):
+            return x - x.mean((1, 2, 3), keepdim=True)
+
+    modes.set_mode(PerSample(), torch.randn(3, 1, 4, 4), 0.5, train_mode=False, announce=False)

@@ -24,11 +24,12 @@ from twinrun import reduce
 from twinrun import table as table_cli
 from twinrun.errors import ConfigError, StoreError
 from twinrun.files import create_once
+from twinrun.measures import train as train_kind
+from twinrun.measures.registry import load_index
 from twinrun.measures.train_state import load_start
 from twinrun.model import DEFAULT_ARCH, DiTDenoiser
 from twinrun.provenance import compile_cache
 from twinrun.publish import publish, table, trackers
-from twinrun.publish.train_report import write_train_report
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.safetensors_file import SafetensorsFile
 from twinrun.storage.train_store import read_train_store, write_train_store
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.slow
 def made(tmp_path_factory) -> Path:
     """One tiny scale_lr training run, reduced and published; copy it before changing it."""
     run = tmp_path_factory.mktemp("train_untrusted") / "run"
-    publish(train_run(run), write_train_report)
+    publish(train_run(run), train_kind.TRAIN)
     return run
 
 
@@ -90,10 +91,10 @@ def test_a_floor_margin_edited_in_every_arm_is_refused_not_a_verdict(run, capsys
     assert "floor_margin: 10000.0" in (run / "arms/native/config.yaml").read_text()
     refused(reduce.main, [run], capsys, "config.yaml", "config_hash")
     with pytest.raises(StoreError, match="config.yaml: does not match the config_hash"):
-        table.run_rows(run)  # the seed column came from it
+        table.run_rows(run, load_index)  # the seed column came from it
     index = RunIndex.load(run)
     with pytest.raises(StoreError, match="config.yaml: does not match the config_hash"):
-        trackers.payload(index, index.run_dir.read_summary(), [])  # the params came from it
+        trackers.payload(index, index.run_dir.read_summary(), [], train_kind.TRAIN)  # its params
 
 
 # ----------------------------------------------------------------------------- 2. step digests and weights
@@ -276,11 +277,11 @@ def test_a_hand_edited_training_summary_never_tracebacks_the_table(run, capsys):
 
 
 def test_a_tracker_logs_the_training_plots_and_never_a_planted_one(run, monkeypatch):
-    (run / "effect.png").write_bytes((run / "loss.png").read_bytes())  # planted: no training run draws it
+    (run / "effect.png").write_bytes((run / "loss.png").read_bytes())  # planted: training never draws it
     sent = []
-    monkeypatch.setattr("twinrun.publish.send", lambda tracker, index, summary, files: sent.append(files))
+    monkeypatch.setattr("twinrun.publish.send", lambda *a: sent.append(a[3]))
     from twinrun.analysis.train_reduce import reduce_train
-    publish(reduce_train(run), write_train_report, tracker={"name": "x"})
+    publish(reduce_train(run), train_kind.TRAIN, tracker={"name": "x"})
     names = sorted(Path(f).name for f in sent[0])
     assert names == ["distance.png", "loss.png", "report.md", "summary.json"], names
 
@@ -316,7 +317,7 @@ def test_a_nan_literal_where_twinrun_writes_a_number_is_refused(run):
     summary["gates"][0]["distance"] = math.nan
     (run / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(StoreError, match=r"field gates\[0\].distance: NaN"):
-        RunIndex.load(run).run_dir.read_summary()
+        RunIndex.load(run).run_dir.read_summary(train_kind.TRAIN.summary_type)
 
 
 # ----------------------------------------------------------------------------- the attack's categories
@@ -378,7 +379,7 @@ def test_a_link_planted_in_a_trackers_store_is_refused_and_nothing_outside_chang
     victim = _planted(store, outside, name)
     index = RunIndex.load(run)
     tracker = {"name": sink, "dir": str(store), "project": "twinrun"}
-    assert not trackers.send(tracker, index, index.run_dir.read_summary(), [])
+    assert not trackers.send(tracker, index, index.run_dir.read_summary(), [], train_kind.TRAIN)
     err = capsys.readouterr().err
     assert f"warning: tracker={sink} did not log" in err and "symlink" in err and name in err, err
     assert victim.read_bytes() == b"precious" and sorted(p.name for p in outside.iterdir()) == ["victim"]
@@ -462,7 +463,8 @@ def test_a_tracker_logs_twice_into_its_store_and_keeps_its_own_chatter_off_the_t
     index = RunIndex.load(made)
     tracker = {"name": sink, "dir": str(tmp_path / sink), "project": "twinrun"}
     for _ in range(2):
-        assert trackers.send(tracker, index, index.run_dir.read_summary(), [made / "summary.json"])
+        assert trackers.send(tracker, index, index.run_dir.read_summary(), [made / "summary.json"],
+                             train_kind.TRAIN)
     out, err = capfd.readouterr()
     lines = out.splitlines()
     assert err == "" and len(lines) == 2, (out, err)

@@ -44,6 +44,7 @@ from twinrun.errors import (
 )
 from twinrun.files import refuse_links
 from twinrun.job import warn_once
+from twinrun.measures.registry import load_index, measure_names
 from twinrun.pipeline import Point, check_launcher, run_point, submit_sweep
 from twinrun.plan import plan_run
 from twinrun.publish.sweep import write_sweep_summary
@@ -212,7 +213,7 @@ class SweepCallback(Callback):
             except TwinrunError as err:
                 fail(err)
         if launcher is None or launcher["wait"]:
-            write_sweep_summary(sweep_dir)
+            write_sweep_summary(sweep_dir, load_index)
         raise SystemExit(max(self.codes or [EXIT_OK]))
 
 
@@ -423,6 +424,8 @@ def main() -> None:
         OmegaConf.register_new_resolver("twinrun.unique", _unique)
     if not OmegaConf.has_resolver("twinrun.config_groups"):
         OmegaConf.register_new_resolver("twinrun.config_groups", _config_groups)
+    if not OmegaConf.has_resolver("twinrun.measures"):
+        OmegaConf.register_new_resolver("twinrun.measures", lambda: ", ".join(measure_names()))
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
     raise_on_signals()
     warn_once()

@@ -69,8 +69,17 @@ def outside_intervention(diff: list[dict]) -> list[str]:
 
 def for_compute(cfg: dict, exclude: tuple = ()) -> dict:
     """The part of a resolved config that can change a result (launching excluded, and `exclude`: the
-    settings of the measurement kinds this run is not)."""
-    return {k: v for k, v in cfg.items() if k not in EXCLUDED and k not in exclude}
+    settings of the measurement kinds this run is not). An unset arms.replicates is left out: runs planned
+    before it existed keep their config hashes."""
+    out = {k: v for k, v in cfg.items() if k not in EXCLUDED and k not in exclude}
+    if isinstance(out.get("arms"), dict) and out["arms"].get("replicates", 0) is None:
+        out["arms"] = {k: v for k, v in out["arms"].items() if k != "replicates"}
+    return out
+
+
+def replicate_name(k: int) -> str:
+    """The k-th replicate's arm (k from 1): native_replicate, native_replicate_2, …"""
+    return "native_replicate" if k == 1 else f"native_replicate_{k}"
 
 
 def machinery_of(cfg: DictConfig, noop: dict) -> DictConfig:
@@ -83,9 +92,11 @@ def machinery_of(cfg: DictConfig, noop: dict) -> DictConfig:
 
 def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False,
                 noop: dict | None = None, chaos: bool = False,
-                exclude: tuple = ()) -> tuple[list[Arm], list[dict]]:
-    """[intervention, twin(, replicate)(, machinery)(, chaos)] and the intervention–twin diff; refuse a
-    pair that is not a twin. `noop`: the intervention's no-op setting, which adds its machinery arm;
+                exclude: tuple = (), replicates: int = 1) -> tuple[list[Arm], list[dict]]:
+    """[intervention, twin(, replicates)(, machinery)(, chaos)] and the intervention–twin diff; refuse a
+    pair that is not a twin. `replicate`: the twin's replicate is an arm (`replicates` of them; without
+    `replicate`, replicates beyond the first, which the probe measures at its gate bins only, are arms);
+    `noop`: the intervention's no-op setting, which adds its machinery arm;
     `chaos`: the twin once more, run with a one-ulp perturbation (a training run's chaos arm: its
     config is the twin's, its role says what differs); `exclude`: config keys no arm carries."""
     if cfg[INTERVENTION_KEY].get("_target_") == NATIVE["_target_"]:
@@ -99,7 +110,7 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
             f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} "
             "names its arm directory, so it must be letters, digits, '_', '.', '-' without '..'"
         )
-    if intervention_name in ("native", "native_replicate", "native_chaos"):
+    if intervention_name in ("native", "native_chaos") or intervention_name.startswith("native_replicate"):
         raise TwinrunError(
             f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} "
             "is the twin's own; give the intervention class another `name` (its arm directory)"
@@ -114,8 +125,8 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
             "differ only in the intervention: do not let other keys interpolate from it"
         )
     arms = [Arm(intervention_name, mine, "intervention"), Arm("native", twin, "twin")]
-    if replicate:
-        arms.append(Arm("native_replicate", twin, "replicate"))
+    first = 1 if replicate else 2
+    arms += [Arm(replicate_name(k), twin, "replicate") for k in range(first, replicates + 1)]
     if noop is not None:
         machinery = for_compute(_resolved(machinery_of(cfg, noop), "machinery arm's"), exclude)
         arms.append(Arm(f"{intervention_name}_noop", machinery, "machinery"))

@@ -25,8 +25,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinrun.analysis.checks import arm_stores, close, load_run, registered, scan_run
+from twinrun.analysis.checks import arm_stores, close, load_run, scan_run
 from twinrun.analysis.estimands import SHIFT_VIEW
+from twinrun.analysis.reduction import registered
 from twinrun.analysis.references import cross_estimates, protocol_mismatch, reference_report
 from twinrun.analysis.train_reduce import arm_stores as train_arm_stores
 from twinrun.analysis.train_reduce import compare_stores
@@ -95,7 +96,8 @@ def measured_fields(a: dict, b: dict) -> list[str]:
 
 def _difference(measured: list[str], fields: list[str]) -> str:
     """How two sides differ, the measured thing first, then the environment."""
-    what = {"model_sha256": "models (their parameters and buffers as built)", "data_sha256": "images"}
+    what = {"model_sha256": "models (their parameters and buffers as built)",
+            "data_sha256": "images (with their conditioning, if any)", "adapter_sha256": "LoRA adapters"}
     parts = [f"measured different {' and '.join(what[k] for k in measured)}"] if measured else []
     parts += [f"ran on different kernel paths (differs in {', '.join(fields)})"] if fields else []
     return " and ".join(parts)

@@ -19,6 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import INTERVENTIONS, schema
+from twinrun.objectives import EDM, EDM_P_MEAN, EDM_P_STD, OBJECTIVES, Objective
+from twinrun.objectives import schema as objective_schema
+from twinrun.plugins import plugin_interventions
 
 # ----------------------------------------------------------------------------- components built
 # through one level of `_target_` (model, data, intervention): a user's own config may point
@@ -46,6 +49,24 @@ class DigitsTrainDataConfig:
 
 
 # ----------------------------------------------------------------------------- plain settings
+
+
+@dataclass
+class CacheDataConfig:
+    # A latent cache and an optional conditioning cache (twinrun/caches.py; docs/bring-your-own.md).
+    _target_: str = "twinrun.caches.load_cache"
+    latents: str = MISSING  # safetensors: `latents` [M, C, H, W], `ids` [M]
+    conditioning: str | None = None  # safetensors: `ids` [M] (the latents'), one tensor [M, ...] per entry
+
+
+@dataclass
+class CacheTrainDataConfig:
+    # Training's caches: each split's latent cache and optional conditioning cache.
+    _target_: str = "twinrun.caches.load_train_cache"
+    train_latents: str = MISSING
+    heldout_latents: str = MISSING
+    train_conditioning: str | None = None
+    heldout_conditioning: str | None = None
 
 
 @dataclass
@@ -126,6 +147,10 @@ class TrainConfig:
     # the rate is constant over the run. Typed Any, not a dict: a dict default would be merged with
     # (and so keep the keys of) whichever optimizer replaces it.
     optimizer: Any = None
+    # The trained parameters: fnmatch patterns over model.named_parameters(), the rules of probe.params;
+    # every other parameter is frozen (no gradient, not in the optimizer). ['*lora_*'] trains a LoRA
+    # adapter alone (docs/models.md); a pattern list matching nothing is refused.
+    params: list = field(default_factory=lambda: ["*"])
     # The weights every arm starts from: a safetensors file of the model's parameters; null = the
     # model as its builder returns it (the committed digits denoiser for model=dit_digits).
     start_checkpoint: str | None = None
@@ -171,9 +196,10 @@ class ReduceConfig:
     # Hydra merges an override into an existing (struct) dict, which would refuse every new name.
     groups: Any = None
     # No-op gate, at each bin where the intervention claims to do nothing:
-    #   replicate      pass if bit-identical to the twin; if not, FAIL unless the twin's replicate
-    #                  (measured automatically) proves the kernel path nondeterministic and the
-    #                  arms differ by no more than the replicate does (max relative difference).
+    #   replicate      pass if bit-identical to the twin; if not, FAIL unless the twin's replicates
+    #                  (measured automatically; arms.replicates) prove the kernel path nondeterministic
+    #                  and the arms' max relative difference is within the bound of the replicates'
+    #                  spread (docs/estimator.md, "The gate on a nondeterministic path").
     #   bit_identical  pass only if bit-identical (a nondeterministic path fails every gate).
     # Within one process on one deterministic kernel path a true no-op is bit-identical: "close"
     # is not a no-op, so there is no cosine threshold.
@@ -251,6 +277,62 @@ class ArmsConfig:
     # Measure the native twin a second time in the same job: the within-environment determinism
     # control (the reducer reports "k / N bins differ", the max difference and the cosine).
     replicate: bool = False
+    # How many replicates of the twin a run measures where it measures them (training always; the probe
+    # at its gate bins, and at every bin with arms.replicate): on a nondeterministic path the gate is a
+    # bound on the spread of their distances from the twin (twinrun/analysis/gates.py). null = 1 with
+    # determinism.enabled (a bit-identical replicate decides), REPLICATES_NONDETERMINISTIC without.
+    # Recorded in the arms' configs only when set, so runs planned before it keep their config hashes.
+    replicates: int | None = None
+
+
+# The replicates a run measures with determinism off and arms.replicates unset: the smallest count whose
+# gate catches, at one row of a five-row run, a leak of 2.75× the path's wobble (norms) at 90 % power
+# (docs/estimator.md's table; 3 replicates need 6.25×), for 3/5 of a training run's cost more (eight arms
+# for five).
+REPLICATES_NONDETERMINISTIC = 4
+MAX_REPLICATES = 16
+
+
+def replicate_count(cfg) -> int:
+    """arms.replicates as a number: the one set, or the default for this determinism setting."""
+    n = cfg.arms.get("replicates")
+    if n is None:
+        return 1 if cfg.determinism.enabled else REPLICATES_NONDETERMINISTIC
+    return n
+
+
+@dataclass
+class SampleConfig:
+    # Twin sampling (measure=sample, docs/sampling.md): every arm generates the same samples from the same
+    # keyed initial noise and per-step sampler noise; a unit is a chunk of samples, so a kill resumes
+    # bit-identically at the first chunk not stored.
+    n_samples: int = 32  # samples per arm; the paired SEs are over these
+    chunk_samples: int = 8  # samples per unit (one store per arm and chunk); must divide n_samples
+    sampler: str = "heun"  # heun (EDM's 2nd order) | euler; s_churn > 0 makes either stochastic
+    steps: int = 18  # sampler steps (EDM's schedule: σ_max … σ_min, then 0)
+    sigma_min: float = 0.002
+    sigma_max: float = 80.0
+    rho: float = 7.0  # the schedule's curvature (EDM: 7)
+    # EDM's stochastic sampler (Karras et al. 2022, Algorithm 2): noise is added back at steps with σ in
+    # [s_tmin, s_tmax], drawn per sample and step from keyed streams (the same in every arm).
+    # 0: the deterministic sampler.
+    s_churn: float = 0.0
+    s_tmin: float = 0.0
+    s_tmax: float = 1.0e9
+    s_noise: float = 1.0
+    # The held-out denoising loss of each sample: the native model's EDM loss on it at these σ, on keyed
+    # noise (the same for every arm): how far a sample sits from what the twin's model calls data.
+    loss_sigmas: list[float] = field(default_factory=lambda: [0.2, 0.5, 1.2])
+    # The distribution distance (MMD² between the arms' samples, paired over samples) reads features:
+    # null = a fixed random-feature map of this many cosines (seeded), or a `_target_` feature net
+    # (a torch.nn.Module mapping [B, C, H, W] to [B, F]; its builder must be trusted as the model's is).
+    features: Any = None
+    random_features: int = 256
+    feature_bandwidth: float = 8.0  # the random features' RBF length scale, in pixel-vector units
+    device: str = "auto"  # as probe.device
+
+
+PLUGIN_NODE = "plugin"  # TwinrunConfig's node for a plugin kind's settings (only its own arms carry it)
 
 
 @dataclass
@@ -261,8 +343,13 @@ class TwinrunConfig:
     model: Any = MISSING
     data: Any = MISSING
     intervention: Any = MISSING
+    # The diffusion objective (twinrun/objectives.py, docs/objectives.md): edm | flow | vp | your own.
+    objective: Any = MISSING
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     train: TrainConfig = field(default_factory=TrainConfig)  # measure=train's settings
+    sample: SampleConfig = field(default_factory=SampleConfig)  # measure=sample's settings
+    # A plugin kind's own settings (twinrun/plugins.py), free-form: the kind checks them itself.
+    plugin: Any = field(default_factory=dict)
     sigma_grid: SigmaGridConfig = field(default_factory=SigmaGridConfig)
     reduce: ReduceConfig = field(default_factory=ReduceConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -282,14 +369,16 @@ class TwinrunConfig:
 # arithmetic, not what is measured (they are in the kernel path instead). The model config is not
 # part of it: weights move between paths and machines, and the parameter layout, which is, is
 # checked store by store.
-PROTOCOL_KEYS = ("data", "sigma_grid", "seed", "probe.n_images", "probe.n_draws", "probe.n_folds",
-                 "probe.params", "probe.train_mode")
+PROTOCOL_KEYS = ("data", "objective", "sigma_grid", "seed", "probe.n_images", "probe.n_draws",
+                 "probe.n_folds", "probe.params", "probe.train_mode")
+# A run recorded before objectives were configurable ran edm with its defaults (conf/objective/edm.yaml).
+DEFAULT_OBJECTIVE = {"_target_": "twinrun.objectives.EDM", "p_mean": EDM_P_MEAN, "p_std": EDM_P_STD}
 # The same protocol as each store's metadata records it (n_folds and params become the fold sizes
 # and the parameter layout): every store of a run must agree on these (checks.py, references.py).
 STORE_PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
 # What was measured, as each store records it: every store of a run must agree on these, and a
 # reference whose differ is dead for that reason (the model's or the data's), not the environment's.
-STORE_IDENTITY_KEYS = ("model_sha256", "data_sha256")
+STORE_IDENTITY_KEYS = ("model_sha256", "data_sha256", "adapter_sha256")
 
 
 def config_hash(config: dict) -> str:
@@ -308,7 +397,12 @@ def _at(config: dict, dotted: str):
 
 def protocol_differences(a: dict, b: dict, keys=PROTOCOL_KEYS) -> list[str]:
     """The protocol keys at which two resolved configs differ (empty: they measure the same thing)."""
-    return [k for k in keys if _at(a, k) != _at(b, k)]
+    return [k for k in keys if _protocol_at(a, k) != _protocol_at(b, k)]
+
+
+def _protocol_at(config: dict, dotted: str):
+    value = _at(config, dotted)
+    return DEFAULT_OBJECTIVE if dotted == "objective" and value is None else value
 
 
 def build(node: dict, key: str):
@@ -320,6 +414,19 @@ def build(node: dict, key: str):
         cause = err.__cause__ or err
         msg = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
         raise ConfigError(f"{key}._target_", node.get("_target_"), f"could not be built: {msg}") from None
+
+
+def objective_of(node: dict | None) -> Objective:
+    """An arm's objective from its resolved config's `objective` node (one level of `_target_`); a config
+    without one (a run recorded before objectives were configurable) is `edm`, which it ran."""
+    if not node:
+        return EDM()
+    obj = build(node, "objective")
+    if not isinstance(obj, Objective):
+        raise ConfigError("objective._target_", node.get("_target_"), "built a "
+                          f"{type(obj).__name__}, not an objective: subclass twinrun.objectives.Objective "
+                          "(docs/objectives.md)")
+    return obj
 
 
 def typed(schema: type, node: dict, where) -> Any:
@@ -340,10 +447,20 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="digits", node=DigitsDataConfig)
     for cls in INTERVENTIONS:
         cs.store(group="schema/intervention", name=cls.name, node=schema(cls))
+    for cls in OBJECTIVES.values():
+        cs.store(group="schema/objective", name=cls.name, node=objective_schema(cls))
+    # An installed package's interventions (entry point group twinrun.interventions): selected by name
+    # like a built-in, `intervention=NAME`, their schema straight from the class (no YAML needed).
+    for name, cls in plugin_interventions(INTERVENTIONS).items():
+        cs.store(group="schema/intervention", name=name, node=schema(cls))
+        cs.store(group="intervention", name=name, node=schema(cls))
     cs.store(group="schema/probe", name="probe", node=ProbeConfig)
     cs.store(group="schema/sigma_grid", name="sigma_grid", node=SigmaGridConfig)
     cs.store(group="schema/train", name="train", node=TrainConfig)
+    cs.store(group="schema/sample", name="sample", node=SampleConfig)
     cs.store(group="schema/data", name="digits_train", node=DigitsTrainDataConfig)
+    cs.store(group="schema/data", name="cache", node=CacheDataConfig)
+    cs.store(group="schema/data", name="cache_train", node=CacheTrainDataConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
     cs.store(group="schema/tracker", name="tracker", node=TrackerConfig)
 

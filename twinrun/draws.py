@@ -38,3 +38,12 @@ def digest(eps: torch.Tensor, sigma: float) -> str:
     h = hashlib.sha256(struct.pack("<d", float(sigma)))
     h.update(eps.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes())
     return h.hexdigest()
+
+
+def keyed_normal(stream: bytes, seed: int, coords: tuple[int, ...], shape: tuple) -> torch.Tensor:
+    """A float32 standard normal of `shape` on the CPU, a pure function of (stream, seed, coords): e.g. a
+    sample's initial noise keyed by its index, or its sampler noise at one step (twinrun/measures/
+    samplers.py). Another stream name never shares a draw with the probe's."""
+    digest = hashlib.sha256(stream + struct.pack(f"<q{len(coords)}q", seed, *coords)).digest()
+    gen = np.random.Generator(np.random.Philox(key=np.frombuffer(digest[:16], dtype=np.uint64).copy()))
+    return torch.from_numpy(gen.standard_normal(shape, dtype=np.float32))

@@ -1,5 +1,8 @@
 """Print the fingerprint a run made here records: `python -m twinrun.env [--determinism on|off]`.
 
+`--measure KIND` (default: the config's default kind) adds that kind's arithmetic settings, as its run
+records them.
+
 The kernel-path digest comes first (a run writes env/kernel_path-<first 12 digits>.json), then the
 determinism record and the fingerprint itself (twinrun/provenance/fingerprint.py says what each
 field is and why it is compared or only recorded).
@@ -8,10 +11,10 @@ field is and why it is compared or only recorded).
 import argparse
 import json
 
-from twinrun.config import ProbeConfig
+from twinrun.config import TwinrunConfig
 from twinrun.errors import TwinrunError, fail
 from twinrun.measures.kind import resolve_device
-from twinrun.measures.probe import arithmetic
+from twinrun.measures.registry import measure_names, measure_of
 from twinrun.provenance.fingerprint import fingerprint
 from twinrun.provenance.record import kernel_path_sha256, setup_determinism
 
@@ -26,11 +29,18 @@ def main(argv=None) -> int:
     p.add_argument("--determinism", choices=("on", "off"), default="on",
                    help="as a run with determinism.enabled=true (default) or false: the switches are part "
                    "of the kernel path, so the digest differs")
-    p.add_argument("--method", choices=("vmap", "folds"), default="vmap",
-                   help="the probe method a run resolved (its log says which; the default model takes vmap)")
+    p.add_argument("--measure", default=TwinrunConfig.measure, choices=measure_names(),
+                   help="the run's measurement kind, whose default arithmetic settings join the kernel path")
+    p.add_argument("--method", default=None,
+                   help="the method the kind resolved, where it has several (its log says which; the "
+                   "default: the default model's)")
     p.add_argument("--device", default="auto",
-                   help="the run's probe.device (auto: this machine's GPU if torch sees one, else the CPU)")
+                   help="the run's device setting (auto: this machine's GPU if torch sees one, else the CPU)")
     args = p.parse_args(argv)
+    kind = measure_of(args.measure)
+    if args.method is not None and args.method not in kind.methods:
+        p.error(f"argument --method: invalid choice: {args.method!r} (choose from "
+                f"{', '.join(map(repr, kind.methods)) or 'none: the kind has one method'})")
     # A run pins determinism before it fingerprints (twinrun.job); do the same, or the switches
     # (deterministic algorithms, cuDNN, CUBLAS_WORKSPACE_CONFIG) read here would not be the run's.
     determinism = setup_determinism({"determinism": {"enabled": args.determinism == "on"}})
@@ -39,8 +49,8 @@ def main(argv=None) -> int:
     except TwinrunError as err:
         fail(err)
     fp = fingerprint(device=device)
-    # A run adds its probe's arithmetic settings (twinrun.job); take the default probe config's.
-    fp["kernel_path"]["probe"] = arithmetic(ProbeConfig(), args.method, device.type)
+    # A run adds its kind's arithmetic settings (twinrun.job); take the kind's default config's.
+    fp["kernel_path"][kind.name] = kind.default_arithmetic(args.method, device.type)
     sha = kernel_path_sha256(fp)
     out = {"kernel_path_sha256": sha, "kernel_path_file": f"env/kernel_path-{sha[:12]}.json",
            "determinism": determinism, **fp}

@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 from twinrun.errors import EXIT_INTERRUPTED, FAILURE_EXIT_CODES, Interrupted, KernelPathRefused, TwinrunError
 from twinrun.files import make_dir, write_json
+from twinrun.measures.failures import failure_record, to_model_error
 from twinrun.measures.kind import Session, describe_device, resolve_device
-from twinrun.measures.registry import measure_of
-from twinrun.measures.trial import failure_record, to_model_error
+from twinrun.measures.registry import load_index, measure_of
 from twinrun.plan import load_arms
 from twinrun.provenance.fingerprint import fingerprint
 from twinrun.provenance.record import kernel_path_sha256, setup_determinism, straddling_rule, unit_record
@@ -48,7 +48,7 @@ def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None,
         if units is None:  # with units, another element may be writing: its temp files are not stale
             for stale in rd.tmp_files():  # a write cut short by a kill: never read
                 stale.unlink(missing_ok=True)
-        index = RunIndex.load(rd)
+        index = load_index(rd)[0]
         try:
             return _measure(index, load_arms(index, trusted), units, gpus)
         except (KeyboardInterrupt, Interrupted) as err:
@@ -96,7 +96,7 @@ def _measure(index: RunIndex, arms: list, units: list[int] | None, gpus: int | N
     kind = measure_of(index.measure)
     # Before any torch work; a compiled run compiles into a cache of its own (no other run's entries).
     determinism = setup_determinism(config, index.run_dir.path if kind.compiles(config) else None)
-    todo = index.pending_units(units)
+    todo = index.pending_units(units, kind.verify_store)
     if kind.sequential_units and todo:  # each unit continues the one before: measure on from the first gap
         todo = index.units[todo[0]["index"]:]
     with recorded_before_units(index, todo):
@@ -173,7 +173,8 @@ def measure_units(
                 # Step: measure this arm, store it with what it is (written atomically), mark it done.
                 tensors, meta = session.measure(u, arm.name, {"config_hash": hashes[arm.name], **stamp})
                 path = index.store_path(u, arm.name)
-                landed[arm.name] = write_store(path, tensors, meta, kind.store_format)
+                landed[arm.name] = (kind.write_store(path, tensors, meta) if kind.write_store is not None
+                                    else write_store(path, tensors, meta, kind.store_format))
                 if not kind.sequential_units:
                     index.mark_done(u, arm.name, landed[arm.name], sha, refuse, identity)
             timings.append(f"{arm.name} {time.perf_counter() - t_arm:.2f}s")

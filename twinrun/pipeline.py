@@ -17,7 +17,7 @@ from twinrun.job import run_job
 from twinrun.launchers.record import submitted_launcher
 from twinrun.launchers.submit import submit
 from twinrun.launchers.wait import wait
-from twinrun.measures.registry import measure_of
+from twinrun.measures.registry import load_index, measure_of
 from twinrun.plan import plan_run, trusted_targets
 from twinrun.publish import publish
 from twinrun.publish.sweep import write_sweep_summary
@@ -41,7 +41,7 @@ def check_launcher(cfg: DictConfig) -> dict:
     """The config's launcher settings as plain data, refused (exit 2) before anything is written."""
     launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
     kind = measure_of(cfg.measure)
-    launchers.check(launcher, cfg.probe.compile, kind.unit_noun if kind.sequential_units else None,
+    launchers.check(launcher, kind.compile_setting(cfg), kind.unit_noun if kind.sequential_units else None,
                     device=device_setting(cfg))
     return launcher
 
@@ -91,9 +91,9 @@ def reduce_and_publish(run_dir: Path, estimands=None, gate_rule=None, signal_alp
                        tracker: dict | None = None, family_alpha=None) -> int:
     """Reduce a measured run with its kind's analysis, publish it (and log it to the tracker, when one
     is given), print it; the exit code."""
-    kind = measure_of(RunIndex.load(run_dir).measure)
+    kind = load_index(run_dir)[1]
     reduction = kind.reduce(Path(run_dir), estimands, gate_rule, signal_alpha, family_alpha)
-    publish(reduction, kind.report, tracker)
+    publish(reduction, kind, tracker)
     print(kind.render(reduction.shown), flush=True)
     return reduction.exit_code
 
@@ -111,12 +111,11 @@ def resume_run(rd: RunDir, local: bool, trusted: list[str]) -> int:
 
 
 def _launch_rules(rd: RunDir) -> tuple:
-    """What the launcher rules depend on, read from the run's twin config: (probe.compile, the noun of
-    sequential units or None, (the kind's device key, its setting))."""
-    index = RunIndex.load(rd)
-    kind = measure_of(index.measure)
+    """What the launcher rules depend on, read from the run's twin config: (the kind's compile setting, the
+    noun of sequential units or None, (the kind's device key, its setting))."""
+    index, kind = load_index(rd)
     config = rd.read_arm_config(index.arm("twin")["name"])
-    return ((config.get("probe") or {}).get("compile"), kind.unit_noun if kind.sequential_units else None,
+    return (kind.compile_setting(config), kind.unit_noun if kind.sequential_units else None,
             (f"{kind.settings_key}.device", str(kind.device(config))))
 
 
@@ -141,7 +140,7 @@ def reduce_sweep(sweep_dir: Path, resume: bool, local: bool, trusted: list[str])
         except TwinrunError as err:  # one point's damage does not hide the others
             print(f"twinrun: error: {run_dir}: {err}", file=sys.stderr, flush=True)
             codes.append(err.exit_code)
-    code, summary = max(codes or [EXIT_OK]), write_sweep_summary(sweep_dir)
+    code, summary = max(codes or [EXIT_OK]), write_sweep_summary(sweep_dir, load_index)
     if not summary["all_valid"]:
         code = max(code, EXIT_GATE if all(pt["status"] == "reduced" for pt in summary["points"])
                    else EXIT_USAGE)

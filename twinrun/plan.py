@@ -21,10 +21,14 @@ from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.arms import Arm, derive_arms
 from twinrun.config import (
     GATE_RULES,
+    MAX_REPLICATES,
+    PLUGIN_NODE,
+    REPLICATES_NONDETERMINISTIC,
     SIGNAL_ALPHA_TEXT,
     build,
     config_hash,
     protocol_differences,
+    replicate_count,
     signal_alpha_ok,
 )
 from twinrun.errors import ConfigError, StoreError, signals_held
@@ -43,7 +47,9 @@ from twinrun.storage.store import verify_store
 # model, data and interventions. Anything else must come from a config the user composed (its
 # `_target_`s are passed in as `trusted`) or a module named on the command line.
 # torch.optim's classes take parameters and numbers only: the built-in training experiment's AdamW.
-BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions", "torch.optim")
+# twinrun.models: the adapters of diffusers' networks twinrun ships.
+BUILTIN_MODULES = ("twinrun.model", "twinrun.data", "twinrun.interventions", "twinrun.objectives",
+                   "twinrun.caches", "torch.optim", "twinrun.models.sd3", "twinrun.models.pixart")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -55,6 +61,11 @@ def validate_common(cfg: DictConfig) -> None:
     if cfg.determinism.float32_matmul_precision not in MATMUL_PRECISIONS:
         raise ConfigError("determinism.float32_matmul_precision", cfg.determinism.float32_matmul_precision,
                           f"choose one of {', '.join(MATMUL_PRECISIONS)}")
+    n = cfg.arms.get("replicates")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_REPLICATES):
+        raise ConfigError("arms.replicates", n, f"must be a whole number in 1 … {MAX_REPLICATES}, or null (1 "
+                          f"with determinism on, {REPLICATES_NONDETERMINISTIC} with it off); 3 or more bound "
+                          "a nondeterministic path's wobble")
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError("seed", cfg.seed, "must be in [0, 2^63): it keys every noise stream")
 
@@ -122,8 +133,8 @@ def check_reference(reference: str | None, mine: dict, kind: Measure,
     differ = protocol_differences(theirs, mine, kind.protocol_keys)
     if differ:
         raise ConfigError("reference", reference, f"was measured under another protocol ({', '.join(differ)} "
-                          "differ); a reference must share data, grid, seed, images, draws, folds and "
-                          "probed parameters")
+                          "differ); a reference must share data, objective, grid, seed, images, draws, "
+                          "folds and probed parameters")
     return str(path)
 
 
@@ -162,6 +173,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     validate_common(cfg)
     replicate = bool(cfg.arms.replicate) or kind.replicate_always
     arms, diff = derive_arms(cfg, intervention.name, replicate=replicate, noop=intervention.noop(),
+                             replicates=replicate_count(cfg),
                              chaos=kind.chaos_arm, exclude=foreign_keys(kind))
     check_paths(cfg, run_dir)
     check_tracker(OmegaConf.to_container(cfg.tracker, resolve=True))  # a sweep's points too, before any runs
@@ -200,7 +212,9 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
 def foreign_keys(kind: Measure) -> tuple[str, ...]:
     """The config nodes of the other measurement kinds: an arm's config holds only its own kind's."""
     own = set(kind.config_keys)
-    return tuple(k for m in MEASURES.values() if m is not kind for k in m.config_keys if k not in own)
+    others = [k for m in MEASURES.values() if m is not kind for k in m.config_keys if k not in own]
+    # the plugin kinds' settings node belongs to none of the built-in kinds
+    return tuple(dict.fromkeys([*others, *([PLUGIN_NODE] if PLUGIN_NODE not in own else [])]))
 
 
 def unit_entry(u: dict, arms: list[Arm]) -> dict:
@@ -238,8 +252,10 @@ def targets(tree) -> list[str]:
 
 
 def trusted_targets(cfg: DictConfig) -> list[str]:
-    """The builders of a config the user composed (its model, data, intervention and optimizer)."""
-    return sorted({t for key in ("model", "data", "intervention", "train")
+    """The builders of a config the user composed (its model, data, intervention, objective, and what its
+    kind's settings name: the training optimizer, a sampling feature net)."""
+    own = measure_of(cfg.measure).config_keys
+    return sorted({t for key in ("model", "data", "intervention", "objective", *own) if key in cfg
                    for t in targets(OmegaConf.to_container(cfg[key], resolve=True))})
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from twinrun.errors import EXIT_OK, EXIT_USAGE, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
 from twinrun.launchers.record import describe, element_states, job_state, progress
 from twinrun.launchers.slurm import ACTIVE
+from twinrun.measures.registry import load_index
 from twinrun.storage.lock import holder_alive, read_holder
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.store import verify_store
@@ -37,24 +38,25 @@ def find_runs(path: Path) -> list[Path]:
 def verified_progress(run_dir: Path) -> dict:
     """progress(), with every store done counted only if it exists and its sha256 matches run.json
     (reads every store), the others listed as damaged, whether the writer still lives, and the verdict."""
-    index = RunIndex.load(run_dir)
+    index, kind = load_index(run_dir)
+    reader = kind.verify_store or verify_store
     prog, damaged = progress(index), []
     for arm in index.arm_names:
-        prog["done"][arm] = sum(_verified(index, u, arm, damaged) for u in index.units)
+        prog["done"][arm] = sum(_verified(index, u, arm, damaged, reader) for u in index.units)
     for u in index.units:  # the twin's gate replicate (not an arm of run.json): verified too
         for arm in set(u["stores"]) - set(index.arm_names):
-            _verified(index, u, arm, damaged)
+            _verified(index, u, arm, damaged, reader)
     prog.update(status=_live_status(index, prog["launch"]), damaged=damaged,
-                verdict=_verdict(index.run_dir, index.status))
+                verdict=_verdict(index.run_dir, index.status, kind.summary_type))
     return prog
 
 
-def _verified(index: RunIndex, u: dict, arm: str, damaged: list) -> bool:
+def _verified(index: RunIndex, u: dict, arm: str, damaged: list, reader) -> bool:
     if index.store_entry(u, arm)["status"] != "done":
         return False
     entry = index.store_entry(u, arm)
     try:
-        verify_store(index.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
+        reader(index.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
     except StoreError as err:
         damaged.append(str(err))
         return False
@@ -89,11 +91,11 @@ def _stopped_elements(index: RunIndex, launch: dict | None) -> list[int]:
                    for i in (units if isinstance(units, list) else []) if i not in whole})
 
 
-def _verdict(rd: RunDir, status: str) -> str | None:
+def _verdict(rd: RunDir, status: str, summary_type: type) -> str | None:
     if not rd.has_summary():
         # measured and never reduced (a launcher.wait=false submission, a Ctrl-C'd wait): say how
         return f"not reduced yet: `python -m twinrun.reduce {rd.path}`" if status == "measured" else None
-    summary = rd.read_summary()
+    summary = rd.read_summary(summary_type)
     # `passed`: every check and gate, the machinery arm's included (a run may have no gate bin).
     return ("reduced: valid, gates passed" if summary["passed"]
             else "reduced: NOT valid (checks or gates failed)")

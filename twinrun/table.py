@@ -13,7 +13,14 @@ from pathlib import Path
 
 from twinrun.errors import EXIT_OK, TwinrunError, fail
 from twinrun.files import refuse_unsafe_target
-from twinrun.publish.table import load, write
+from twinrun.measures.registry import load_index
+from twinrun.publish.table import frame, write
+
+
+def load(paths) -> "pd.DataFrame":  # noqa: F821 — pandas is the `table` extra, imported by publish.table
+    """The tidy table of the runs and sweeps at `paths` (one path or several) as a pandas DataFrame, each
+    run read as its measurement kind says (looked up here, once per run)."""
+    return frame(paths, load_index)
 
 
 def main(argv=None) -> int:

@@ -3,14 +3,21 @@ r"""EDM wrappers that let twinrun probe diffusers' UNet2DModel and DiTTransforme
     PYTHONPATH=examples/diffusers python -m twinrun --config-dir examples/diffusers/conf \
         +experiment=unet_pin_sigma
 
-Each wrapper has twinrun's model interface: forward(x [B,C,H,W], sigma [B], sigma_cond [B]) -> denoised x,
-an attribute `sigma_data`, and COND_PARAM_PATTERNS naming its conditioning pathway (the σ embedding
-and every layer it feeds), so the `cond` estimand and σ-pinning interventions work unchanged.
+Each wrapper has twinrun's model interface: forward(x [B,C,H,W], sigma [B], sigma_cond [B], **cond) ->
+denoised x, an attribute `sigma_data`, and COND_PARAM_PATTERNS naming its conditioning pathway (the σ
+embedding and every layer it feeds), so the `cond` estimand and σ-pinning interventions work unchanged.
+The DiT is class-conditional: each image's own label arrives as `class_labels` (a data builder's
+per-image conditioning: `labelled_digits` below); without one every sample is class 0.
 """
 
 import torch
 from diffusers import DiTTransformer2DModel, UNet2DModel
+from sklearn.datasets import load_digits
 from torch import nn
+
+from twinrun.data import load_heldout_images
+
+N_DIGIT_CLASSES = 10
 
 # diffusers embeds the timestep with sinusoids sized for t in [0, 1000]; EDM's c_noise = ln(σ)/4
 # (Karras et al. 2022, Table 1) spans about ±1.6, so it is scaled to use the same frequencies.
@@ -26,6 +33,9 @@ class EDMWrapper(nn.Module):
         self.sigma_data = float(sigma_data)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, sigma_cond: torch.Tensor) -> torch.Tensor:
+        return self.denoise(x, sigma, sigma_cond)
+
+    def denoise(self, x: torch.Tensor, sigma: torch.Tensor, sigma_cond: torch.Tensor, **cond) -> torch.Tensor:
         batch = x.shape[0]
         sigma = sigma.to(x.dtype).reshape(-1).expand(batch)
         sigma_cond = sigma_cond.to(x.dtype).reshape(-1).expand(batch)
@@ -36,9 +46,9 @@ class EDMWrapper(nn.Module):
         c_in = 1.0 / torch.sqrt(s**2 + sd2)
         # The conditioning σ reaches the network only through the timestep: what twinrun intervenes on.
         c_noise = C_NOISE_SCALE * torch.log(sigma_cond) / 4.0
-        return c_skip * x + c_out * self.raw(c_in * x, c_noise)
+        return c_skip * x + c_out * self.raw(c_in * x, c_noise, **cond)
 
-    def raw(self, x_in: torch.Tensor, c_noise: torch.Tensor) -> torch.Tensor:
+    def raw(self, x_in: torch.Tensor, c_noise: torch.Tensor, **cond) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -46,7 +56,7 @@ class EDMUNet(EDMWrapper):
     # σ embedding MLP and each ResNet block's projection of it (the UNet's conditioning pathway).
     COND_PARAM_PATTERNS = ("net.time_embedding.*", "net.*.time_emb_proj.*")
 
-    def raw(self, x_in, c_noise):
+    def raw(self, x_in, c_noise):  # unconditional: no per-image input beside the image
         return self.net(x_in, c_noise).sample
 
 
@@ -54,9 +64,14 @@ class EDMDiT(EDMWrapper):
     # adaLN-Zero of every block (its σ/class embedding and modulation linear) and the final modulation.
     COND_PARAM_PATTERNS = ("net.transformer_blocks.*.norm1.*", "net.proj_out_1.*")
 
-    def raw(self, x_in, c_noise):
-        labels = torch.zeros(x_in.shape[0], dtype=torch.long, device=x_in.device)  # one class: unconditional
-        return self.net(x_in, timestep=c_noise, class_labels=labels).sample
+    def forward(self, x, sigma, sigma_cond, class_labels: torch.Tensor | None = None):
+        return self.denoise(x, sigma, sigma_cond, class_labels=class_labels)
+
+    def raw(self, x_in, c_noise, class_labels: torch.Tensor | None = None):
+        # Each sample's own class [B] (int64); none given: class 0 for all (a one-class, unconditional DiT).
+        if class_labels is None:
+            class_labels = torch.zeros(x_in.shape[0], dtype=torch.long, device=x_in.device)
+        return self.net(x_in, timestep=c_noise, class_labels=class_labels.long()).sample
 
 
 def _seeded(seed: int):
@@ -76,11 +91,19 @@ def unet(resolution: int = 8, channels: int = 1, widths: tuple = (16, 32), sigma
 
 
 def dit(resolution: int = 8, channels: int = 1, heads: int = 2, head_dim: int = 8, depth: int = 2,
-        patch_size: int = 2, sigma_data: float = 0.5, seed: int = 0) -> EDMDiT:
-    """A small DiTTransformer2DModel (adaLN-Zero, one class label)."""
+        patch_size: int = 2, sigma_data: float = 0.5, seed: int = 0, num_classes: int = 1) -> EDMDiT:
+    """A small DiTTransformer2DModel (adaLN-Zero; its class embedding has `num_classes` rows and DiT's
+    one extra for classifier-free guidance's null class)."""
     _seeded(seed)
     assert resolution % patch_size == 0, f"patch_size={patch_size} must divide resolution={resolution}"
     net = DiTTransformer2DModel(num_attention_heads=heads, attention_head_dim=head_dim, in_channels=channels,
                                 out_channels=channels, num_layers=depth, sample_size=resolution,
-                                patch_size=patch_size, num_embeds_ada_norm=1)
+                                patch_size=patch_size, num_embeds_ada_norm=num_classes)
     return EDMDiT(net, sigma_data).eval()
+
+
+def labelled_digits():
+    """The probe's held-out digits with each image's own class: (images, ids, {"class_labels": [M] int64})."""
+    images, ids = load_heldout_images()
+    labels = torch.as_tensor(load_digits().target, dtype=torch.long)[torch.tensor(ids)]
+    return images, ids, {"class_labels": labels}

@@ -16,6 +16,7 @@ import torch
 from twinrun import arms as arms_mod
 from twinrun import data as data_mod
 from twinrun.analysis.estimands import check_estimands, check_groups
+from twinrun.analysis.reduction import check, provenance_checks
 from twinrun.analysis.scan import Scan, scan
 from twinrun.analysis.vouch import Voucher
 from twinrun.config import (
@@ -23,7 +24,6 @@ from twinrun.config import (
     STORE_PROTOCOL_KEYS,
     DigitsDataConfig,
     ProbeConfig,
-    ReduceConfig,
     typed,
 )
 from twinrun.errors import StoreError, TwinrunError
@@ -48,32 +48,6 @@ class Bin(NamedTuple):
 
 def bins_of(index: RunIndex) -> list[Bin]:
     return [Bin(u["index"], u["probe"]["sigma"], u["gate"], u["stores"]) for u in index.units]
-
-
-def check(name: str, passed: bool, detail: str) -> dict:
-    return {"name": name, "passed": bool(passed), "detail": detail}
-
-
-def registered(index: RunIndex) -> dict:
-    """The reduce settings registered at plan time."""
-    defaults = ReduceConfig()
-    reg = index.registered
-    out = {"estimands": list(reg.get("estimands") or defaults.estimands),
-           "gate_rule": reg.get("gate_rule", defaults.gate_rule),
-           "signal_alpha": float(reg.get("signal_alpha", defaults.signal_alpha)),
-           "family_alpha": float(reg.get("family_alpha", defaults.family_alpha))}
-    if reg.get("groups"):  # named parameter groups (reduce.groups); absent when none were declared
-        out["groups"] = {k: list(v) for k, v in reg["groups"].items()}
-    return out
-
-
-def used_settings(reg: dict, estimands=None, gate_rule=None, signal_alpha=None, family_alpha=None) -> dict:
-    """The settings a reduction uses: the registered ones, each replaced where the command gave one (a
-    post-hoc view when any differs)."""
-    return {**reg, "estimands": list(estimands or reg["estimands"]),
-            "gate_rule": gate_rule or reg["gate_rule"],
-            "signal_alpha": float(reg["signal_alpha"] if signal_alpha is None else signal_alpha),
-            "family_alpha": float(reg["family_alpha"] if family_alpha is None else family_alpha)}
 
 
 def _wanted(index: RunIndex) -> dict:
@@ -282,38 +256,6 @@ def validity_checks(index: RunIndex, stores: dict) -> list[dict]:
     out.append(check("stores_match_bins", not wrong_sigma,
                      matched if not wrong_sigma else f"σ mismatch in {wrong_sigma}"))
     return out + provenance_checks(index, stores)
-
-
-def provenance_checks(index: RunIndex, stores: dict) -> list[dict]:
-    """Validity rule 3: each bin's arms ran in one process/node/boot/GPU/job on one kernel path,
-    and the kernel-path sentinel read around the jobs never moved."""
-    out = []
-    split = {}
-    for u in index.units:  # any kind's units (a probe's bins, a training run's segments)
-        records = [s.meta.get("env") or {} for (n, i), s in stores.items() if i == u["index"]]
-        fields = sorted({k for r in records for k in r if any(r.get(k) != o.get(k) for o in records)})
-        if fields or not records[0]:
-            split[u["index"]] = fields or ["(no record)"]
-    out.append(check("same_allocation_per_bin", not split,
-                     "every bin's arms ran back to back in one process (same job, node, boot, GPU)"
-                     if not split else "arms of a bin ran apart: "
-                     + "; ".join(f"bin {i}: {', '.join(f)}" for i, f in split.items())))
-    paths = {(s.meta.get("env") or {}).get("kernel_path_sha256") for s in stores.values()}
-    out.append(check("one_kernel_path", len(paths) == 1 and None not in paths,
-                     "every store was measured on one kernel path" if len(paths) == 1
-                     else f"stores come from {len(paths)} kernel paths"))
-    jobs = index.jobs
-    readings = ({j["sentinel_start"] for j in jobs}
-                | {j["sentinel_end"] for j in jobs if j.get("sentinel_end")})
-    readings |= {(s.meta.get("env") or {}).get("sentinel") for s in stores.values()}
-    unclosed = bool(jobs) and jobs[-1].get("sentinel_end") is None
-    ok = len(readings) == 1 and not unclosed
-    detail = (f"sentinel identical at the start and end of all {len(jobs)} job(s)" if ok
-              else "the last job ended without its closing sentinel reading: resume the run to take it"
-              if len(readings) == 1 else
-              f"the kernel-path sentinel changed during the run ({len(readings)} distinct readings)")
-    out.append(check("sentinel_unchanged", ok, detail))
-    return out
 
 
 def machinery_check(index: RunIndex, found: Scan, arm: str) -> dict:

@@ -5,8 +5,6 @@ recorded at plan time) and, when any setting differs from the registered one, a 
 view beside it. Publishing them (summary.json, report.md, plots, views/) is twinrun.publish's.
 """
 
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +12,10 @@ import numpy as np
 from twinrun.analysis.checks import (
     TWIN,
     bins_of,
-    check,
     close,
     load_run,
     machinery_check,
-    registered,
     scan_run,
-    used_settings,
     validity_checks,
 )
 from twinrun.analysis.estimands import check_estimands
@@ -28,31 +23,10 @@ from twinrun.analysis.estimator import estimate
 from twinrun.analysis.family import family_verdict
 from twinrun.analysis.gates import gates, replicate_report
 from twinrun.analysis.receipts import receipt_fields
+from twinrun.analysis.reduction import Reduction, check, registered, used_settings, view_name
 from twinrun.analysis.references import pair_row, reference_report
-from twinrun.errors import EXIT_GATE, EXIT_OK
 from twinrun.storage.records import Summary
 from twinrun.storage.rundir import RunIndex
-
-
-@dataclass
-class Reduction:
-    """One reduction of a run: the registered summary, and a post-hoc view when asked for one."""
-
-    index: RunIndex
-    summary: Summary  # the registered analysis, recomputed from the stores
-    view: Summary | None = None  # the post-hoc view (other settings), None for the registered analysis
-    view_name: str | None = None  # its directory under RUN/views/
-
-    @property
-    def shown(self) -> Summary:
-        """What the command prints: the view when there is one, else the registered summary."""
-        return self.view if self.view is not None else self.summary
-
-    @property
-    def exit_code(self) -> int:
-        """0 only if the registered analysis passed (a post-hoc view never turns a failure into 0)."""
-        ok = self.summary["passed"] and (self.view is None or self.view["passed"])
-        return EXIT_OK if ok else EXIT_GATE
 
 
 def effect_estimates(found, bins: list[int], sizes, inter: str, names: list[str], alpha: float) -> dict:
@@ -106,6 +80,8 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
                "gates": gate_rows, "effects": effects if ok else [],
                "family": family_reading(effects, used["family_alpha"]) if ok else None,
                "replicate": replicate_report(index, found)}
+    if twin_meta.get("data_files"):  # the caches the data were read from (twinrun.caches), each file's sha256
+        summary["data_files"] = twin_meta["data_files"]
     if index.reference:
         summary["reference"] = reference_report(index, readers, found, inter, Path(index.reference),
                                                 used["signal_alpha"], ok)
@@ -122,12 +98,6 @@ def family_reading(effects: list[dict], level: float) -> dict:
             "n_hypotheses": verdict.n_hypotheses, "effect": verdict.effect,
             "rejected": [{"sigma": s, "estimand": e} for s, e in verdict.rejected],
             "detail": verdict.detail()}
-
-
-def view_name(reg: dict, used: dict) -> str:
-    """A directory name saying what the post-hoc view changed, e.g. `gate_rule-bit_identical`."""
-    parts = [f"{k}-{','.join(v) if isinstance(v, list) else v}" for k, v in used.items() if v != reg[k]]
-    return re.sub(r"[^A-Za-z0-9_.,=-]", "_", "_".join(parts))
 
 
 def reduce_run(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None, family_alpha=None,

@@ -135,7 +135,8 @@ def _dead_detail(measured: list[str], kp: list[str], cfg: list[str], rows: list[
             f"difference of the sums {worst:.3e}; per bin and estimand below). ")
     model = [k for k in cfg if k.split(".")[0] == "model"]
     what = [{"model_sha256": "the model as built (its parameters and buffers)",
-             "data_sha256": "the probed images"}[k] for k in measured]
+             "data_sha256": "the probed images (with their conditioning, if any)",
+             "adapter_sha256": "the LoRA adapter"}[k] for k in measured]
     if what:
         keys = f" ({', '.join(model)} changed)" if model else ""
         text += (f"What was measured changed: {' and '.join(what)} differ{keys}: this gap is not the "

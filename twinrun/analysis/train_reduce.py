@@ -10,22 +10,28 @@ Bit identity is read from the digests every store carries of each weight after e
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from scipy import stats
 
 from twinrun import arms as arms_mod
-from twinrun.analysis.checks import check, provenance_checks, registered, used_settings
 from twinrun.analysis.estimands import ESTIMANDS, SHIFT_VIEW, check_estimands, registry
-from twinrun.analysis.gates import decide
-from twinrun.analysis.reduce import Reduction, view_name
+from twinrun.analysis.gates import decide, wobble_bound
+from twinrun.analysis.reduction import (
+    Reduction,
+    check,
+    provenance_checks,
+    registered,
+    used_settings,
+    view_name,
+)
 from twinrun.analysis.vouch import Voucher, check_step_digests
 from twinrun.config import TrainConfig, typed
 from twinrun.errors import ConfigError, StoreError, TwinrunError
-from twinrun.storage.records import TrainSummary
 from twinrun.storage.rundir import RunIndex
+from twinrun.storage.train_records import TrainSummary
 from twinrun.storage.train_store import TrainStore, read_train_store
 
 TWIN = "native"
@@ -42,6 +48,10 @@ class Run:
     stored: list  # per unit: {arm: TrainStore metadata and digests}, payload dropped once read
     chaos_param: str  # train.chaos.param: the weight the chaos arm starts one ulp off
     chaos_moved: dict  # at the start: weight -> how many of its elements the chaos arm holds off the twin's
+    by_role: dict = field(default_factory=dict)  # role -> every arm of it (replicates: several)
+
+    def all_of(self, role: str) -> list[str]:
+        return self.by_role.get(role) or ([self.roles[role]] if role in self.roles else [])
 
 
 def _store(index: RunIndex, u: dict, arm: str, voucher: Voucher) -> TrainStore:
@@ -111,7 +121,10 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
     index = RunIndex.load(run_dir)
     if index.measure != "train":
         raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not training")
-    roles = {a["role"]: a["name"] for a in index.arms}
+    by_role: dict = {}
+    for a in index.arms:
+        by_role.setdefault(a["role"], []).append(a["name"])
+    roles = {role: names[0] for role, names in by_role.items()}
     voucher = Voucher(index)  # every config.yaml held to run.json's hash before anything is read from it
     t = typed(TrainConfig, voucher.configs[TWIN]["train"], index.run_dir.arm_config(TWIN))
     chaos, moved = roles.get("chaos"), {}
@@ -137,7 +150,8 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
                         for arm, s in stores.items()})
         losses.append({arm: {k: s.tensors[k] for k in ("train_loss", "heldout_loss")}
                        for arm, s in stores.items()})
-    return Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved), records, found, losses
+    run = Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved, by_role)
+    return run, records, found, losses
 
 
 def validity_checks(run: Run, records: list[dict]) -> list[dict]:
@@ -180,37 +194,46 @@ class _Meta:
 
 def gate_rows(run: Run, records: list[dict], found: dict, rule: str) -> list[dict]:
     """The machinery arm against the twin at every stored step: bit-identical (every weight, after every
-    step of the unit), or decided by the replicate as the probe's gate rule decides (gates.decide)."""
-    machinery, replicate = run.roles.get("machinery"), run.roles.get("replicate")
+    step of the unit), or decided by the replicates as the probe's gate rule decides (gates.decide: a bound
+    on their spread, all the run's stored steps one family)."""
+    machinery, replicates = run.roles.get("machinery"), run.all_of("replicate")
     if machinery is None:
         return []
     rows = []
     for i, per in enumerate(records):
         step = per[TWIN]["to_step"]
         same = _identical(per, machinery)
-        rep_same = replicate is not None and _identical(per, replicate)
         dist = 0.0 if same else _distance(found, i, machinery)
-        rep = None if replicate is None else 0.0 if rep_same else _distance(found, i, replicate)
-        passed, decided_by = decide(same, dist, rep, rule)
+        reps = [0.0 if _identical(per, r) else _distance(found, i, r) for r in replicates]
+        passed, decided_by = decide(same, dist, reps, rule, len(records))
         tensor = None if same else _first_tensor(per, machinery, run.layout)
+        bound = wobble_bound(reps, len(records)) if reps and not same else None
         if same:
             detail = f"step {step}: bit-identical to the twin at every step of {run.index.units[i]['label']}"
-        elif rep == 0.0:
+        elif reps and max(reps) == 0.0:
             detail = (f"not a no-op: at step {step} the machinery arm (the intervention's code at its "
                       f"no-op setting) differs from the twin (relative distance {dist:.3e}, first tensor "
                       f"{tensor}); the replicate is bit-identical, so the kernel path is deterministic")
         else:
+            told = ("unmeasured" if not reps else ", ".join(f"{r:.3e}" for r in reps) + (
+                f"; the bound of the path's wobble {bound:.3e}" if bound is not None else
+                "; too few differ to bound the path's wobble (arms.replicates ≥ 3 does)"))
             detail = (f"step {step}: the machinery arm differs (relative distance {dist:.3e}, first tensor "
-                      f"{tensor}); the replicate's is {rep if rep is not None else 'unmeasured'}")
+                      f"{tensor}); the replicates': {told}")
+        spread = {} if same or not reps else {"replicate_distances": reps, "wobble_bound": bound}
         rows.append({"step": step, "arm": machinery, "passed": passed, "rule": decided_by,
-                     "bit_identical": same, "distance": dist, "replicate_distance": rep,
-                     "first_tensor": tensor, "detail": detail})
+                     "bit_identical": same, "distance": dist,
+                     "replicate_distance": max(reps) if reps else None, **spread, "first_tensor": tensor,
+                     "detail": detail})
     return rows
 
 
 def _identical(per: dict, arm: str) -> bool:
     mine, twin = per[arm], per[TWIN]
-    ends = all(mine["digests"][k] == twin["digests"][k] for k in twin["digests"] if k.startswith("weight/"))
+    # buffers too: an intervention that moves only BatchNorm's running statistics at its no-op setting
+    # leaves every weight alone and still changes what the model computes in eval mode
+    ends = all(mine["digests"][k] == twin["digests"][k] for k in twin["digests"]
+               if k.startswith(("weight/", "buffer/")))
     return ends and mine["step_digests"] == twin["step_digests"]
 
 
@@ -220,7 +243,9 @@ def _first_tensor(per: dict, arm: str, layout: list[dict]) -> str | None:
             if x != y:
                 return f"{g['name']} (after step {per[TWIN]['from_step'] + k + 1})"
     return next((g["name"] for g in layout if per[arm]["digests"][f"weight/{g['name']}"]
-                 != per[TWIN]["digests"][f"weight/{g['name']}"]), None)
+                 != per[TWIN]["digests"][f"weight/{g['name']}"]), None) or next(
+        (k for k in per[TWIN]["digests"] if k.startswith("buffer/")
+         and per[arm]["digests"].get(k) != per[TWIN]["digests"][k]), None)
 
 
 def _distance(found: dict, i: int, arm: str) -> float:
@@ -232,29 +257,33 @@ def _distance(found: dict, i: int, arm: str) -> float:
 
 def replicate_report(run: Run, records: list[dict], found: dict) -> dict | None:
     """The twin trained twice in one job: "k / N tensors differ" at each stored step."""
-    rep = run.roles.get("replicate")
-    if rep is None:
+    reps = run.all_of("replicate")
+    if not reps:
         return None
     names = [f"weight/{g['name']}" for g in run.layout]
     rows = []
-    for i, per in enumerate(records):
-        differ = [n for n in names if per[rep]["digests"][n] != per[TWIN]["digests"][n]]
-        rows.append({"step": per[TWIN]["to_step"], "n_differ": len(differ), "n_tensors": len(names),
-                     "bit_identical": _identical(per, rep),
-                     "distance": 0.0 if not differ else _distance(found, i, rep),
-                     "first_tensor": differ[0].removeprefix("weight/") if differ else None})
+    for i, per in enumerate(records):  # per stored step, the replicate furthest from the twin
+        each = []
+        for rep in reps:
+            differ = [n for n in names if per[rep]["digests"][n] != per[TWIN]["digests"][n]]
+            each.append({"step": per[TWIN]["to_step"], "n_differ": len(differ), "n_tensors": len(names),
+                         "bit_identical": _identical(per, rep),
+                         "distance": 0.0 if not differ else _distance(found, i, rep),
+                         "first_tensor": differ[0].removeprefix("weight/") if differ else None})
+        rows.append(max(each, key=lambda r: (r["n_differ"], r["distance"], not r["bit_identical"])))
     worst = max(rows, key=lambda r: r["n_differ"])
     deterministic = all(r["bit_identical"] for r in rows)
+    its = "its replicate" if len(reps) == 1 else f"its {len(reps)} replicates"
     if deterministic:
-        detail = (f"0 / {worst['n_tensors']} tensors differ between the native twin and its replicate at "
+        detail = (f"0 / {worst['n_tensors']} tensors differ between the native twin and {its} at "
                   "every stored step, and their weights are bit-identical after every step: this kernel path "
                   "is deterministic for this run")
     else:
         first = next(r for r in rows if not r["bit_identical"])
         detail = (f"{worst['n_differ']} / {worst['n_tensors']} tensors differ between the native twin and "
-                  f"its replicate at worst (step {worst['step']}); they part by step {first['step']} "
+                  f"{its} at worst (step {worst['step']}); they part by step {first['step']} "
                   f"(first tensor {next((r['first_tensor'] for r in rows if r['first_tensor']), '–')}): this "
-                  "kernel path is nondeterministic, and the replicate measures its within-environment chaos")
+                  "kernel path is nondeterministic, and the replicates measure its within-environment chaos")
     return {"deterministic": deterministic, "steps": rows, "detail": detail}
 
 
@@ -281,7 +310,8 @@ def loss_rows(run: Run, records: list[dict], losses: list[dict], alpha: float) -
 
 
 def _role(run: Run, arm: str) -> str:
-    return next(r for r, a in run.roles.items() if a == arm)
+    return next((r for r, a in run.by_role.items() if arm in a), None) or next(
+        r for r, a in run.roles.items() if a == arm)
 
 
 def effect_rows(run: Run, records: list[dict], found: dict, names: list[str]) -> tuple[list, list]:
@@ -293,7 +323,8 @@ def effect_rows(run: Run, records: list[dict], found: dict, names: list[str]) ->
         for name in names:
             c = found.get((i, chaos, name)) if chaos else None
             e = found[i, inter, name]
-            floor_d = None if c is None else c["distance"]
+            floor_d = floor_of(None if c is None else c["distance"],
+                               [found[i, r, name]["distance"] for r in run.all_of("replicate")])
             if c is not None:
                 floor.append({"step": step, "estimand": name, "distance": floor_d, "cos": c["cos"],
                               "norm_ratio": c["norm_ratio"]})
@@ -302,9 +333,23 @@ def effect_rows(run: Run, records: list[dict], found: dict, names: list[str]) ->
                             "distance": e["distance"], "floor": floor_d, "margin": run.margin,
                             "floor_ratio": _ratio(e["distance"], floor_d),
                             "above_floor": bool(above),
-                            **{f"{role}_distance": found[i, run.roles[role], name]["distance"]
+                            **{f"{role}_distance": _largest(found[i, a, name]["distance"]
+                                                            for a in run.all_of(role))
                                for role in ("machinery", "replicate") if role in run.roles}})
     return floor, effects
+
+
+def _largest(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def floor_of(chaos: float | None, replicates: list) -> float | None:
+    """The floor: the larger of the chaos arm's distance and the replicates' (on a nondeterministic path
+    the path's own wobble may exceed what one ulp does); None without a chaos arm."""
+    if chaos is None:
+        return None
+    return max([chaos, *(r for r in replicates if r is not None)])
 
 
 def _ratio(distance: float | None, floor: float | None) -> float | None:

@@ -57,14 +57,16 @@ def check_pack(launcher: dict) -> None:
                           f"{launcher['gpus_per_node']}: ask for gpus_per_node={pack} (or 0 to run on CPUs)")
 
 
-def check(launcher: dict, probe_compile=False, sequential: str | None = None,
+def check(launcher: dict, compiled: tuple[str, object] | None = None, sequential: str | None = None,
           device: tuple[str, str] | None = None) -> None:
     """Refuse launcher settings that cannot work, naming the knob (ConfigError: exit 2).
 
-    probe_compile: the run's probe.compile. sequential: the noun of a kind whose units continue each
-    other (training segments), which split=bins cannot place. device: (its key, its setting), e.g.
-    ("probe.device", "cuda:1"): a submitted job must request the GPUs its device setting names. For
-    SLURM, asks sinfo about the partition and its GPUs; call it before planning to fail early.
+    compiled: (key, value) of the run's compile setting (the kind's compile_setting, e.g.
+    ("probe.compile", "default")), None for a kind that never compiles. sequential: the noun of a kind
+    whose units continue each other (training segments), which split=bins cannot place. device: (its
+    key, its setting), e.g. ("probe.device", "cuda:1"): a submitted job must request the GPUs its device
+    setting names. For SLURM, asks sinfo about the partition and its GPUs; call it before planning to
+    fail early.
     """
     name = launcher["name"]
     if name not in LAUNCHERS:
@@ -73,16 +75,17 @@ def check(launcher: dict, probe_compile=False, sequential: str | None = None,
     if split not in SPLITS:
         raise ConfigError("launcher.split", split, "choose pair (one job per run) or bins (one job per bin)")
     if split == "bins" and sequential is not None:
-        raise ConfigError("launcher.split", split, f"a training run's {sequential}s are sequential (each "
+        raise ConfigError("launcher.split", split, f"the run's {sequential}s are sequential (each "
                           f"starts from the weights the one before ends with), so they cannot run as one job "
                           f"per {sequential}; use launcher.split=pair (requeues resume from the last whole "
                           f"{sequential})")
-    if split == "bins" and probe_compile:  # false/None: eager; "default"/"max-autotune": compiled
+    if split == "bins" and compiled is not None and compiled[1]:  # false/None: eager; "default": compiled
         # Concurrent elements would compile into one shared cache, each fingerprinting another cache
         # digest: every bin on its own kernel path, and the run refused as straddling.
-        raise ConfigError("launcher.split", split, f"cannot run with probe.compile={probe_compile!r}: "
+        key, value = compiled
+        raise ConfigError("launcher.split", split, f"cannot run with {key}={value!r}: "
                           "the bins' jobs would share one compile cache and land on different kernel "
-                          "paths; use launcher.split=pair, or probe.compile=false")
+                          f"paths; use launcher.split=pair, or {key}=false")
     check_pack(launcher)
     if LAUNCHERS[name].cluster != "slurm" and launcher.get("constraint") is not None:
         raise ConfigError("launcher.constraint", launcher["constraint"], f"launcher={name} runs on this "

@@ -21,8 +21,10 @@ import sys
 import torch
 from torch.func import functional_call, vmap
 
+from twinrun import conditioning
 from twinrun.errors import EXIT_GATE, ConfigError, TwinrunError
 from twinrun.measures.modes import shared_stream, stream_seed
+from twinrun.objectives import EDM, Objective, edm_weight  # noqa: F401 (edm_weight: its old home)
 
 # The functions' own default chunk, 40 images x 6 draws (chosen for bench_probe.py's first protocol of
 # 40 images x 12 draws): one vmapped call takes CHUNK_IMAGES images x CHUNK_DRAWS draws; -1 = no limit.
@@ -72,11 +74,6 @@ def cond_patterns(model: torch.nn.Module) -> list[str]:
     return list(found)
 
 
-def edm_weight(sigma: torch.Tensor, sigma_data: float) -> torch.Tensor:
-    # λ(σ) = (σ² + σ_data²) / (σ·σ_data)²  (EDM, Karras et al. 2022, Table 1).
-    return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
-
-
 def fold_groups(fold_of_image: list[int], n_folds: int, chunk_images: int) -> tuple[int, list]:
     """Pack images into equal-size groups of one fold each: (images per group k, [(fold, image indices)]).
 
@@ -120,8 +117,13 @@ def fold_sums(
     train_stream: int | None = None,  # train mode: the run's seed keys the model's randomness (folds only)
     accumulator: torch.dtype = torch.float64,  # the fold sums' dtype while they accumulate
     second_from: int | None = None,  # also sum draws ≥ this one apart (the pairing receipt's halves)
+    objective: Objective | None = None,  # noising, target and weight (twinrun.objectives); None = edm
+    cond: dict | None = None,  # per-image conditioning {name: [N, ...]} on the device, fed as keywords
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[n_folds, P] float32: Σ over the fold's images and draws of ∇ loss(image, draw).
+
+    The loss is the objective's: λ(σ)·mean((forward(x_σ, σ, σ_cond, **cond) − target)²), σ the bin's level
+    in the objective's units; every sample gets its own image's conditioning entries.
 
     second_from=k1: also return the float64 sums over draws k1.. alone, [n_folds, P] (draw_pieces: the
     fold sums themselves are computed exactly as without it, chunk for chunk).
@@ -141,7 +143,10 @@ def fold_sums(
     assert train_stream is None or method == "folds", "only the folds method shares the model's randomness"
     if method == "folds":
         return plain_fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds,
-                               chunk_images, chunk_draws, forward, train_stream, accumulator, second_from)
+                               chunk_images, chunk_draws, forward, train_stream, accumulator, second_from,
+                               objective, cond)
+    objective = EDM() if objective is None else objective
+    cond = cond or {}
     params = dict(model.named_parameters())
     probed = {n: params[n].detach() for n in names}
     frozen = {n: p.detach() for n, p in params.items() if n not in probed}
@@ -150,15 +155,17 @@ def fold_sums(
     k, groups = fold_groups(fold_of_image.tolist(), n_folds, chunk_images)
     per_call = max(1, (n_images if chunk_images < 1 else chunk_images) // k)
     d_chunk = n_draws if chunk_draws < 1 else min(chunk_draws, n_draws)
-    weight = float(edm_weight(torch.tensor(float(sigma), dtype=torch.float64), float(model.sigma_data)))
+    weight = bin_weight(objective, model, sigma)
 
-    def group_loss(p, x, e, mask):  # x [k,C,H,W], e [k,d,C,H,W], mask [k]: the group's summed loss
+    def group_loss(p, x, e, mask, c):  # x [k,C,H,W], e [k,d,C,H,W], mask [k], c {name: [k, ...]}
         clean = x.unsqueeze(1).expand_as(e).reshape(-1, *x.shape[1:])
         sig = torch.full((clean.shape[0],), float(sigma), dtype=x.dtype, device=x.device)
-        noisy = clean + sig.view(-1, 1, 1, 1) * e.flatten(0, 1)
-        denoised = functional_call(model, (p, frozen), (noisy, sig, sigma_cond.to(x.dtype).expand_as(sig)))
-        per_sample = (denoised - clean).square().flatten(1).mean(1).view(e.shape[:2])
-        return weight * (per_sample * mask.unsqueeze(1)).sum()
+        flat = e.flatten(0, 1)
+        noisy = objective.noisy(model, clean, flat, sig)
+        out = functional_call(model, (p, frozen), (noisy, sig, sigma_cond.to(x.dtype).expand_as(sig)),
+                              conditioning.per_draw(c, e.shape[1]))
+        per_sample = (out - objective.target(model, clean, flat, sig)).square().flatten(1).mean(1)
+        return weight * (per_sample.view(e.shape[:2]) * mask.unsqueeze(1)).sum()
 
     ends = torch.tensor([probed[n].numel() for n in names]).cumsum(0).tolist()
     columns = list(zip([0, *ends[:-1]], ends))  # each probed parameter's columns in the sums
@@ -177,7 +184,8 @@ def fold_sums(
         fold_index = torch.tensor(folds, device=images.device)
         for d0, d1, into in pieces:
             copies = {n: p.expand(len(chunk), *p.shape).requires_grad_() for n, p in probed.items()}
-            loss = vmap(group_loss)(copies, images[index], eps[index, d0:d1], mask).sum()
+            loss = vmap(group_loss)(copies, images[index], eps[index, d0:d1], mask,
+                                    conditioning.take(cond, index)).sum()
             grads = torch.autograd.grad(loss, [copies[n] for n in names])
             for (lo, hi), g in zip(columns, grads):  # per parameter: no [G, P] temporaries
                 for acc in (sums, second)[into[0]:into[1]]:
@@ -187,6 +195,11 @@ def fold_sums(
                     else:
                         acc[:, lo:hi].index_add_(0, fold_index, g.reshape(len(chunk), -1).to(accumulator))
     return sums.float() if second is None else (sums.float(), second.double())
+
+
+def bin_weight(objective: Objective, model: torch.nn.Module, sigma: float) -> float:
+    """λ at the bin's level, computed in float64: every sample of a bin shares it, so it scales the sums."""
+    return float(objective.weight(model, torch.tensor(float(sigma), dtype=torch.float64)))
 
 
 def half_draws(n_draws: int) -> list[int] | None:
@@ -227,6 +240,8 @@ def plain_fold_sums(
     train_stream: int | None = None,
     accumulator: torch.dtype = torch.float64,
     second_from: int | None = None,
+    objective: Objective | None = None,
+    cond: dict | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`fold_sums` by one plain forward and backward per (fold group, draw chunk): no vmap.
 
@@ -235,12 +250,14 @@ def plain_fold_sums(
     `forward`, shares them), and no group is padded.
     """
     forward = model if forward is None else forward
+    objective = EDM() if objective is None else objective
+    cond = cond or {}
     params = dict(model.named_parameters())
     leaves = [params[n] for n in names]
     n_draws = eps.shape[1]
     _, groups = fold_groups(fold_of_image.tolist(), n_folds, chunk_images)
     d_chunk = n_draws if chunk_draws < 1 else min(chunk_draws, n_draws)
-    weight = float(edm_weight(torch.tensor(float(sigma), dtype=torch.float64), float(model.sigma_data)))
+    weight = bin_weight(objective, model, sigma)
     ends = torch.tensor([p.numel() for p in leaves]).cumsum(0).tolist()
     sums = torch.zeros(n_folds, ends[-1], dtype=accumulator, device=images.device)
     second = None if second_from is None else torch.zeros_like(sums)
@@ -251,11 +268,14 @@ def plain_fold_sums(
                 e = eps[index, d0:d1]
                 clean = images[index].unsqueeze(1).expand_as(e).reshape(-1, *images.shape[1:])
                 sig = torch.full((clean.shape[0],), float(sigma), dtype=images.dtype, device=images.device)
-                noisy = clean + sig.view(-1, 1, 1, 1) * e.flatten(0, 1)
+                flat = e.flatten(0, 1)
+                noisy = objective.noisy(model, clean, flat, sig)
+                extra = conditioning.per_draw(conditioning.take(cond, index), d1 - d0)
                 seed = None if train_stream is None else stream_seed(train_stream, sigma, group, d0)
                 with shared_stream(seed, images.device):  # train mode: the same masks in every arm
-                    denoised = forward(noisy, sig, sigma_cond.to(images.dtype).expand_as(sig))
-                loss = weight * (denoised - clean).square().flatten(1).mean(1).sum()
+                    out = forward(noisy, sig, sigma_cond.to(images.dtype).expand_as(sig), **extra)
+                target = objective.target(model, clean, flat, sig)
+                loss = weight * (out - target).square().flatten(1).mean(1).sum()
                 grads = torch.autograd.grad(loss, leaves)
                 for lo, hi, g in zip([0, *ends[:-1]], ends, grads):
                     for acc in (sums, second)[into[0]:into[1]]:

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from twinrun.errors import ConfigError, DeviceError
-from twinrun.storage.records import UnitEntry
+from twinrun.storage.records import KindFields, SharedSummary, UnitEntry
 from twinrun.storage.store import STORE_FORMAT
 
 
@@ -83,6 +83,32 @@ class Measure:
     # Whether the config's job runs torch.compile: its compile caches are then the run's own.
     compiles: Callable[[dict], bool] = lambda config: False
     twin_first: bool = False  # each unit measures the twin before its other arms (the probe's pairing blocks)
+    # What the kind-neutral rooms ask of a kind (they name none): how run.json, summary.json, the table,
+    # the trackers, a sweep and the launcher rules read a run of this kind.
+    unit_fields: type = KindFields  # its own fields in every unit of run.json (a TypedDict)
+    increasing: str | None = None  # its unit field that runs strictly upward through the units (σ)
+    summary_type: type = SharedSummary  # summary.json's type (a TypedDict), checked when read
+    unit_key: str = "unit"  # how its summary's effects and gates name a unit (sigma; step)
+    unit_own: str = "unit"  # the unit's own field in run.json that holds the same value (sigma; to_step)
+    # (index, summary) -> (the intervention's rows, the twin's rows): what a tracker logs per unit
+    tracker_rows: Callable = lambda index, summary: ([], [])
+    tracker_step: str | None = None  # the row field that is a tracker's step axis (None: the row's index)
+    # summary -> the fields a sweep's summary keeps of one reduced point (publish/sweep.py)
+    sweep_point: Callable[[dict], dict] = lambda summary: {"effects": summary.get("effects", [])}
+    sweep_protocol: str | None = None  # the config node a sweep's summary names as its points' protocol
+    # config -> (key, value) of the setting that makes its job compile (split=bins refuses a compiled job),
+    # None when the kind never compiles
+    compile_setting: Callable[[dict], tuple[str, object] | None] = lambda config: None
+    # (method or None, device type) -> the arithmetic settings a default run of the kind adds to the
+    # kernel path (`python -m twinrun.env` prints them as a run records them)
+    default_arithmetic: Callable[[str | None, str], dict] = lambda method, device_type: {}
+    # (path, tensors, meta) -> sha256: writes one store of the kind (None: storage/store.py's write_store
+    # with `store_format`)
+    write_store: Callable | None = None
+    # (path, sha256, payload_bytes=...) -> metadata: reads one store of the kind whole and checks it
+    # (None: storage/store.py's verify_store); a resume and status judge its stores by it
+    verify_store: Callable | None = None
+    methods: tuple[str, ...] = ()  # the values its `method` may resolve to (`twinrun.env --method`)
 
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"

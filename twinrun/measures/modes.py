@@ -64,6 +64,11 @@ def set_mode(model: nn.Module, images: torch.Tensor, sigma: float, train_mode: b
     if built_training and not changed:
         changed = ["its forward"] if any(behaviour(model, images, sigma)) else []
     model.eval()
+    if behaviour(model, images, sigma)[1]:  # a batch statistic computed by hand holds in eval mode too
+        raise ConfigError("probe.train_mode", False, "the model's forward couples samples in eval mode "
+                          "too (a sample's output depends on the other samples of its batch, e.g. a batch "
+                          "statistic computed by hand), so a fold's sum would not be a sum of per-sample "
+                          "gradients; compute the statistic per sample, or use GroupNorm or LayerNorm")
     if announce and changed:
         print(f"twinrun: the model was built in train mode ({', '.join(changed[:4])}"
               f"{' …' if len(changed) > 4 else ''}); the probe measures it in eval mode "

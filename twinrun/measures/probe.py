@@ -18,24 +18,25 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from twinrun import draws
+from twinrun import caches, conditioning, draws, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.reduce import reduce_run
-from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build, typed
+from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build, objective_of, typed
 from twinrun.errors import ConfigError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, Native, attached
+from twinrun.measures import failures, trial
 from twinrun.measures import fold_sums as fs
-from twinrun.measures import trial
 from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.measures.modes import draws_randomness, set_mode
 from twinrun.measures.probe_cost import check_device_memory, estimate_cost, estimate_memory, out_of_memory
 from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
+from twinrun.publish import probe_rows
 from twinrun.publish.render import render
 from twinrun.publish.report import write_report
 from twinrun.storage.header import MAX_HEADER_BYTES
-from twinrun.storage.records import UnitEntry
+from twinrun.storage.records import ProbeUnit, Summary, UnitEntry
 from twinrun.storage.store import header_size, store_size
 
 
@@ -58,7 +59,7 @@ def fold_sizes(n_images: int, n_folds: int) -> list[int]:
 
 def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     """The probe's own settings, grid and data, before any compute; each error names the key, value and
-    fix. Returns the data (images, ids), built once for planning."""
+    fix. Returns the data (images, ids, cond), built once for planning."""
     grid = list(cfg.sigma_grid.sigmas)
     if not grid:
         raise ConfigError("sigma_grid.sigmas", grid, "is empty; give at least one σ, e.g. [0.1,0.5,1.0]")
@@ -84,10 +85,13 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
         raise ConfigError("probe.accumulator_dtype", p.accumulator_dtype,
                           f"choose {' or '.join(fs.ACCUMULATORS)}")
     parse_device("probe.device", p.device)  # its spelling only: the job judges the GPU where it runs
-    data = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
+    data = conditioning.split(build(OmegaConf.to_container(cfg.data, resolve=True), "data"))
     if p.n_images > data[0].shape[0]:
         raise ConfigError("probe.n_images", p.n_images,
                           f"the data set has only {data[0].shape[0]} images; use at most that")
+    conditioning.check(data[2], data[0].shape[0])
+    objective_of(OmegaConf.to_container(cfg.objective, resolve=True) if "objective" in cfg
+                           else None).check("sigma_grid.sigmas", [float(s) for s in grid])
     intervention.check([float(s) for s in grid])
     return data
 
@@ -159,6 +163,9 @@ class Components:
     model: torch.nn.Module  # on `device`
     images: torch.Tensor  # [n_images, C, H, W]: the data's first probe.n_images, on `device`
     image_ids: list[int]  # each image's id: it keys the image's noise draws
+    cond: dict  # per-image conditioning {name: [n_images, ...]} on `device` ({} for none)
+    data_files: dict  # {path: sha256} of every cache the data builder read (twinrun.caches)
+    objective: objectives.Objective  # noising, target and weight of the loss whose gradients are summed
     interventions: dict[str, Intervention]  # arm name -> its intervention (hooks attached per arm)
     names: list[str]  # the probed parameters (probe.params matched against the model)
     layout: list[dict]  # the stores' columns: each probed parameter's offset, size, conditioning flag
@@ -171,7 +178,7 @@ def build_components(config: dict, p: ProbeConfig, arms: list, device: torch.dev
                      data: tuple | None = None) -> Components:
     """Model, data and each arm's intervention from the arms' shared resolved config (one level of
     instantiate each), and the probe's parameter selection, layout and folds (`p`: config's probe, typed).
-    data: (images, ids) when the caller has already built them (planning validates their count first).
+    data: (images, ids[, cond]) when the caller has already built them (planning validates their count first).
 
     Each builder runs after the job applied determinism: one that changes a numerics switch is named,
     and set back under determinism.enabled=true (provenance.determinism.switches_kept)."""
@@ -182,13 +189,18 @@ def build_components(config: dict, p: ProbeConfig, arms: list, device: torch.dev
             return build(node, key)
 
     model = built("model", config["model"]).to(device)
-    images, image_ids = data if data is not None else built("data", config["data"])
+    with caches.recording() as data_files:
+        data = data if data is not None else built("data", config["data"])
+    images, image_ids, cond = conditioning.split(data)
     names = fs.select_params(model, list(p.params))
     sizes = fold_sizes(p.n_images, p.n_folds)
     return Components(
         model=model,
         images=images[: p.n_images].to(device),
         image_ids=list(image_ids[: p.n_images]),
+        cond=conditioning.to(conditioning.take(cond, slice(0, p.n_images)), device),
+        data_files=data_files,
+        objective=objective_of(config.get("objective")),
         interventions={a.name: built("intervention", a.config["intervention"]) for a in arms},
         names=names,
         layout=fs.layout(model, names, fs.cond_patterns(model)),
@@ -206,18 +218,22 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     grid = [float(s) for s in cfg.sigma_grid.sigmas]
     p = typed(ProbeConfig, arms[0].config["probe"], "probe")
     c = build_components(arms[0].config, p, arms, torch.device("cpu"), data)
-    set_mode(c.model, c.images, grid[0], p.train_mode, announce=True)
+    conditioning.check(c.cond, c.images.shape[0], c.model)
+    c.objective.check_model(c.model)
+    c.objective.check("sigma_grid.sigmas", grid, c.model)
+    set_mode(conditioning.with_first(c.model, c.cond), c.images, grid[0], p.train_mode, announce=True)
     check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), c.layout)
     check_measures_something(intervention, grid)
     intervention.check_model(c.model)
     gates = intervention.gate_sigmas(grid)
-    replicated = any(a.role == "replicate" for a in arms)
+    replicated = any(a.name == "native_replicate" for a in arms)  # else measured at the gate bins
     n_stores = len(arms) * len(grid) + (0 if replicated else len(gates))
     store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
     try:
-        method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions)
+        method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions, c.objective,
+                                  c.cond)
     except Exception as err:
-        if trial.is_out_of_memory(err):  # this host's memory: named as memory, never as the model's fault
+        if failures.is_out_of_memory(err):  # this host's memory: named as memory, never as the model's fault
             raise out_of_memory(err, "the trial run at plan time", None, p, c.device) from err
         raise
     estimate_cost(cfg, c, method, grid[0], n_stores)
@@ -257,12 +273,19 @@ class ProbeSession:
         self.halves = fs.half_draws(self.p.n_draws)
         self.twin_sums = None  # this bin's twin (S, H), measured first (Measure.twin_first)
         sigma0 = _first_sigma(config)
-        set_mode(self.c.model, self.c.images, sigma0, self.p.train_mode, announce=False)
-        # What is measured, on every store: the model as built (weights loaded) and the probed images.
+        self.plain = conditioning.with_first(self.c.model, self.c.cond)  # for calls without conditioning
+        set_mode(self.plain, self.c.images, sigma0, self.p.train_mode, announce=False)
+        # What is measured, on every store: the model as built (weights loaded), the probed images and
+        # their conditioning (none: the digest is the images' alone, as before conditioning existed).
         self.identity = {"model_sha256": model_sha256(self.c.model),
                          "data_sha256": tensors_sha256([("images", self.c.images),
-                                                        ("image_ids", torch.tensor(self.c.image_ids))])}
-        random_ops = self.p.train_mode and draws_randomness(self.c.model, self.c.images, sigma0)
+                                                        ("image_ids", torch.tensor(self.c.image_ids))]
+                                                       + conditioning.digest_items(self.c.cond))}
+        if getattr(self.c.model, "adapter_sha256", None) is not None:  # a LoRA adapter's file content
+            self.identity["adapter_sha256"] = self.c.model.adapter_sha256
+        if self.c.data_files:  # the caches read, file by file (none: the identity is as before caches)
+            self.identity["data_files"] = self.c.data_files
+        random_ops = self.p.train_mode and draws_randomness(self.plain, self.c.images, sigma0)
         self.train_stream = self.seed if random_ops else None
         # Resolve probe.method and compile before any bin, so that the compile cache the fingerprint
         # reads next holds every kernel the bins will use.
@@ -270,7 +293,7 @@ class ProbeSession:
         with self.memory_named("the trial run before the first bin"):
             self.method, self.forward, self.compile_mode = trial.job_trial(
                 self.c.model, self.c.names, self.c.images, sigma0, self.c.interventions, self.p,
-                self.c.fold_of_image, len(self.c.fold_sizes))
+                self.c.fold_of_image, len(self.c.fold_sizes), self.c.objective, self.c.cond)
         # Before the first bin: the bins' memory, estimated on this device, against what it has free.
         self.memory = estimate_memory(self.p, self.c, self.method, sigma0)
         check_device_memory(self.memory, self.p, device)
@@ -281,7 +304,7 @@ class ProbeSession:
         try:
             yield
         except Exception as err:
-            if trial.is_out_of_memory(err):
+            if failures.is_out_of_memory(err):
                 raise out_of_memory(err, where, self.memory, self.p, self.c.device) from err
             raise
 
@@ -290,7 +313,8 @@ class ProbeSession:
         return arithmetic(self.p, self.method, self.c.device.type)
 
     def sentinel(self) -> dict:
-        return read_sentinel(self.forward, self.c.device, self.image_shape)
+        return read_sentinel(conditioning.with_first(self.forward, self.c.cond), self.c.device,
+                             self.image_shape)
 
     def begin_unit(self, u: UnitEntry) -> None:
         # This bin's draws, keyed by (seed, σ, image id, draw): the same for every arm.
@@ -306,12 +330,12 @@ class ProbeSession:
         sigma_cond = intervention.sigma_cond(torch.tensor(sigma, dtype=torch.float32))
         second_from = None if self.halves is None else self.halves[0]
         with attached(intervention, c.model), self.memory_named(f"arm {arm}, {u['label']}"):
-            out = trial.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
+            out = failures.as_model_error(arm, u, fs.fold_sums, c.model, c.names, c.images, eps, sigma,
                                        sigma_cond.to(c.device), c.fold_of_image, len(c.fold_sizes),
                                        p.chunk_images, p.chunk_draws, method=self.method,
                                        forward=self.forward, train_stream=self.train_stream,
                                        accumulator=fs.ACCUMULATORS[p.accumulator_dtype],
-                                       second_from=second_from)
+                                       second_from=second_from, objective=c.objective, cond=c.cond)
         sums, second = out if second_from is not None else (out, None)
         fs.check_finite(sums, arm, u["index"], sigma)
         pairing = None
@@ -390,4 +414,15 @@ PROBE = Measure(
     config_keys=("probe", "sigma_grid"),
     compiles=lambda config: trial.compile_mode(config["probe"].get("compile")) is not None,
     twin_first=True,  # every other arm's pairing blocks need the twin's sums and half-draw differences
+    unit_fields=ProbeUnit,
+    increasing="sigma",  # the σ grid: each σ once, in order
+    summary_type=Summary,
+    unit_key="sigma",
+    unit_own="sigma",
+    tracker_rows=probe_rows.tracker_rows,
+    sweep_point=probe_rows.sweep_point,
+    sweep_protocol="probe",
+    compile_setting=lambda config: ("probe.compile", config["probe"].get("compile")),
+    default_arithmetic=lambda method, device_type: arithmetic(ProbeConfig(), method or "vmap", device_type),
+    methods=("vmap", "folds"),
 )

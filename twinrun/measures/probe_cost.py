@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from twinrun import conditioning
 from twinrun.config import ProbeConfig, typed
 from twinrun.errors import ConfigError, DeviceMemoryError
 from twinrun.files import memory_bytes
+from twinrun.measures import failures, trial
 from twinrun.measures import fold_sums as fs
-from twinrun.measures import trial
 from twinrun.measures.kind import parse_device
 
 # ----------------------------------------------------------------------------- the estimate of cost
@@ -64,7 +65,8 @@ def time_one_call(c, p: ProbeConfig, method: str, sigma: float) -> tuple[float, 
     for _ in range(2):
         t0 = time.perf_counter()
         fs.fold_sums(c.model, c.names, c.images[:images], eps, sigma, sigma_cond, c.fold_of_image[:images],
-                     len(c.fold_sizes), p.chunk_images, p.chunk_draws, method=method)
+                     len(c.fold_sizes), p.chunk_images, p.chunk_draws, method=method, objective=c.objective,
+                     cond=conditioning.take(c.cond, slice(0, images)))
         best = min(best, time.perf_counter() - t0)
         if best > 1.0:
             break
@@ -165,7 +167,7 @@ def device_memory(p: ProbeConfig, model: torch.nn.Module, n_probed: int, images:
 
 def estimate_memory(p: ProbeConfig, c, method: str, sigma: float) -> DeviceMemory:
     """`device_memory` of built components, its activations measured on the model where it is."""
-    saved = fs.saved_bytes_per_sample(c.model, c.images, sigma)
+    saved = fs.saved_bytes_per_sample(conditioning.with_first(c.model, c.cond), c.images, sigma)
     n_probed = sum(g["numel"] for g in c.layout)
     return device_memory(p, c.model, n_probed, c.images, c.fold_of_image.tolist(), method, saved)
 
@@ -188,5 +190,5 @@ def out_of_memory(err: BaseException, where: str, estimate: DeviceMemory | None,
                   device: torch.device) -> DeviceMemoryError:
     """The device ran out of memory (`where`: the trial, or an arm and bin): what was estimated, the knobs."""
     said = f"the estimate was {estimate.describe(p)}" if estimate is not None else "before any estimate"
-    return DeviceMemoryError(f"{where}: {device} ran out of memory ({trial.first_line(err)}); {said}; "
+    return DeviceMemoryError(f"{where}: {device} ran out of memory ({failures.first_line(err)}); {said}; "
                              f"{MEMORY_KNOBS}")

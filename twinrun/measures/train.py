@@ -21,13 +21,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from twinrun import caches, conditioning, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.train_reduce import reduce_train, refuse_derived
-from twinrun.config import TrainConfig, build, typed
+from twinrun.config import TrainConfig, build, objective_of, typed
 from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_step as ts
+from twinrun.measures.failures import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.measures.train_state import (
     ArmState,
@@ -41,11 +43,12 @@ from twinrun.measures.train_state import (
     weight_layout,
 )
 from twinrun.measures.train_streams import Segment, draw_segment, dropout_seed, heldout_draws
-from twinrun.measures.trial import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
+from twinrun.publish import train_rows
 from twinrun.publish.train_report import render_train, write_train_report
-from twinrun.storage.records import UnitEntry
-from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
+from twinrun.storage.records import TrainUnit, UnitEntry
+from twinrun.storage.train_records import TrainSummary
+from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store, write_train_store
 
 # What two training runs must share to have trained on the same thing (a comparison's check).
 TRAIN_PROTOCOL_KEYS = ("data", "seed", "train.steps", "train.segment_steps", "train.batch_size",
@@ -93,7 +96,8 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
                           "training runs with `python -m twinrun.compare RUN_A RUN_B`")
     refuse_derived(cfg.reduce.estimands)
     check_training_intervention(intervention)
-    (train_x, train_ids), (held_x, held_ids) = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
+    train, held = split_data(build(OmegaConf.to_container(cfg.data, resolve=True), "data"))
+    (train_x, train_ids, train_cond), (held_x, held_ids, held_cond) = train, held
     if t.batch_size > train_x.shape[0]:
         raise ConfigError("train.batch_size", t.batch_size, f"the training split has only {train_x.shape[0]} "
                           "images (a step draws without replacement); use at most that")
@@ -104,7 +108,22 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
         if len(set(ids)) != len(ids):
             raise ConfigError("data._target_", cfg.data.get("_target_"), f"the {what} ids repeat: an id keys "
                               "a sample's noise, so each must name one image")
-    return (train_x, list(train_ids)), (held_x, list(held_ids))
+    return (train_x, list(train_ids), train_cond), (held_x, list(held_ids), held_cond)
+
+
+def split_data(data) -> tuple[tuple, tuple]:
+    """((images, ids, cond), (images, ids, cond)) of the training builder's two splits, each given as
+    (images, ids) or (images, ids, cond); each split's conditioning checked against its images."""
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise ConfigError("data._target_", type(data).__name__, "a training data builder returns (training "
+                          "split, held-out split), each (images, ids) or (images, ids, cond)")
+    out = tuple(conditioning.split(part) for part in data)
+    for (x, _, cond), what in zip(out, ("training", "held-out")):
+        conditioning.check(cond, x.shape[0], key=f"data._target_ ({what} split)")
+    if set(out[0][2]) != set(out[1][2]):
+        raise ConfigError("data._target_", sorted(set(out[0][2]) ^ set(out[1][2])), "the training and "
+                          "held-out splits must carry the same conditioning entries")
+    return out
 
 
 def _validate_optimizer(node) -> None:
@@ -166,16 +185,20 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     layout = weight_layout(model)
     check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), layout, params_key=None)
     intervention.check_model(model)
-    state_bytes = smoke_step(model, arms, t, data)
+    objective = objective_of(arms[0].config.get("objective"))
+    objective.check_model(model)
+    conditioning.check(data[0][2], data[0][0].shape[0], model)
+    state_bytes = smoke_step(model, arms, t, data, objective)
     units = plan_units(t)
     return Plan(units=units, store_bytes=check_sizes(t, model, state_bytes, len(arms), len(units), run_dir))
 
 
-def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple) -> int:
+def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple,
+               objective: objectives.Objective | None = None) -> int:
     """One optimizer step of two samples per arm on a copy of the model, eagerly on the CPU: a model or
     intervention that cannot train is one line before anything is stored. Returns the optimizer
     state's size in bytes after a step (for the store-size estimate)."""
-    (train_x, _), (held_x, _) = data
+    (train_x, _, train_cond), (held_x, _, held_cond) = data
     gen = torch.Generator().manual_seed(20251201)
     x = train_x[:2]
     normal, eps = torch.randn(2, generator=gen), torch.randn(x.shape, generator=gen)
@@ -190,8 +213,11 @@ def smoke_step(start: torch.nn.Module, arms: list, t: TrainConfig, data: tuple) 
         optimizer = build_optimizer(arm.config["train"]["optimizer"], model, intervention)
         try:
             with attached(intervention, model):
-                ts.train_step(model, optimizer, intervention, x, ts.sigma_of(normal), eps, 2)
-            ts.heldout_losses(model, intervention, held_x[:2], normal, eps, 2)
+                level = (objective or objectives.EDM()).train_level(model, normal)
+                ts.train_step(model, optimizer, intervention, x, level, eps, 2, objective,
+                              conditioning.take(train_cond, slice(0, 2)))
+            ts.heldout_losses(model, intervention, held_x[:2], normal, eps, 2, objective,
+                              conditioning.take(held_cond, slice(0, 2)))
         except TwinrunError:
             raise
         except Exception as err:  # noqa: BLE001 — user code may raise anything: one line, exit 2
@@ -245,10 +271,16 @@ class TrainSession:
     def __init__(self, config: dict, arms: list, device: torch.device):
         self.t = typed(TrainConfig, config["train"], "train")
         self.seed, self.device = config["seed"], device
-        (train_x, train_ids), (held_x, held_ids) = build(config["data"], "data")
+        with caches.recording() as data_files:
+            train, held = split_data(build(config["data"], "data"))
+        (train_x, train_ids, train_cond), (held_x, held_ids, held_cond) = train, held
         self.train_x, self.train_ids = train_x.to(device), list(train_ids)
         n_held = self.t.heldout_images
         self.held_x, self.held_ids = held_x[:n_held].to(device), list(held_ids[:n_held])
+        # Per-image conditioning (each sample is fed its own image's rows) and the objective.
+        self.train_cond = conditioning.to(train_cond, device)
+        self.held_cond = conditioning.to(conditioning.take(held_cond, slice(0, n_held)), device)
+        self.objective = objective_of(config.get("objective"))
         self.shape = tuple(train_x.shape[1:])
         normal, eps, self.heldout_digest = heldout_draws(self.seed, self.held_ids, self.shape)
         self.held_normal, self.held_eps = normal.to(device), eps.to(device)
@@ -258,7 +290,14 @@ class TrainSession:
         ids = torch.tensor(self.train_ids + self.held_ids)
         self.identity = {"model_sha256": model_sha256(start),
                          "data_sha256": tensors_sha256([("train", self.train_x), ("heldout", self.held_x),
-                                                        ("ids", ids)])}
+                                                        ("ids", ids)]
+                                                       + conditioning.digest_items(self.train_cond)
+                                                       + [(f"heldout/{n}", v) for n, v in
+                                                          conditioning.digest_items(self.held_cond)])}
+        if getattr(start, "adapter_sha256", None) is not None:  # a LoRA adapter's file content
+            self.identity["adapter_sha256"] = start.adapter_sha256
+        if data_files:  # the caches read, file by file
+            self.identity["data_files"] = data_files
         # Never trained: the sentinel reads the same model at the start and the end of every job.
         self.sentinel_model = copy.deepcopy(start)
         self.layout = weight_layout(start)
@@ -280,7 +319,8 @@ class TrainSession:
         return {"device": self.device.type, "chunk_samples": self.t.chunk_samples}
 
     def sentinel(self) -> dict:
-        return read_sentinel(self.sentinel_model, self.device, self.shape)
+        return read_sentinel(conditioning.with_first(self.sentinel_model, self.held_cond), self.device,
+                             self.shape)
 
     def restore(self, u: UnitEntry, stores: dict) -> None:
         """Every arm's weights, buffers and optimizer state as the whole unit `u` stored them."""
@@ -325,7 +365,7 @@ class TrainSession:
         with self.memory_named(arm, u):
             losses, digests = as_model_error(arm, u, self._train, s, seg)
             held = as_model_error(arm, u, ts.heldout_losses, s.model, s.intervention, self.held_x,
-                                  self.held_normal, self.held_eps, self.chunk)
+                                  self.held_normal, self.held_eps, self.chunk, self.objective, self.held_cond)
         check_finite(arm, u, losses, held, s.model, seg.steps)
         s.step = u["train"]["to_step"]
         state = s.model.state_dict()
@@ -349,12 +389,13 @@ class TrainSession:
         with attached(s.intervention, s.model):
             for k, step in enumerate(seg.steps):
                 # Step: this step's samples and noise (drawn once for every arm of the segment).
-                x, sigma = self.train_x[seg.positions[k]], ts.sigma_of(seg.normal[k])
+                x, sigma = self.train_x[seg.positions[k]], self.objective.train_level(s.model, seg.normal[k])
+                cond = conditioning.take(self.train_cond, seg.positions[k])  # each sample's own rows
                 # Step: forward, backward and update, a model's own dropout seeded by (seed, step).
                 with torch.random.fork_rng(devices=self.rng_devices):
                     seed_generators(dropout_seed(self.seed, step), self.rng_devices)
                     losses.append(ts.train_step(s.model, s.optimizer, s.intervention, x, sigma, seg.eps[k],
-                                                self.chunk))
+                                                self.chunk, self.objective, cond))
                 # Step: which bits the weights hold now (the first step an arm leaves the twin's).
                 digests.append(ts.weight_digests(s.model))
         s.optimizer.zero_grad(set_to_none=True)  # only the arm training now holds gradients
@@ -402,4 +443,15 @@ TRAIN = Measure(
     replicate_always=True,
     chaos_arm=True,
     store_format=TRAIN_STORE_FORMAT,
+    default_arithmetic=lambda method, device_type: {"device": device_type,  # as TrainSession's
+                                                    "chunk_samples": TrainConfig().chunk_samples},
+    write_store=write_train_store,
+    verify_store=lambda path, sha256=None, payload_bytes=None: read_train_store(path, sha256).meta,
+    unit_fields=TrainUnit,
+    summary_type=TrainSummary,
+    unit_key="step",  # a segment by the step it ends at
+    unit_own="to_step",
+    tracker_rows=train_rows.tracker_rows,
+    tracker_step="step",  # its curves line up with the researcher's own training logs
+    sweep_point=train_rows.sweep_point,
 )

@@ -4,6 +4,7 @@ perturbation, and the weight and optimizer records a segment's store holds and a
 """
 
 import difflib
+import fnmatch
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from twinrun.config import TrainConfig, build
 from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import Intervention
 from twinrun.measures import fold_sums as fs
-from twinrun.measures.trial import first_line
+from twinrun.measures.failures import first_line
 from twinrun.storage.safetensors_file import SafetensorsFile
 
 
@@ -53,7 +54,18 @@ def build_start(config: dict, t: TrainConfig, device: torch.device) -> torch.nn.
     model = build(config["model"], "model")
     if t.start_checkpoint is not None:
         load_start(model, t.start_checkpoint)
+    freeze(model, list(t.params))
     return model.to(device).train()
+
+
+def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
+    """Only the parameters matching `train.params` require gradients (the optimizer takes exactly them)."""
+    names = {n for n, p in model.named_parameters() if any(fnmatch.fnmatchcase(n, q) for q in patterns)}
+    if not names:
+        raise ConfigError("train.params", patterns, "matches no parameter of the model; names look like "
+                          f"{[n for n, _ in model.named_parameters()][:4]}")
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
 
 
 def build_optimizer(node: dict, model: torch.nn.Module, intervention: Intervention) -> torch.optim.Optimizer:

@@ -1,7 +1,9 @@
-"""One arm's training arithmetic: the EDM loss, one optimizer step, the held-out loss, the weights' digests.
+"""One arm's training arithmetic: the objective's loss, one optimizer step, the held-out loss, the weights'
+digests.
 
-The loss is the one `python -m twinrun.train` trained the committed model with (Karras et al. 2022,
-Eq. 2 with Table 1's λ(σ) and log-normal p(σ)), written per sample so that a batch cut into chunks
+The loss is the run's objective's (twinrun/objectives.py; edm, the default, is the one
+`python -m twinrun.train` trained the committed model with: Karras et al. 2022, Eq. 2 with Table 1's
+λ(σ) and log-normal p(σ)), written per sample so that a batch cut into chunks
 sums the same terms. An arm's intervention acts where it declares (twinrun/interventions.py): the
 σ fed to the conditioning pathway, forward hooks, a per-sample loss weight; its learning rate is
 set once, when its optimizer is built.
@@ -11,13 +13,14 @@ import hashlib
 
 import torch
 
+from twinrun import conditioning
 from twinrun.errors import EXIT_GATE, TwinrunError
 from twinrun.interventions import Intervention, attached
-from twinrun.measures.fold_sums import edm_weight
+from twinrun.objectives import EDM, EDM_P_MEAN, EDM_P_STD, Objective
 
-# Log-normal training σ distribution (Karras et al. 2022, Table 1: P_mean, P_std).
-P_MEAN = -1.2
-P_STD = 1.2
+# Log-normal training σ distribution (Karras et al. 2022, Table 1: P_mean, P_std): objective=edm's.
+P_MEAN = EDM_P_MEAN
+P_STD = EDM_P_STD
 DIGEST_HEX = 16  # hex digits kept of each weight's per-step sha256 (64 bits: no collision in practice)
 
 
@@ -33,26 +36,29 @@ def sigma_of(normal: torch.Tensor) -> torch.Tensor:
 
 
 def per_sample_loss(model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor,
-                    sigma_cond: torch.Tensor) -> torch.Tensor:
-    """[B]: λ(σ)·mean over pixels of (D(x + σε; σ, σ_cond) − x)², one term per sample."""
-    batch = x.shape[0]
-    sigma_img = sigma.reshape(batch, *([1] * (x.dim() - 1)))
-    denoised = model(x + sigma_img * eps, sigma, sigma_cond)
-    weight = edm_weight(sigma_img, model.sigma_data)
-    return (weight * (denoised - x) ** 2).flatten(1).mean(1)
+                    sigma_cond: torch.Tensor, objective: Objective | None = None,
+                    cond: dict | None = None) -> torch.Tensor:
+    """[B]: λ(σ)·mean over pixels of (F(x_σ; σ, σ_cond, **cond) − target)², one term per sample, in the
+    objective's terms (edm, the default: F denoises x + σε, the target is x); cond: each sample's rows."""
+    objective = EDM() if objective is None else objective
+    out = model(objective.noisy(model, x, eps, sigma), sigma, sigma_cond, **(cond or {}))
+    return objective.per_sample_loss(model, out, x, eps, sigma)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, intervention: Intervention,
-               x: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor, chunk: int) -> torch.Tensor:
-    """One optimizer step on the batch (x, σ, ε), forward and backward in chunks of ≤ `chunk` samples;
-    the loss is the batch mean of the per-sample losses. Returns it (0-d, detached, on the device)."""
+               x: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor, chunk: int,
+               objective: Objective | None = None, cond: dict | None = None) -> torch.Tensor:
+    """One optimizer step on the batch (x, σ, ε, and each sample's conditioning rows), forward and backward
+    in chunks of ≤ `chunk` samples; the loss is the batch mean of the per-sample losses. Returns it (0-d,
+    detached, on the device)."""
     batch = x.shape[0]
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=x.device)
     for lo in range(0, batch, chunk):
         part = slice(lo, lo + chunk)
-        losses = per_sample_loss(model, x[part], sigma[part], eps[part], intervention.sigma_cond(sigma[part]))
-        weight = intervention.loss_weight(sigma[part], model.sigma_data)
+        losses = per_sample_loss(model, x[part], sigma[part], eps[part], intervention.sigma_cond(sigma[part]),
+                                 objective, conditioning.take(cond or {}, part))
+        weight = intervention.loss_weight(sigma[part], getattr(model, "sigma_data", 1.0))
         if weight is not None:
             losses = losses * weight
         loss = losses.sum() / batch
@@ -64,17 +70,20 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, interve
 
 @torch.no_grad()
 def heldout_losses(model: torch.nn.Module, intervention: Intervention, images: torch.Tensor,
-                   normal: torch.Tensor, eps: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[N] float32 on the CPU: each held-out image's EDM loss under the arm's model as it trains (its
+                   normal: torch.Tensor, eps: torch.Tensor, chunk: int, objective: Objective | None = None,
+                   cond: dict | None = None) -> torch.Tensor:
+    """[N] float32 on the CPU: each held-out image's loss under the arm's model as it trains (its
     hooks and σ_cond; no loss weight, which changes the objective, not the model), on fixed draws."""
     model.eval()
-    sigma = sigma_of(normal)
+    objective = EDM() if objective is None else objective
+    sigma = objective.train_level(model, normal)
     out = []
     with attached(intervention, model):
         for lo in range(0, images.shape[0], chunk):
             part = slice(lo, lo + chunk)
             out.append(per_sample_loss(model, images[part], sigma[part], eps[part],
-                                       intervention.sigma_cond(sigma[part])))
+                                       intervention.sigma_cond(sigma[part]), objective,
+                                       conditioning.take(cond or {}, part)))
     model.train()
     return torch.cat(out).float().cpu()
 

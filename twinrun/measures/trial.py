@@ -8,15 +8,21 @@ again where it measures (compiling there, after determinism has moved the compil
 """
 
 import logging
-import os
-import traceback
 
 import torch
 
+from twinrun import conditioning
 from twinrun.config import ProbeConfig
-from twinrun.errors import ConfigError, DeterminismError, ModelError, TwinrunError
+from twinrun.errors import ConfigError
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import fold_sums as fs
+from twinrun.measures.failures import (
+    determinism_cause,
+    determinism_error,
+    failing_frame,
+    first_line,
+    is_out_of_memory,
+)
 from twinrun.measures.modes import draws_randomness
 from twinrun.provenance.record import model_sentinel_fn
 from twinrun.provenance.sentinel import repeats_backward
@@ -80,7 +86,7 @@ def refuse_compiled_hooks(mode: str | None, interventions: dict) -> None:
 
 
 def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images: torch.Tensor, sigma: float,
-               interventions: dict) -> str:
+               interventions: dict, objective=None, cond: dict | None = None) -> str:
     """Plan time: each arm's model, eager, on the CPU; returns the method chosen.
 
     Nothing here touches a GPU or Inductor: in a local run the job follows in this process, and its
@@ -90,12 +96,15 @@ def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images:
     sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(device)
                    for arm, i in interventions.items()}
     mode = compile_mode(p.compile)
-    random_ops = p.train_mode and draws_randomness(model, images.to(device), sigma)
+    cond = conditioning.to(conditioning.take(cond or {}, slice(0, 4)), device)
+    plain = conditioning.with_first(model, cond)  # (the behaviour check passes no conditioning)
+    random_ops = p.train_mode and draws_randomness(plain, images.to(device), sigma)
     check_method(p.method, mode, random_ops)
     refuse_compiled_hooks(mode, interventions)
     tried = []
     method, _ = run_trial(model, names, images[:4].to(device), sigma, sigma_conds, p.method,
-                          interventions=interventions, random_ops=random_ops, tried=tried)
+                          interventions=interventions, random_ops=random_ops, tried=tried,
+                          objective=objective, cond=cond)
     if p.method == "auto":
         why = ("; ".join(f"{m} failed: {type(e).__name__}: {first_line(e)}" for m, e in tried) if tried
                else "the model draws randomness in train mode" if random_ops else "it runs this model")
@@ -108,23 +117,24 @@ def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images:
 
 
 def job_trial(model, names, images, sigma: float, interventions: dict, p: ProbeConfig, fold_of_image,
-              n_folds: int):
+              n_folds: int, objective=None, cond: dict | None = None):
     """The job, before its first bin: (method, forward to probe with, compile mode or None)."""
     mode = compile_mode(p.compile)
-    random_ops = p.train_mode and draws_randomness(model, images, sigma)
+    cond = cond or {}
+    random_ops = p.train_mode and draws_randomness(conditioning.with_first(model, cond), images, sigma)
     sigma_conds = {arm: i.sigma_cond(torch.tensor(sigma, dtype=torch.float32)).to(images.device)
                    for arm, i in interventions.items()}
     method, forward = run_trial(model, names, images, sigma, sigma_conds, p.method, mode, interventions,
-                                random_ops=random_ops)
+                                random_ops=random_ops, objective=objective, cond=cond)
     if mode is not None:
         warm_up(model, forward, names, images, sigma, next(iter(sigma_conds.values())), p, fold_of_image,
-                n_folds)
+                n_folds, objective, cond)
     log.info("probe method %s, compile %s", method, mode or "off")
     return method, forward, mode
 
 
 def warm_up(model, forward, names, images, sigma, sigma_cond, p: ProbeConfig, fold_of_image,
-            n_folds: int) -> None:
+            n_folds: int, objective=None, cond: dict | None = None) -> None:
     """Compile every shape the bins and the sentinel will run (one bin's worth of calls, seeded
     draws), so the cache the fingerprint then reads is the cache the whole run uses: a resume on
     the same cache finds the same digest instead of the entries the first job's bins added."""
@@ -132,9 +142,11 @@ def warm_up(model, forward, names, images, sigma, sigma_cond, p: ProbeConfig, fo
     eps = torch.randn((images.shape[0], p.n_draws, *images.shape[1:]), generator=gen).to(images.device)
     halves = fs.half_draws(p.n_draws)  # the pairing receipt's second-half pieces are shapes of their own
     fs.fold_sums(model, names, images, eps, sigma, sigma_cond, fold_of_image, n_folds, p.chunk_images,
-                 p.chunk_draws, method="folds", forward=forward, second_from=halves and halves[0])
+                 p.chunk_draws, method="folds", forward=forward, second_from=halves and halves[0],
+                 objective=objective, cond=cond)
     # The sentinel's model op as the job will read it (forward only where its backward need not repeat).
-    model_sentinel_fn(forward, images.device, tuple(images.shape[1:]), repeats_backward(images.device))()
+    model_sentinel_fn(conditioning.with_first(forward, cond or {}), images.device, tuple(images.shape[1:]),
+                      repeats_backward(images.device))()
 
 
 def run_trial(
@@ -148,6 +160,8 @@ def run_trial(
     interventions: dict | None = None,  # arm -> Intervention: its hooks are on during its trial
     random_ops: bool = False,  # the model draws randomness (train mode): only the folds method
     tried: list | None = None,  # filled with (method, error) of each method that failed
+    objective=None,  # twinrun.objectives.Objective; None = edm
+    cond: dict | None = None,  # per-image conditioning of `images` {name: [N, ...]}
 ) -> tuple[str, torch.nn.Module]:
     """(the method chosen, the forward to probe with); ConfigError (exit 2) if none can run."""
     check_method(method, mode, random_ops)
@@ -157,7 +171,7 @@ def run_trial(
         try:
             for arm, sigma_cond in sigma_conds.items():
                 with attached((interventions or {}).get(arm, Intervention()), model):
-                    tiny_probe(model, forward, names, images, sigma, sigma_cond, candidate)
+                    tiny_probe(model, forward, names, images, sigma, sigma_cond, candidate, objective, cond)
         except Exception as err:  # any failure of user code is reported, not raised as is
             # Neither memory nor determinism is a reason to take another method: `auto` is a rule
             # about the model (does it run under vmap), so each is reported as what it is.
@@ -171,15 +185,17 @@ def run_trial(
     raise ConfigError("probe.method", method, cannot_run(tried, mode))
 
 
-def tiny_probe(model, forward, names, images, sigma, sigma_cond, method) -> None:
+def tiny_probe(model, forward, names, images, sigma, sigma_cond, method, objective=None,
+               cond: dict | None = None) -> None:
     """Four images in two folds, two draws each: batches of more than one sample per group, since
     some ops take other paths at size 1 (diffusers' UNet runs under vmap with one image per group
     and fails with two)."""
     gen = torch.Generator().manual_seed(TRIAL_SEED)
-    x = images[torch.arange(4, device=images.device) % images.shape[0]]
+    index = torch.arange(4, device=images.device) % images.shape[0]
     eps = torch.randn((4, 2, *images.shape[1:]), generator=gen).to(images.device)
     folds = torch.tensor([0, 0, 1, 1], device=images.device)
-    fs.fold_sums(model, names, x, eps, sigma, sigma_cond, folds, 2, method=method, forward=forward)
+    fs.fold_sums(model, names, images[index], eps, sigma, sigma_cond, folds, 2, method=method,
+                 forward=forward, objective=objective, cond=conditioning.take(cond or {}, index))
 
 
 def cannot_run(tried: list[tuple[str, BaseException]], mode: str | None) -> str:
@@ -194,107 +210,3 @@ def cannot_run(tried: list[tuple[str, BaseException]], mode: str | None) -> str:
     else:
         fix = "the model fails a plain forward and backward: fix it, or probe other parameters"
     return f"{'; '.join(parts)}; {fix}"
-
-
-def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:300]
-
-
-def failing_frame(err: BaseException) -> str:
-    """The innermost frame outside torch: the model code that made the failing call."""
-    torch_dir = os.path.dirname(torch.__file__)
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)]
-    if not frames:
-        return "inside torch"
-    f = frames[-1]
-    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}: {(f.line or '').strip()[:80]}"
-
-
-def as_model_error(arm: str, u: dict, call, *args, **kwargs):
-    """call(*args, **kwargs); anything the model raises becomes a ModelError (exit 4) naming arm and unit,
-    except what is not the model's doing: an op refused under deterministic algorithms (DeterminismError,
-    exit 2) and running out of memory (raised as it is, for the caller to name its estimate)."""
-    try:
-        return call(*args, **kwargs)
-    except TwinrunError:
-        raise
-    except Exception as err:  # user code may raise anything: named, recorded, exit 4
-        if is_out_of_memory(err):
-            raise
-        if determinism_cause(err) is not None:
-            raise determinism_error(err, f"arm {arm}, {u['label']}") from err
-        raise to_model_error(arm, u, err) from err
-
-
-# What torch says when deterministic algorithms refuse an op (ATen's alertNotDeterministic, cuBLAS's
-# workspace check) and when Inductor's deterministic mode refuses an autotuning benchmark.
-NOT_DETERMINISTIC = " does not have a deterministic implementation"
-CUBLAS_NOT_DETERMINISTIC = "because it uses CuBLAS"
-INDUCTOR_DETERMINISTIC = "In the deterministic mode of Inductor"
-
-
-def causes(err: BaseException) -> list[BaseException]:
-    """The error and what it wraps (its cause and context), outermost first."""
-    out, todo = [], [err]
-    while todo:
-        e = todo.pop(0)
-        if e is None or any(e is seen for seen in out):
-            continue
-        out.append(e)
-        todo += [e.__cause__, e.__context__]
-    return out
-
-
-def determinism_cause(err: BaseException) -> str | None:
-    """What deterministic algorithms refused, in words, if that is why `err` was raised; else None."""
-    for e in causes(err):
-        text = str(e)
-        if NOT_DETERMINISTIC in text:
-            line = next(ln for ln in text.splitlines() if NOT_DETERMINISTIC in ln)
-            op = line.split(NOT_DETERMINISTIC)[0].strip().split()[-1]
-            return f"the op {op} has no deterministic implementation on this device"
-        if CUBLAS_NOT_DETERMINISTIC in text and "CUBLAS_WORKSPACE_CONFIG" in text:
-            value = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-            return (f"cuBLAS is deterministic only with CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8, and this "
-                    f"process has {value!r} (a value set before twinrun started is kept)")
-        if INDUCTOR_DETERMINISTIC in text:
-            return ("torch.compile's Inductor runs in its deterministic mode with deterministic algorithms "
-                    "on (torch >= 2.10) and refused an autotuning benchmark")
-    return None
-
-
-def determinism_error(err: BaseException, where: str) -> DeterminismError:
-    """The op (or cuBLAS, or Inductor) that deterministic algorithms refused, with the knob: exit 2."""
-    cause = determinism_cause(err)
-    fix = ("unset CUBLAS_WORKSPACE_CONFIG (twinrun then sets :4096:8) or set determinism.enabled=false"
-           if "cuBLAS" in cause else "use probe.compile=default, or set determinism.enabled=false"
-           if "Inductor" in cause else "set determinism.enabled=false (both arms still run on one kernel "
-           "path; arms.replicate=true shows whether it repeats), or avoid that op in the model")
-    return DeterminismError("determinism.enabled", True, f"{where}: {cause}, and deterministic algorithms "
-                            f"are on; this is not the model's fault: {fix}")
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """An allocation failed: torch.cuda.OutOfMemoryError, or the CPU allocator's RuntimeError."""
-    return any(isinstance(e, torch.cuda.OutOfMemoryError) or "can't allocate memory" in str(e)
-               for e in causes(err))
-
-
-def to_model_error(arm: str, u: dict, err: BaseException) -> ModelError:
-    """User code's exception as a ModelError (exit 4) naming arm, unit, type, message and frame."""
-    where = f"arm {arm}, {u['label']}"
-    model_error = ModelError(f"{where}: user code raised {type(err).__name__}: {first_line(err)} "
-                             f"(at {failing_frame(err)}); earlier units are kept, resume after fixing it")
-    model_error.record = {"type": type(err).__name__, "message": first_line(err), "at": failing_frame(err)}
-    log.error("%s", model_error)
-    return model_error
-
-
-def failure_record(err: BaseException | None) -> dict:
-    """run.json's failure fields beyond arm and bin: when the model raised, its exception's type, message
-    and frame (`as_model_error`); for twinrun's own refusals that a waiting launcher reads (kernel path,
-    device, device memory, determinism), what it is and the line the console shows."""
-    record = dict(getattr(err, "record", None) or {})
-    if record and "type" not in record:
-        record["message"] = str(err)
-    return record

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from twinrun.files import make_dir, write_json
 from twinrun.provenance.version import twinrun_version
-from twinrun.publish.report import write_report
 from twinrun.publish.trackers import send
 from twinrun.storage.rundir import RunDir
 
@@ -29,10 +28,11 @@ def _identity(path: Path) -> tuple | None:
     return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
-def publish(reduction, report=write_report, tracker: dict | None = None) -> None:
+def publish(reduction, kind, tracker: dict | None = None) -> None:
     """Write a Reduction (twinrun.analysis.reduce): the registered summary, or the post-hoc view; every
-    summary carries the twinrun that wrote it. `report`: the measurement kind's report writer (out_dir,
-    summary, index), the probe's by default. `tracker`: checked settings (check_tracker), or None."""
+    summary carries the twinrun that wrote it. `kind`: the run's measurement kind (its `report` writer
+    (out_dir, summary, index) and its tracker rows). `tracker`: checked settings (check_tracker), or None."""
+    report = kind.report
     rd = reduction.index.run_dir
     if reduction.view is None:
         summary = {**reduction.summary, "twinrun": twinrun_version()}
@@ -42,7 +42,7 @@ def publish(reduction, report=write_report, tracker: dict | None = None) -> None
         # The plots this report wrote (each a new file, renamed into place), whatever the kind names them;
         # a plot left from an earlier reduction or planted in the run directory is never logged as its own.
         fresh = [p for p in _plots(rd.path) if _identity(p) != before.get(p)]
-        send(tracker, reduction.index, summary, [rd.summary_json, written, *fresh])
+        send(tracker, reduction.index, summary, [rd.summary_json, written, *fresh], kind)
         return
     out = make_dir(rd.view_dir(reduction.view_name))
     view = {**reduction.view, "twinrun": twinrun_version()}

@@ -10,6 +10,13 @@ def pm(x: float | None, se: float | None, spec: str = ".4f", se_spec: str = ".1e
     return "below noise" if x is None else f"{x:{spec}} ± {se:{se_spec}}"
 
 
+def analysis_head(summary: dict) -> str:
+    """The line under a printout's title: the registered analysis, or a post-hoc view and where it went."""
+    ph = summary.get("post_hoc")
+    return (f"POST-HOC VIEW (registered {ph['registered']}, used {ph['used']}); written to {ph['view_dir']}"
+            if ph else f"registered analysis (settings recorded at plan time: {summary['registered']})")
+
+
 def interval_text(interval: list | None, spec: str = ".4f") -> str:
     """A printed interval `[lo, hi]`, asymmetric as computed; — for a side the data do not bound."""
     if interval is None:

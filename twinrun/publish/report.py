@@ -192,6 +192,9 @@ def write_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
         lines += receipt_table(summary["effects"])
     if summary.get("reference"):
         lines += reference_lines(summary["reference"], summary["effects"])
+    if summary.get("data_files"):
+        lines += ["", "## Data caches", ""] + [f"- `{path}`: sha256 `{sha}`"
+                                               for path, sha in sorted(summary["data_files"].items())]
     env_lines = env_summary(index)
     if env_lines:
         lines += (["", "## Environment", "", "Full fingerprints: `env/job*.json`.", ""]

@@ -18,48 +18,33 @@ from twinrun.storage.rundir import RunIndex
 from twinrun.storage.sweepdir import SweepDir, point_overrides
 
 
-def _point(run_dir: Path) -> dict:
-    index = RunIndex.load(run_dir)
-    intervention, protocol, seed = _intervention(index)
+def _point(run_dir: Path, load) -> dict:
+    index, kind = load(run_dir)
+    intervention, protocol, seed = _intervention(index, kind.sweep_protocol)
     point = {"run_dir": str(run_dir), "overrides": point_overrides(run_dir), "intervention": intervention,
              "axis": sweep_axis(intervention), "protocol": protocol, "seed": seed, "status": index.status,
              "checks_passed": None, "gates_passed": None, "effects": []}
     rd = index.run_dir
     if rd.has_summary():
-        summary = rd.read_summary()
+        summary = rd.read_summary(kind.summary_type)
         point["checks_passed"] = summary["checks_passed"]
         # `passed`: every check and gate, the machinery arm's included (an intervention with a no-op
         # setting may have no gate bin at all).
         point["gates_passed"] = summary["passed"]
-        if summary.get("measure") == "train":  # read per step, not per σ: the sweep lists its verdict
-            point["verdict"] = summary["verdict"]
-            point["train_effect"] = last_train_effect(summary)
-        else:
-            point["effects"] = summary["effects"]
-            point["gate_sigmas"] = sorted({g["sigma"] for g in summary["gates"]})  # boxed on the heatmap
+        point.update(kind.sweep_point(summary))  # what the kind's sweep reads of it (its effects per σ, ...)
         point["status"] = "reduced"
     return point
 
 
-def last_train_effect(summary: dict) -> dict | None:
-    """A training point's reading at its last stored step, for the registered first estimand (the one its
-    verdict reads): distance from the twin, the chaos floor, their ratio. None when effects are withheld."""
-    name = summary["used"]["estimands"][0]
-    rows = [e for e in summary["effects"] if e["estimand"] == name]
-    if not rows:
-        return None
-    last = rows[-1]
-    return {k: last[k] for k in ("step", "estimand", "distance", "floor", "floor_ratio", "above_floor")}
-
-
-def _intervention(index: RunIndex) -> tuple[dict, dict | None, int | None]:
-    """The intervention arm's `intervention` node (its sweep axis), its `probe` node and its seed."""
+def _intervention(index: RunIndex, node: str | None) -> tuple[dict, dict | None, int | None]:
+    """The intervention arm's `intervention` node (its sweep axis), its kind's protocol `node` (None: the
+    kind names none) and its seed."""
     name = index.arm("intervention")["name"]
     config = index.arm_config(name)
     if not isinstance(config.get("intervention"), dict):
         raise StoreError(index.run_dir.arm_config(name), "field intervention: missing or not a config node")
-    probe, seed = config.get("probe"), config.get("seed")
-    return (config["intervention"], probe if isinstance(probe, dict) else None,
+    protocol, seed = config.get(node) if node else None, config.get("seed")
+    return (config["intervention"], protocol if isinstance(protocol, dict) else None,
             seed if type(seed) is int else None)
 
 
@@ -161,7 +146,7 @@ def _p_text(c: dict, key: str) -> str:
 
 
 def _shared_protocol(points: list[dict]) -> dict | None:
-    """The `probe` node every point shares (None when the protocol itself is swept: the rows name it)."""
+    """The protocol node every point shares (None when the protocol itself is swept: the rows name it)."""
     nodes = [p.get("protocol") for p in points if p.get("protocol")]
     keys = ("n_images", "n_draws", "n_folds")
     shared = {tuple(n.get(k) for k in keys) for n in nodes}
@@ -172,20 +157,21 @@ def _yes_no(flag: bool | None) -> str:
     return "–" if flag is None else ("yes" if flag else "**NO**")
 
 
-def collect_points(sd: SweepDir) -> list[dict]:
+def collect_points(sd: SweepDir, load) -> list[dict]:
     """Every point of the sweep: each run directory's verdict and effects, then the points Hydra's
-    sweep names (multirun.yaml) that have none, marked missing."""
-    points = [_point(d) for d in sd.point_dirs()]
+    sweep names (multirun.yaml) that have none, marked missing. `load`: run_dir -> (its RunIndex, its
+    measurement kind), the kind looked up by the caller's registry (measures/registry.py: load_index)."""
+    points = [_point(d, load) for d in sd.point_dirs()]
     have = {Path(p["run_dir"]).name for p in points}
     expected = sd.expected_points() or []
     return points + [_missing(sd, n, o) for n, o in enumerate(expected) if str(n) not in have]
 
 
-def write_sweep_summary(sweep_dir: Path) -> dict:
+def write_sweep_summary(sweep_dir: Path, load) -> dict:
     """Collect the points; lay the effects out as (the intervention's sweep axis, sigma, estimand): each
     entry names its axis ("axis": "sigma_pin") and holds the point's value under that name."""
     sd = SweepDir(sweep_dir)
-    points = collect_points(sd)
+    points = collect_points(sd, load)
     effect_map = []
     for p in points:
         axis = (p["axis"] or {}).get("key", "intervention.(none)").removeprefix("intervention.")

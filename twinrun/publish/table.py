@@ -1,9 +1,10 @@
 """The tidy table: a row per run × unit (σ bin, training segment) × estimand, across runs and sweeps;
 the JSON stays the record.
 
-`load(paths)` reads each run directory (or every point of a sweep directory) through the validated
-owners (RunIndex, RunDir.read_summary) and returns a pandas DataFrame; `rows(paths)` is the same as
-plain dicts. A sweep adds, under `row_kind` "pooled over seeds", its σ × estimand pooled across seeds
+`frame(paths, load_index)` reads each run directory (or every point of a sweep directory) through the
+validated owners (RunIndex, RunDir.read_summary), each as its kind says (`load_index`, handed down:
+twinrun.table.load passes the registry's), and returns a pandas DataFrame; `rows` is the same as plain
+dicts. A sweep adds, under `row_kind` "pooled over seeds", its σ × estimand pooled across seeds
 (twinrun.publish.seeds). pandas and pyarrow are the `table` extra (`pip install 'twinrun[table]'`).
 """
 
@@ -30,10 +31,6 @@ COLUMNS = ("row_kind", "run_dir", "sweep_dir", "verdict", "checks_passed", "pass
            "norm2_se", "norm2_base", "norm2_base_se", "t_crit", "pairing_rho", "pairing_gain",
            "kernel_path_sha256", "seed", "twinrun_version", "twinrun_commit")
 VERDICTS = {True: "valid", False: "instrument broken", None: "not reduced"}
-# How a summary's effects and gates name a unit (a σ bin; a training segment by the step it ends at), and
-# the unit's own field in run.json that holds the same value.
-UNIT_KEY = {"probe": "sigma", "train": "step"}
-UNIT_OWN = {"probe": "sigma", "train": "to_step"}
 
 
 def run_dirs(path: Path) -> tuple[list[Path], Path | None]:
@@ -95,14 +92,16 @@ def _version(summary: dict | None) -> dict:
     return {"twinrun_version": found.get("version"), "twinrun_commit": found.get("commit")}
 
 
-def run_rows(run_dir: Path, sweep_dir: Path | None = None) -> list[dict]:
-    """One row per unit × estimand of one run: its effects, or (broken, not reduced) rows without numbers."""
-    index = RunIndex.load(run_dir)
+def run_rows(run_dir: Path, load, sweep_dir: Path | None = None) -> list[dict]:
+    """One row per unit × estimand of one run: its effects, or (broken, not reduced) rows without numbers.
+    `load`: run_dir -> (RunIndex, its measurement kind) (measures/registry.py: load_index); the kind says
+    how its summary names a unit (`unit_key`) and which of the unit's own fields holds it (`unit_own`)."""
+    index, kind = load(run_dir)
     rd = index.run_dir
     config = index.arm_config(index.arm("intervention")["name"])  # held to run.json's config_hash
-    summary = rd.read_summary() if rd.has_summary() else None
+    summary = rd.read_summary(kind.summary_type) if rd.has_summary() else None
     passed = None if summary is None else summary["passed"]
-    field = UNIT_KEY[index.measure]
+    field = kind.unit_key
     effects = {(e[field], e["estimand"]): e for e in (summary or {}).get("effects", [])}
     gates: dict = {}  # (unit, estimand) -> passed; training gates are per step, every estimand
     for g in (summary or {}).get("gates", []):
@@ -119,7 +118,7 @@ def run_rows(run_dir: Path, sweep_dir: Path | None = None) -> list[dict]:
         own = index.params(u)
         paths = {e.get("kernel_path_sha256") for e in u["stores"].values()} - {None}
         for name in estimands:
-            key = (own.get(UNIT_OWN[index.measure]), name)
+            key = (own.get(kind.unit_own), name)
             rows.append({**shared, "unit_index": u["index"], "unit": u["label"], **own, "estimand": name,
                          "gate": u["gate"], "gate_passed": gates.get(key, gates.get((key[0], None))),
                          "kernel_path_sha256": ",".join(sorted(paths)) or None,
@@ -127,10 +126,10 @@ def run_rows(run_dir: Path, sweep_dir: Path | None = None) -> list[dict]:
     return rows
 
 
-def pooled_rows(sweep_dir: Path) -> list[dict]:
+def pooled_rows(sweep_dir: Path, load) -> list[dict]:
     """A sweep's σ × estimand pooled over seeds (points alike in every override but `seed`)."""
     out, typed = [], {}
-    for c in pool_seeds(collect_points(SweepDir(sweep_dir))):
+    for c in pool_seeds(collect_points(SweepDir(sweep_dir), load)):
         first = Path(c["run_dirs"][0])
         if first not in typed:  # the group's shared overrides, typed as the run rows type them
             index = RunIndex.load(first)
@@ -143,24 +142,24 @@ def pooled_rows(sweep_dir: Path) -> list[dict]:
     return out
 
 
-def rows(paths: list[Path]) -> list[dict]:
-    """Every row of every run (and sweep) named, in the order given."""
+def rows(paths: list[Path], load) -> list[dict]:
+    """Every row of every run (and sweep) named, in the order given (`load`: as run_rows takes it)."""
     out = []
     for path in paths:
         runs, sweep_dir = run_dirs(path)
         for run_dir in runs:
-            out += run_rows(run_dir, sweep_dir)
+            out += run_rows(run_dir, load, sweep_dir)
         if sweep_dir is not None:
-            out += pooled_rows(sweep_dir)
+            out += pooled_rows(sweep_dir, load)
     return out
 
 
-def load(paths) -> "pd.DataFrame":
+def frame(paths, load_index) -> "pd.DataFrame":
     """The tidy table of the runs and sweeps at `paths` (one path or several) as a pandas DataFrame."""
     if pd is None:
         raise TwinrunError(f"twinrun.table needs pandas: {EXTRA_HINT}")
     paths = [paths] if isinstance(paths, str | Path) else list(paths)
-    found = rows([Path(p) for p in paths])
+    found = rows([Path(p) for p in paths], load_index)
     extra = list(dict.fromkeys(k for r in found for k in r if k not in COLUMNS))
     return pd.DataFrame(found, columns=[*COLUMNS, *extra])
 

@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 from twinrun.files import atomic_write
+from twinrun.publish.render import analysis_head
 from twinrun.publish.report import env_summary
 from twinrun.publish.train_plots import plot_distance, plot_losses
 from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, REPORT_MD, RunIndex
@@ -135,10 +136,8 @@ def write_train_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
 
 def render_train(summary: dict) -> str:
     """What the command prints: checks, the gate, the replicate, the first differing steps, the verdict."""
-    ph = summary.get("post_hoc")
-    head = (f"POST-HOC VIEW (registered {ph['registered']}, used {ph['used']}); written to {ph['view_dir']}"
-            if ph else f"registered analysis (settings recorded at plan time: {summary['registered']})")
-    lines = [f"twinrun reduce (training): {summary['run_dir']}", head, "", "validity checks:"]
+    lines = [f"twinrun reduce (training): {summary['run_dir']}", analysis_head(summary), "",
+             "validity checks:"]
     lines += [f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}" for c in summary["checks"]]
     lines += ["", f"machinery gate (rule: {summary['used']['gate_rule']}):"]
     lines += [f"  [{'ok' if g['passed'] else 'FAIL'}] ({g['rule']}) {g['detail']}" for g in summary["gates"]]

@@ -9,7 +9,10 @@ A document that fails is one line naming the file and the field (exit 2), never 
 run.json's unit of twin validity is a *unit*: a σ bin for the probe, a training segment for the
 training measure. Every unit carries the fields every measurement kind shares (index, label,
 gate, stores) and, under the key of the run's measurement kind, that kind's own fields
-(`"probe": {"sigma": 0.5}`); UNIT_FIELDS lists each kind's.
+(`"probe": {"sigma": 0.5}`). This room names no kind: a kind declares its own unit fields and summary
+type (twinrun/measures/kind.py: `unit_fields`, `increasing`, `summary_type`), and whoever looked the kind
+up hands them to `validate_units` and `validate_summary`; run.json alone is checked for what every kind
+shares, the kind's fields as an object of plain values.
 """
 
 import typing
@@ -83,13 +86,13 @@ class TrainUnit(TypedDict):
     to_step: int  # the step its stores hold
 
 
-# Each measurement kind's own unit fields, under the kind's name in every unit.
-UNIT_FIELDS: dict[str, type] = {"probe": ProbeUnit, "train": TrainUnit}
-# A kind's unit field that runs strictly upward through `units` (the probe's σ grid: each σ once, in order).
-INCREASING: dict[str, str] = {"probe": "sigma"}
-# A kind's (from, to) unit fields that chain: each unit starts where the one before ended and moves on (a
-# training run's segments: an overlapping or repeated segment would train some steps twice).
-CHAINED: dict[str, tuple[str, str]] = {"train": ("from_step", "to_step")}
+# A kind's (from, to) unit fields that chain, keyed by its unit type: each unit starts where the one before
+# ended and moves on (a training run's segments: an overlapping one would train some steps twice).
+CHAINED: dict[type, tuple[str, str]] = {TrainUnit: ("from_step", "to_step")}
+
+
+class KindFields(TypedDict):
+    """A kind that declares no unit fields of its own (or no summary type beyond SharedSummary's)."""
 
 
 class UnitEntry(TypedDict):
@@ -155,6 +158,9 @@ class GateRow(TypedDict):
     bit_identical: bool
     max_shift: float
     replicate_max_shift: float | None
+    # where the arms differ and replicates were measured: each replicate's shift, the bound of the wobble
+    replicate_shifts: NotRequired[list[float]]
+    wobble_bound: NotRequired[float | None]
     detail: str
 
 
@@ -217,117 +223,21 @@ class Summary(TypedDict):
     reference: NotRequired[ReferenceReport | None]
     post_hoc: NotRequired[PostHoc]
     twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
+    data_files: NotRequired[dict[str, str]]  # {path: sha256} of the caches the data were read from
 
 
-Step = Annotated[int, "non-negative"]
+class SharedSummary(TypedDict):
+    """What every kind's summary.json holds, whatever it measures: read where no kind was looked up."""
 
-
-class Analysis(TypedDict):
-    """The settings of one reading: registered at plan time, or those a post-hoc view used."""
-
-    estimands: list[str]
-    gate_rule: str
-    signal_alpha: Num
-    family_alpha: NotRequired[Num]
-    groups: NotRequired[dict[str, list[str]]]
-
-
-class TrainGateRow(TypedDict):
-    """The training run's no-op gate at one stored step: the machinery arm against the twin."""
-
-    step: Step
-    arm: str
-    passed: bool
-    rule: str  # which rule decided it (bit-identical, not a no-op on a deterministic path, ...)
-    bit_identical: bool
-    distance: Num  # |θ_arm − θ_twin| / |θ_twin − θ_start| over every parameter
-    replicate_distance: Num | None
-    first_tensor: str | None  # the first parameter (in the model's order) whose bits differ
-    detail: str
-
-
-class ReplicateStep(TypedDict):
-    step: Step
-    n_differ: int
-    n_tensors: int
-    bit_identical: bool
-    distance: Num
-    first_tensor: str | None
-
-
-class TrainReplicate(TypedDict):
-    """The twin trained twice in one job: whether the kernel path is deterministic for this run."""
-
-    deterministic: bool
-    steps: list[ReplicateStep]
-    detail: str
-
-
-class FirstDiffering(TypedDict):
-    arm: str
-    step: Step | None  # None: never left the twin's bits
-    first_tensor: str | None
-    n_differ: int
-    n_tensors: int
-
-
-class FloorRow(TypedDict):
-    step: Step
-    estimand: str
-    distance: Num | None
-    cos: Num | None
-    norm_ratio: Num | None
-
-
-class TrainEffectRow(TypedDict):
-    step: Step
-    estimand: str
-    cos: Num | None
-    norm_ratio: Num | None
-    distance: Num | None
-    floor: Num | None
-    margin: Num
-    floor_ratio: Num | None
-    above_floor: bool
-    machinery_distance: NotRequired[Num | None]
-    replicate_distance: NotRequired[Num | None]
-
-
-class LossRow(TypedDict):
-    step: Step
-    arm: str
-    role: Role
-    train_loss: Num | None
-    train_loss_steps: list[Num]
-    heldout_loss: Num
-    heldout_se: float  # NaN for one held-out image (no spread to read), as are the next two
-    heldout_diff: Num
-    heldout_diff_se: float
-    heldout_diff_significant: bool
-    t_crit: float
-
-
-class TrainSummary(TypedDict):
-    """What one reduction of a training run found: checks, gates, then the floor and the effects (empty
-    unless every check and gate passed)."""
-
-    measure: Literal["train"]
     run_dir: str
     arms: list[str]
-    registered: Analysis
-    used: Analysis
+    registered: dict
+    used: dict
     checks_passed: bool
     passed: bool
-    verdict: str  # one sentence: above the chaos floor, or not told apart from chaos
     checks: list[Check]
-    gates: list[TrainGateRow]
-    replicate: TrainReplicate | None
-    first_differing: list[FirstDiffering]  # per arm: the first step its bits leave the twin's, the tensor
-    floor: list[FloorRow]  # per stored step and estimand: the chaos arm's distance from the twin
-    effects: list[TrainEffectRow]  # per stored step and estimand: the intervention against twin and floor
-    losses: list[LossRow]  # per stored step and arm: training and held-out loss (paired SE against twin)
-    post_hoc: NotRequired[PostHoc]
-    twinrun: NotRequired[dict | None]  # the twinrun that wrote it: version, git commit (None outside git)
+    gates: list[dict]
+    effects: list[dict]
 
 
 # ----------------------------------------------------------------------------- store metadata
@@ -360,6 +270,7 @@ class ProbeStoreMeta(TypedDict):
     # images with their ids; absent in stores written before they were recorded.
     model_sha256: NotRequired[HexDigest]
     data_sha256: NotRequired[HexDigest]
+    adapter_sha256: NotRequired[HexDigest]  # a LoRA adapter's files (twinrun.lora), where one is loaded
     layout: list[LayoutEntry]
     # The pairing receipt's inputs: the draws in each half [k1, k2] (None for one draw an image) and the
     # base64 float64 [n_tensors, F, F] blocks of S and H (twinrun.analysis.receipts reads them); absent in
@@ -411,7 +322,9 @@ def validate_run(path: Path, run: dict) -> RunRecord:
     if run.get("format") != RUN_FORMAT:
         c.fail("format", f"{show(run.get('format'))} is not {RUN_FORMAT!r} (not a twinrun run index)")
     check_typed(c, run, RunRecord, "")
-    kind = c.one_of(run, "measure", "measure", tuple(UNIT_FIELDS))
+    kind = run["measure"]
+    if not SAFE_NAME.fullmatch(kind):
+        c.fail("measure", f"{show(kind)} is not the name of a measurement kind")
     names = [a["name"] for a in run["arms"]]
     roles = [a["role"] for a in run["arms"]]
     if roles.count("intervention") != 1 or roles.count("twin") != 1 or len(set(names)) != len(names):
@@ -422,7 +335,6 @@ def validate_run(path: Path, run: dict) -> RunRecord:
         c.fail("units", "empty: a run has at least one unit")
     for i, u in enumerate(run["units"]):
         _validate_unit(c, u, i, names, kind)
-    _validate_order(c, run["units"], kind)
     for i, job in enumerate(run.get("jobs", [])):
         if job["index"] != i:
             c.fail(f"jobs[{i}].index", f"{job['index']!r} must equal its position {i}")
@@ -445,18 +357,16 @@ def _validate_registered(c: Checker, reg: Registered) -> None:
         c.fail("registered.gate_rule", f"{show(reg['gate_rule'])} is not one of {', '.join(GATE_RULES)}")
 
 
-def _validate_order(c: Checker, units: list[UnitEntry], kind: str) -> None:
-    """The kind's ordered field strictly increases unit by unit (a σ grid: each σ once, in order)."""
-    if kind in CHAINED:
-        _validate_chain(c, units, kind, *CHAINED[kind])
-    key = INCREASING.get(kind)
-    if key is None:
-        return
-    for i in range(1, len(units)):
-        before, value = units[i - 1][kind][key], units[i][kind][key]
-        if not value > before:
-            c.fail(f"units[{i}].{kind}.{key}", f"{value!r} is not above units[{i - 1}]'s {before!r}: the "
-                   f"{key} of the units increase strictly, each once")
+def validate_units(path: Path, run: RunRecord, fields: type, increasing: str | None) -> None:
+    """Every unit's own fields against the run's kind's type, and its `increasing` field strictly upward
+    unit by unit (a σ grid: each σ once, in order): the kind is handed in by whoever looked it up."""
+    c, kind = Checker(path), run["measure"]
+    for i, u in enumerate(run["units"]):
+        check_typed(c, u[kind], fields, f"units[{i}].{kind}")
+    if fields in CHAINED:
+        _validate_chain(c, run["units"], kind, *CHAINED[fields])
+    if increasing is not None:
+        _validate_order(c, run["units"], kind, increasing)
 
 
 def _validate_chain(c: Checker, units: list[UnitEntry], kind: str, start: str, end: str) -> None:
@@ -470,6 +380,14 @@ def _validate_chain(c: Checker, units: list[UnitEntry], kind: str, start: str, e
                    f"{before!r}" if i else f"{first!r} … {last!r}: the first unit is the start, 0 … 0")
 
 
+def _validate_order(c: Checker, units: list[UnitEntry], kind: str, key: str) -> None:
+    for i in range(1, len(units)):
+        before, value = units[i - 1][kind][key], units[i][kind][key]
+        if not value > before:
+            c.fail(f"units[{i}].{kind}.{key}", f"{value!r} is not above units[{i - 1}]'s {before!r}: the "
+                   f"{key} of the units increase strictly, each once")
+
+
 def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str) -> None:
     field = f"units[{i}]"
     check_typed(c, u, UnitEntry, field)
@@ -477,7 +395,8 @@ def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str
         c.fail(f"{field}.index", f"{u['index']!r} must equal its position {i}")
     if kind not in u:
         c.fail(f"{field}.{kind}", f"missing (the fields of a {kind} unit)")
-    check_typed(c, u[kind], UNIT_FIELDS[kind], f"{field}.{kind}")
+    if not isinstance(u[kind], dict):
+        c.fail(f"{field}.{kind}", f"{show(u[kind])} is not an object")
     # Every arm has a store in every unit; the twin's gate replicate (measured only where the gate
     # rule needs it) may add one more.
     if not set(names) <= set(u["stores"]) <= set(names) | {GATE_REPLICATE}:
@@ -487,9 +406,9 @@ def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str
             c.fail(f"{field}.stores.{arm}.sha256", "missing (the store is recorded done)")
 
 
-def validate_summary(path: Path, summary: dict) -> Summary | TrainSummary:
-    """summary.json against its kind's type (a training run's says `"measure": "train"`)."""
-    schema = TrainSummary if isinstance(summary, dict) and summary.get("measure") == "train" else Summary
+def validate_summary(path: Path, summary: dict, schema: type = SharedSummary) -> dict:
+    """summary.json against its kind's type (the kind's `summary_type`; SharedSummary where the reader
+    looked no kind up)."""
     if isinstance(summary, dict) and "valid" in summary and "checks_passed" not in summary:
         raise StoreError(path, "written by an older twinrun (its field `valid` is now `checks_passed`): "
                          "reduce the run again, `python -m twinrun.reduce RUN_DIR`")

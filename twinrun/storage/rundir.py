@@ -26,11 +26,13 @@ from twinrun.storage.records import (
     JobRecord,
     Role,
     RunRecord,
+    SharedSummary,
     StoreEntry,
     Summary,
     UnitEntry,
     validate_run,
     validate_summary,
+    validate_units,
 )
 from twinrun.storage.store import verify_store
 
@@ -170,10 +172,11 @@ class RunDir:
     def has_summary(self) -> bool:
         return self.summary_json.is_file()
 
-    def read_summary(self) -> Summary:
-        """summary.json, validated; a summary may vouch only for the reference its own run.json names
-        (a hand-edited claim of "alive" for another run is refused)."""
-        summary = validate_summary(self.summary_json, read_json(self.summary_json))
+    def read_summary(self, schema: type = SharedSummary) -> Summary:
+        """summary.json, validated against `schema` (its kind's summary_type); a summary may vouch only
+        for the reference its own run.json names (a hand-edited claim of "alive" for another run is
+        refused)."""
+        summary = validate_summary(self.summary_json, read_json(self.summary_json), schema)
         reference = summary.get("reference")
         if reference is not None:
             named = RunIndex.load(self).reference if self.is_run() else None
@@ -293,6 +296,10 @@ class RunIndex:
         """The twin measured again at gate units only (not an arm of its own)."""
         return GATE_REPLICATE not in self.arm_names and any(GATE_REPLICATE in u["stores"] for u in self.units)
 
+    def check_units(self, fields: type, increasing: str | None) -> None:
+        """The units' own fields against the run's kind's (handed in by whoever looked the kind up)."""
+        validate_units(self.run_dir.run_json, self.doc, fields, increasing)
+
     def params(self, u: UnitEntry) -> dict:
         """The unit's own fields under its measurement kind (e.g. {"sigma": 0.5} for the probe)."""
         return u[self.measure]
@@ -303,32 +310,37 @@ class RunIndex:
     def store_path(self, u: UnitEntry, arm: str) -> Path:
         return self.run_dir.store(arm, u["stores"][arm]["file"])
 
-    def is_whole(self, u: UnitEntry, verify: bool = False) -> bool:
+    def is_whole(self, u: UnitEntry, verify: bool = False, reader=None) -> bool:
         """Every store of the unit is recorded done and, with verify, exists and matches its sha256.
 
         The unit is the unit of twin validity: one missing or damaged store makes the whole unit
-        pending again (all of its arms are measured afresh, back to back in one process)."""
+        pending again (all of its arms are measured afresh, back to back in one process). `reader`: the
+        run's kind's store check (path, sha256, payload_bytes) -> metadata (its `verify_store`), None for
+        storage/store.py's."""
         if not all(entry["status"] == "done" for entry in u["stores"].values()):
             return False
-        return not verify or all(self._verifies(u, arm) for arm in u["stores"])
+        return not verify or all(self._verifies(u, arm, reader or verify_store) for arm in u["stores"])
 
-    def _verifies(self, u: UnitEntry, arm: str) -> bool:
+    def _verifies(self, u: UnitEntry, arm: str, reader) -> bool:
         entry = u["stores"][arm]
         try:
-            verify_store(self.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
+            reader(self.store_path(u, arm), entry["sha256"], payload_bytes=entry.get("payload_bytes"))
         except StoreError as err:
             print(f"twinrun: re-measuring {err}", flush=True)
             return False
         return True
 
-    def whole_units(self, verify: bool = False, only: list[int] | None = None) -> list[UnitEntry]:
+    def whole_units(self, verify: bool = False, only: list[int] | None = None,
+                    reader=None) -> list[UnitEntry]:
         """The units whose every store is done (verified on disk with verify; `only`: verify just these
         units, an array element's own, and judge the others by their record)."""
-        return [u for u in self.units if self.is_whole(u, verify and (only is None or u["index"] in only))]
+        return [u for u in self.units
+                if self.is_whole(u, verify and (only is None or u["index"] in only), reader)]
 
-    def pending_units(self, only: list[int] | None = None) -> list[UnitEntry]:
-        """The units a job must measure: every unit not whole on disk (among `only`, if given)."""
-        whole = {u["index"] for u in self.whole_units(verify=True, only=only)}
+    def pending_units(self, only: list[int] | None = None, reader=None) -> list[UnitEntry]:
+        """The units a job must measure: every unit not whole on disk (among `only`, if given); `reader`:
+        as is_whole's."""
+        whole = {u["index"] for u in self.whole_units(verify=True, only=only, reader=reader)}
         return [u for u in self.units if u["index"] not in whole and (only is None or u["index"] in only)]
 
     def whole_kernel_paths(self, doc: RunRecord | None = None, except_unit: int | None = None) -> set[str]:

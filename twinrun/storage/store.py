@@ -29,10 +29,8 @@ from twinrun.storage.header import (
     decode_meta,
     encode_meta,
     refuse_sparse,
-    store_format,
 )
 from twinrun.storage.records import validate_store_meta
-from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store, write_train_store
 
 STORE_FORMAT = "twinrun-store/2"  # one float32 [numel, n_folds] tensor per probed parameter
 OLD_STORE_FORMAT = "twinrun-store/1"  # one [n_folds, n_params] matrix `sums`: refused, never migrated
@@ -40,11 +38,9 @@ OLD_STORE_FORMAT = "twinrun-store/1"  # one [n_folds, n_params] matrix `sums`: r
 
 def write_store(path: Path, tensors: dict[str, torch.Tensor], meta: dict, fmt: str = STORE_FORMAT) -> str:
     """Write named float32 CPU tensors with their metadata (JSON-encoded strings); return the file's
-    sha256. `fmt`: the store's format (a probe store, or TRAIN_STORE_FORMAT)."""
+    sha256. `fmt`: the format the store names (another kind writes its own: Measure.write_store)."""
     # Each tensor's own digest travels inside the store, so a store handed around without its
     # run.json still proves its numbers intact (a flipped byte is caught by compare too).
-    if fmt == TRAIN_STORE_FORMAT:
-        return write_train_store(Path(path), tensors, meta)
     digests = {name: hashlib.sha256(t.numpy().tobytes()).hexdigest() for name, t in tensors.items()}
     strings = {"format": fmt, TENSOR_SHA256: json.dumps(digests)}
     strings.update({k: encode_meta(v) for k, v in meta.items()})
@@ -239,9 +235,7 @@ class StoreReader(HeldFile):
 def verify_store(path: Path, sha256: str | None = None, chunk_bytes: int = 16 * 2**20,
                  payload_bytes: int | None = None) -> dict:
     """Read a store once, front to back, checking everything (no payload kept); return its metadata.
-    A training store is read whole through read_train_store's checks."""
-    if store_format(path) == TRAIN_STORE_FORMAT:
-        return read_train_store(path, sha256).meta
+    (Another kind's stores are checked by its own reader: Measure.verify_store.)"""
     with StoreReader(path, sha256, payload_bytes) as reader:
         for t, lo, hi in reader.walk(max(1, chunk_bytes // (4 * max(1, reader.n_folds)))):
             reader.columns(t, lo, hi)

@@ -153,81 +153,34 @@ def _kernel_paths(index: RunIndex) -> str:
     return ",".join(sorted(paths))
 
 
-def _gate_key(g: dict) -> str:
-    """A gate's metric name: gate/<estimand>/sigma<σ> (a probe's bin), gate/<arm>/step<k> (training)."""
-    if "sigma" in g:
-        return f"gate/{g['estimand']}/sigma{g['sigma']:g}"
-    return f"gate/{g['arm']}/step{g['step']}"
+def _gate_key(g: dict, unit_key: str) -> str:
+    """A gate's metric name: gate/<estimand, else arm>/<the kind's unit key><value>, e.g. gate/all/sigma0.5
+    (a probe's bin), gate/scale_lr_noop/step10 (training)."""
+    return f"gate/{g.get('estimand', g.get('arm'))}/{unit_key}{g[unit_key]:g}"
 
 
-def _train_steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
-    """(the intervention's rows, the twin's rows), one per stored step of a training run: the distance to
-    the twin, its chaos floor, cos and norm ratio of the updates per estimand, and the held-out losses."""
-    effects = {(e["step"], e["estimand"]): e for e in summary["effects"]}
-    names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
-    loss = {(r["step"], r["role"]): r["heldout_loss"] for r in summary.get("losses", [])}
-    steps, base = [], []
-    for u in index.units:
-        step = index.params(u)["to_step"]
-        row, twin = {"step": step}, {"step": step, "heldout_loss": loss.get((step, "twin"))}
-        row["loss_arm/heldout"] = loss.get((step, "intervention"))
-        for n in names:
-            e = effects.get((step, n))
-            if e is None:
-                continue
-            row[f"distance/{n}"], row[f"floor/{n}"] = e["distance"], e["floor"]
-            row[f"above_floor/{n}"] = float(e["above_floor"])
-            row[f"cos/{n}"], row[f"norm_ratio/{n}"] = e["cos"], e["norm_ratio"]
-        steps.append(row)
-        base.append(twin)
-    return steps, base
-
-
-def _steps(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
-    """(the intervention's rows, the twin's rows), one per σ bin: numbers only where the summary has them
-    (a below-noise effect logs below_noise/<estimand> = 1 and no cos or ratio, never a 0)."""
-    effects = {(e["sigma"], e["estimand"]): e for e in summary["effects"]}
-    names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
-    steps, base = [], []
-    for u in index.units:
-        sigma = index.params(u).get("sigma")
-        row, twin = {"sigma": sigma}, {"sigma": sigma}
-        for n in names:
-            e = effects.get((sigma, n))
-            if e is None:
-                continue
-            row[f"below_noise/{n}"] = float(e["below_noise"])
-            row[f"norm2_arm/{n}"], row[f"norm2_arm_se/{n}"] = e["norm2"], e["norm2_se"]
-            twin[f"norm2/{n}"], twin[f"norm2_se/{n}"] = e["norm2_base"], e["norm2_base_se"]
-            if e["cos"] is not None:
-                row[f"effect/{n}"], row[f"effect_se/{n}"] = 1 - e["cos"], e["se"]
-                row[f"cos/{n}"] = e["cos"]
-                row[f"norm_ratio/{n}"], row[f"norm_ratio_se/{n}"] = e["norm_ratio"], e["norm_ratio_se"]
-        steps.append(row)
-        base.append(twin)
-    return steps, base
-
-
-def payload(index: RunIndex, summary: dict, files: list[Path]) -> Payload:
-    """The payload of one registered reduction (its summary, as summary.json holds it)."""
+def payload(index: RunIndex, summary: dict, files: list[Path], kind) -> Payload:
+    """The payload of one registered reduction (its summary, as summary.json holds it), its rows as its
+    measurement `kind` reads them (twinrun/measures/kind.py: tracker_rows, tracker_step, unit_key)."""
     rd = index.run_dir
     arm, twin = index.arm("intervention")["name"], index.arm("twin")["name"]
     config = index.arm_config(arm)  # held to run.json's config_hash: the params are the measured config
     version = twinrun_version()
     verdict = {"passed": bool(summary["passed"]), "checks_passed": bool(summary["checks_passed"])}
-    verdict.update({_gate_key(g): bool(g["passed"]) for g in summary["gates"]})
+    verdict.update({_gate_key(g, kind.unit_key): bool(g["passed"]) for g in summary["gates"]})
     tags = {"twinrun.run_dir": str(rd.path.resolve()), "twinrun.kernel_path": _kernel_paths(index),
             "twinrun.verdict": "valid" if summary["passed"] else "instrument broken",
             "twinrun.version": version["version"], "twinrun.commit": str(version["commit"]),
             "twinrun.arm": arm, "twinrun.baseline": twin}
-    steps, base = (_train_steps if index.measure == "train" else _steps)(index, summary)
+    steps, base = kind.tracker_rows(index, summary)
     params = {k: str(v) for k, v in flatten(config).items()}
     return Payload(rd.path.name, str(rd.path), arm, twin, config, params, tags, verdict, steps, base,
-                   [f for f in files if Path(f).is_file()], "step" if index.measure == "train" else None)
+                   [f for f in files if Path(f).is_file()], kind.tracker_step)
 
 
-def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]) -> bool:
-    """Log one reduced run to the tracker (checked settings, check_tracker's); True if it was logged.
+def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path], kind) -> bool:
+    """Log one reduced run to the tracker (checked settings, check_tracker's), its rows as its `kind` reads
+    them (twinrun/measures/kind.py); True if it was logged.
     A failure is one line on stderr: the run directory is already complete and stays the record."""
     if tracker is None:
         return False
@@ -240,7 +193,7 @@ def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]
             os.environ.setdefault(key, value)
         sink = importlib.import_module(SINKS[name].module)
         with quiet(name):
-            where = sink.log(payload(index, summary, files), store, tracker["project"])
+            where = sink.log(payload(index, summary, files, kind), store, tracker["project"])
     except (Exception, SystemExit) as err:  # noqa: BLE001 — a tracker is foreign code; its failure is one line
         said = " ".join(str(err).split())[:300] or type(err).__name__
         print(f"twinrun: warning: tracker={name} did not log {index.run_dir.path} ({type(err).__name__}: "

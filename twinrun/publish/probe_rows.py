@@ -1,0 +1,34 @@
+"""The probe's rows where researchers work: one per σ bin for the experiment trackers, and what a sweep's
+summary keeps of a reduced probe point (the kind's `tracker_rows` and `sweep_point`, measures/probe.py)."""
+
+from twinrun.storage.rundir import RunIndex
+
+
+def tracker_rows(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
+    """(the intervention's rows, the twin's rows), one per σ bin: numbers only where the summary has them
+    (a below-noise effect logs below_noise/<estimand> = 1 and no cos or ratio, never a 0)."""
+    effects = {(e["sigma"], e["estimand"]): e for e in summary["effects"]}
+    names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
+    steps, base = [], []
+    for u in index.units:
+        sigma = index.params(u).get("sigma")
+        row, twin = {"sigma": sigma}, {"sigma": sigma}
+        for n in names:
+            e = effects.get((sigma, n))
+            if e is None:
+                continue
+            row[f"below_noise/{n}"] = float(e["below_noise"])
+            row[f"norm2_arm/{n}"], row[f"norm2_arm_se/{n}"] = e["norm2"], e["norm2_se"]
+            twin[f"norm2/{n}"], twin[f"norm2_se/{n}"] = e["norm2_base"], e["norm2_base_se"]
+            if e["cos"] is not None:
+                row[f"effect/{n}"], row[f"effect_se/{n}"] = 1 - e["cos"], e["se"]
+                row[f"cos/{n}"] = e["cos"]
+                row[f"norm_ratio/{n}"], row[f"norm_ratio_se/{n}"] = e["norm_ratio"], e["norm_ratio_se"]
+        steps.append(row)
+        base.append(twin)
+    return steps, base
+
+
+def sweep_point(summary: dict) -> dict:
+    """A reduced probe point in the sweep's summary: its effects, and its gate σs (boxed on the heatmap)."""
+    return {"effects": summary["effects"], "gate_sigmas": sorted({g["sigma"] for g in summary["gates"]})}

@@ -21,6 +21,8 @@ SECTIONS = {
     "bench_reduce.py": ["self-check:", "reduce_run (fresh process", "summary written: True"],
     "bench_gpu.py": ["eager  vmap (", "eager folds (", "total"],
     "bench_index.py": ["100 units", "1,000 units"],
+    "bench_compile_pin.py": ["compile time: cold", "ratios: replayed / warm", "bits: cold, warm and replayed",
+                             "replay: kernel path pinned from"],
     "bench_train.py": ["per step: plain", "whole run:", "peak RSS growth"],
     "bench_text_probe.py": ["plain batched backward", "probe, method=vmap", "probe, method=folds",
                             "draws/image: peak"],

@@ -153,3 +153,22 @@ def test_a_warning_raised_without_a_registry_is_shown_once():
         warnings.warn_explicit("another", UserWarning, "attention.py", 7, registry=None)
         warn_once()  # idempotent: not wrapped twice
     assert [str(w.message) for w in shown] == ["no batching rule for aten::sdpa", "another"]
+
+
+def test_sdpa_under_vmap_is_kept_off_and_other_fallbacks_still_show():
+    """A diffusers DiT's attention under vmap: torch's per-sample-loop warning (raised from C++, with no
+    registry; the text of functorch's BatchedFallback) is no news to act on; another op's still shows."""
+    import warnings
+
+    from twinrun.job import warn_once
+
+    fallback = ("There is a performance drop because we have not yet implemented the batching rule for {}. "
+                "Please file us an issue on GitHub so that we can prioritize its implementation.")
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        warn_once()
+        for op in ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
+                   "aten::other_op"):
+            warnings.warn_explicit(fallback.format(op), UserWarning, "attention.py", 1, registry=None)
+    said = [str(w.message) for w in shown]
+    assert len(said) == 1 and "aten::other_op" in said[0], said

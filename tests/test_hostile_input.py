@@ -17,9 +17,10 @@ from twinrun import app, compare, data, status
 from twinrun.errors import StoreError, TwinrunError
 from twinrun.files import read_json, read_yaml
 from twinrun.launchers.record import read_launch
+from twinrun.measures.probe import PROBE
 from twinrun.provenance.record import kernel_path_sha256
 from twinrun.storage.lock import read_holder
-from twinrun.storage.records import validate_run, validate_store_meta
+from twinrun.storage.records import validate_run, validate_store_meta, validate_units
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.store import STORE_FORMAT, TENSOR_SHA256, StoreReader, verify_store
 
@@ -88,8 +89,11 @@ def test_a_lock_record_of_any_shape_reads_as_no_holder(tmp_path):
 
 
 def _refused(doc, field: str) -> None:
+    """run.json refused naming `field`: its shared fields (validate_run), then the probe's unit fields as
+    the kind, handed down, checks them (validate_units)."""
     with pytest.raises(StoreError, match=rf"run.json: field {field}\b") as err:
         validate_run(Path("run.json"), doc)
+        validate_units(Path("run.json"), doc, PROBE.unit_fields, PROBE.increasing)
     assert "\n" not in str(err.value)
 
 

@@ -149,6 +149,57 @@ def test_slurm_settings_are_checked_against_sinfo(tmp_path, monkeypatch, knobs, 
     assert err.value.key == key and says in str(err.value)
 
 
+def test_every_resource_problem_of_a_submission_is_reported_at_once(tmp_path, monkeypatch):
+    """A wrong partition, GPUs on a CPU partition, too many CPUs and too much memory: one line, each knob
+    named with its fix (judged against the default partition where the named one does not exist)."""
+    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
+    with pytest.raises(ConfigError) as err:
+        check(launcher(name="slurm", partition="nope", gpus_per_node=1, cpus_per_task=64, mem_gb=64))
+    said = str(err.value)
+    assert err.value.key == "launcher.partition" and "\n" not in said
+    for part in ("launcher.partition='nope': no such partition",
+                 "launcher.gpus_per_node=1: partition debug has no GPUs",
+                 "launcher.cpus_per_task=64: partition debug's largest node has 2 CPUs",
+                 "launcher.mem_gb=64: partition debug's largest node has 21.2 GB"):
+        assert part in said, part
+
+
+def test_null_gpus_and_cpus_are_read_from_the_partition(tmp_path, monkeypatch):
+    """launcher=slurm's defaults: no GPU asked for where the partition has none, CPUs within its nodes;
+    a pack asks for a GPU per run and shares the node's CPUs between its runs."""
+    monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
+    slurm_yaml = OmegaConf.load(Path(__file__).parents[1] / "conf" / "launcher" / "slurm.yaml")
+    assert slurm_yaml.gpus_per_node is None and slurm_yaml.cpus_per_task is None  # what users get
+    for knobs, gpus, cpus in (({}, 0, 2), ({"partition": "gpu"}, 1, 4),
+                              ({"partition": "gpu", "pack": 2}, 2, 4), ({"pack": 2}, 0, 1),
+                              ({"cpus_per_task": 1, "gpus_per_node": 0}, 0, 1)):
+        settings = launcher(name="slurm", **{"gpus_per_node": None, "cpus_per_task": None, **knobs})
+        check(settings)  # passes: nothing asked for that the partition lacks
+        assert (settings["gpus_per_node"], settings["cpus_per_task"]) == (gpus, cpus), knobs
+    with pytest.raises(ConfigError, match=r"launcher.cpus_per_task=None: must be a number ≥ 1 with "
+                       r"launcher=submitit_local"):
+        check(launcher(name="submitit_local", cpus_per_task=None))
+
+
+def test_a_pack_asks_for_each_runs_cpus_and_memory_and_gives_each_process_its_threads(monkeypatch):
+    from twinrun.launchers import jobs
+    from twinrun.launchers.submit import executor_parameters
+
+    params = executor_parameters(launcher(name="slurm", pack=3, cpus_per_task=2, mem_gb=5, gpus_per_node=3),
+                                 "slurm", "t")
+    assert (params["cpus_per_task"], params["mem_gb"], params["gpus_per_node"]) == (6, 15, 3)
+    alone = executor_parameters(launcher(name="slurm", cpus_per_task=2, mem_gb=5), "slurm", "t")
+    assert (alone["cpus_per_task"], alone["mem_gb"]) == (2, 5)
+    started = []
+    monkeypatch.setattr(jobs.subprocess, "Popen", lambda argv, env: started.append(env))
+    job = jobs.PackedJob(["/a", "/b"], (), 2)
+    job._start("/a", "0")
+    assert started[0]["OMP_NUM_THREADS"] == "2" and started[0]["CUDA_VISIBLE_DEVICES"] == "0"
+    again = jobs.PackedJob.__new__(jobs.PackedJob)
+    again.__setstate__(job.__getstate__())  # a requeue keeps each run's share
+    assert again.cpus_per_run == 2
+
+
 def test_a_gpu_partition_passes(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
     check(launcher(name="slurm", partition="gpu", gpus_per_node=4))

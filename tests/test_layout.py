@@ -19,7 +19,7 @@ FLOORS = [
                        "twinrun.table"]),
     ("orchestration", ["twinrun.pipeline"]),
     ("launching", ["twinrun.launchers"]),
-    ("the job", ["twinrun.job"]),
+    ("the job", ["twinrun.job", "twinrun.cold_check"]),
     ("planning", ["twinrun.plan"]),
     ("measurement", ["twinrun.measures"]),
     ("analysis and presentation", ["twinrun.analysis", "twinrun.publish"]),
@@ -35,7 +35,10 @@ COMMANDS = set(FLOORS[0][1])
 APART = [("twinrun.analysis", "twinrun.publish")]
 # Imports deferred inside a function on purpose, each for start-up time (never to dodge a circle).
 DEFERRED = {("twinrun/provenance/fingerprint.py", "torch._inductor.config"),
-            ("twinrun/provenance/fingerprint.py", "torch.compiler.config")}
+            ("twinrun/provenance/fingerprint.py", "torch.compiler.config"),
+            ("twinrun/provenance/kernel_pin.py", "torch._inductor.select_algorithm"),
+            ("twinrun/provenance/kernel_pin.py", "torch._dynamo.utils"),
+            ("twinrun/provenance/kernel_pin.py", "torch.compiler._cache")}
 
 
 def modules() -> dict[str, Path]:

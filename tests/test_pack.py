@@ -136,7 +136,7 @@ def test_a_preempted_pack_requeues_whole_and_each_run_resumes(tmp_path, slurm_ar
               *model_args]
     sweep = tmp_path / "sweep"
     job = subprocess.Popen([sys.executable, "-m", "twinrun", "-m", *common, *slurm_args, "launcher.pack=2",
-                            "launcher.cpus_per_task=2", "launcher.timeout_min=30", "seed=0,1",
+                            "launcher.cpus_per_task=1", "launcher.timeout_min=30", "seed=0,1",  # per run
                             f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -65,7 +65,10 @@ def _data_points(ax) -> np.ndarray:
 
 
 def _below_noise_sigmas(summary, estimand):
-    return [e["sigma"] for e in summary["effects"] if e["estimand"] == estimand and e["below_noise"]]
+    """The below-noise bins that are not gate bins (a gate bin is marked as the gate, whatever its row)."""
+    gates = {g["sigma"] for g in summary["gates"]}
+    return [e["sigma"] for e in summary["effects"] if e["estimand"] == estimand and e["below_noise"]
+            and e["sigma"] not in gates]
 
 
 def test_a_below_noise_bin_is_never_drawn_on_the_no_effect_value(mixed):
@@ -79,8 +82,22 @@ def test_a_below_noise_bin_is_never_drawn_on_the_no_effect_value(mixed):
             assert labels == set(gaps)
             # the label spans the axis (y in axes coordinates), so it sits on no value of the axis
             assert all(t.get_transform() == ax.get_xaxis_transform() for t in ax.texts)
-    # the gate bin, measured, is drawn exactly at no effect: that one is a number
-    assert (_data_points(grid[0, 0]) == [0.5, 0.0]).all(1).any()
+
+
+
+def test_a_gate_bin_is_a_labelled_band_never_an_effect_at_zero(mixed):
+    """The gate's arms are equal by construction: a value of 0 there would draw a V through no effect."""
+    grid = _grid(_figure(mixed))
+    for ax in grid[:2].flat:  # 1 − cos and the ratio: nothing in data space at the gate's σ
+        assert not np.isin(_data_points(ax)[:, 0], [0.5]).any()
+        assert {t.get_position()[0] for t in ax.texts if t.get_text() == "no-op gate"} == {0.5}
+    assert (_data_points(grid[0, 0])[:, 0] == 0.2).any()  # the bins beside it keep their values
+    # each arm's |μ|² is measured at the gate too, and drawn
+    assert np.isclose(grid[2, 0].lines[0].get_xdata(), 0.5 * 0.97).any()
+    # no line joins the bins either side of the gate across it: 0.2 and 3.0 are separate segments
+    for line in (x for x in grid[0, 0].lines if x.get_transform() == grid[0, 0].transData):
+        xs = np.asarray(line.get_xdata(), dtype=float)
+        assert not ((xs < 0.5).any() and (xs > 0.5).any())
 
 
 def test_an_ablation_below_noise_everywhere_shows_each_arms_signal_not_no_effect(mixed):
@@ -168,3 +185,60 @@ def test_the_caption_explains_only_what_is_drawn(mixed):
     clean = effect_caption(_summary([_row(0.2, "all", 0.6, 4.0)], gates=()))
     assert "below noise" not in clean and "gate" not in clean and "log axis" in clean
     assert "failed" in effect_caption(_summary(mixed["effects"], passed=False))
+
+
+def _train_effect(step, distance, floor, machinery=0.0, replicate=0.0):
+    return {"step": step, "estimand": "all", "distance": distance, "floor": floor, "margin": 2.0,
+            "machinery_distance": machinery, "replicate_distance": replicate}
+
+
+def test_distance_png_draws_bit_identical_arms_as_exact_marks_in_a_labelled_strip_not_at_a_height():
+    from twinrun.publish.train_plots import EXACT_BAND, distance_figure
+
+    summary = {"effects": [_train_effect(2, 3e-3, 1e-4), _train_effect(4, 5e-3, 2e-4, replicate=1e-9)]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = distance_figure(summary, "all")
+        fig.canvas.draw()
+    ax = fig.axes[0]
+    exact = [line for line in ax.lines if "bit-identical" in str(line.get_label())]
+    assert {line.get_label().split(":")[0] for line in exact} == {"machinery", "replicate"}
+    for line in exact:  # y in axes fraction, inside the strip: at no value of the log axis
+        assert line.get_transform() != ax.transData
+        assert all(0 < y < EXACT_BAND for y in line.get_ydata())
+    machinery = next(line for line in exact if line.get_label().startswith("machinery"))
+    assert list(machinery.get_xdata()) == [2, 4]
+    replicate = next(line for line in exact if line.get_label().startswith("replicate"))
+    assert list(replicate.get_xdata()) == [2]  # at step 4 it moved (1e-9): a value on the axis
+    assert "bit-identical (distance exactly 0) ↓" in [t.get_text() for t in ax.texts]
+    lo, _ = ax.get_ylim()  # every positive distance sits above the strip
+    frac = (np.log10(1e-9) - np.log10(lo)) / np.subtract(*np.log10(ax.get_ylim())[::-1])
+    assert frac > EXACT_BAND
+    in_data = np.concatenate([line.get_xydata() for line in ax.lines if line.get_transform() == ax.transData])
+    assert np.nanmin(in_data[:, 1]) >= 1e-9  # nothing in data space below the smallest real distance
+
+
+def _loss(step, arm, role, held, train):
+    return {"step": step, "arm": arm, "role": role, "heldout_loss": held, "train_loss_steps": train,
+            "heldout_diff": held - 0.5, "heldout_diff_se": 0.01, "t_crit": 2.0}
+
+
+def test_loss_png_says_which_arms_sit_bit_identical_on_the_twins_line(tmp_path):
+    from matplotlib import image
+
+    from twinrun.publish import train_plots
+
+    rows = [_loss(2, a, r, 0.5, [0.7, 0.6]) for a, r in (("native", "twin"), ("machinery", "machinery"))]
+    rows += [_loss(2, "scale_lr", "intervention", 0.55, [0.7, 0.62])]
+    summary = {"arms": ["scale_lr", "native", "machinery"], "losses": rows}
+    shown = {}
+    real = train_plots.save_figure
+    train_plots.save_figure = lambda fig, path: shown.update(fig=fig) or real(fig, path)
+    try:
+        train_plots.plot_losses(summary, tmp_path / "loss.png")
+    finally:
+        train_plots.save_figure = real
+    labels = [t.get_text() for ax in shown["fig"].axes for t in ax.get_legend().get_texts()]
+    assert "machinery (machinery): bit-identical to the twin, on its line" in labels
+    assert not any("scale_lr" in x and "bit-identical" in x for x in labels)
+    assert image.imread(tmp_path / "loss.png").shape[0] > 200

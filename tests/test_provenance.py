@@ -304,3 +304,18 @@ def test_interventions_that_prove_nothing_are_refused_before_compute(tmp_path):
                       env=with_path(tmp_path))
     assert (gateless.returncode == 2 and "has no gate bin" in gateless.stderr
             and "Traceback" not in gateless.stderr)
+
+
+def test_a_builder_that_only_exports_inductors_default_cache_changes_no_numerics_switch(monkeypatch, capsys):
+    """Importing diffusers exports TORCHINDUCTOR_CACHE_DIR (Inductor's /tmp default): no arithmetic changes,
+    so nothing is said; a cache directory the builder chose, or a real switch, is still named."""
+    from twinrun.provenance.compile_cache import default_inductor_cache_dir
+    from twinrun.provenance.determinism import switches_kept
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with switches_kept("model", restore=True):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = default_inductor_cache_dir()
+    assert capsys.readouterr().out == "" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    with switches_kept("model", restore=True):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = "/somewhere/else"
+    assert "changed numerics switches while it was built (TORCHINDUCTOR_CACHE_DIR" in capsys.readouterr().out

@@ -47,6 +47,8 @@ def test_sweep_summary_report_and_heatmap(tmp_path):
                         "probe.n_folds=20", "intervention.sigma_pin=0.2,0.5,1.2",
                         f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # planned twice each (checked dry, then planned), the model's trial ran once: the same model throughout
+    assert proc.stdout.count("trial run on cpu before any bin") == 1, proc.stdout
     summary = json.loads((sweep / "sweep_summary.json").read_text())
     assert summary["n_points"] == 3 and summary["all_valid"]
     pins = {e["sigma_pin"] for e in summary["effects"]}

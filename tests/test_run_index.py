@@ -15,9 +15,18 @@ from rundirs import create, done, run_doc
 from twinrun import job, plan
 from twinrun.errors import Interrupted, KernelPathRefused, StoreError, raise_on_signals
 from twinrun.job import run_job
+from twinrun.measures.probe import PROBE
 from twinrun.plan import plan_run
 from twinrun.provenance.record import kernel_path_sha256, straddling_rule
-from twinrun.storage.records import ArmEntry, JobRecord, ProbeUnit, RunRecord, UnitEntry, validate_run
+from twinrun.storage.records import (
+    ArmEntry,
+    JobRecord,
+    ProbeUnit,
+    RunRecord,
+    UnitEntry,
+    validate_run,
+    validate_units,
+)
 from twinrun.storage.rundir import RunDir, RunIndex
 
 SHA_A, SHA_B = "a" * 64, "b" * 64
@@ -131,6 +140,7 @@ def test_every_required_field_of_the_types_is_checked(tmp_path):
             del parent(run)[key]
             with pytest.raises(StoreError, match=f"field {re.escape(field)}: missing"):
                 validate_run(path, run)
+                validate_units(path, run, PROBE.unit_fields, PROBE.increasing)  # the kind's, handed down
             checked += 1
     assert checked >= 16
     run = copy.deepcopy(valid)

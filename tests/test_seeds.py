@@ -96,6 +96,10 @@ def test_seed_groups_pool_what_differs_only_in_seed():
                                             {"experiment": "pin_sigma", "intervention.sigma_pin": "1.2"}]
     assert [[p["seed"] for p in g["points"]] for g in groups] == [[0, 1, 2], [0, 1, 2]]
     assert seed_groups([_point(0, []), _point(0, [], ["x=1"])]) == []  # no seed axis, nothing pooled
+    # launcher settings are no science: they neither split a group nor show in what it holds fixed
+    launched = [_point(0, [], ["launcher=slurm", "launcher.pack=2"]),
+                _point(1, [], ["launcher.timeout_min=9"])]
+    assert [g["fixed"] for g in seed_groups(launched)] == [{"experiment": "pin_sigma"}]
 
 
 def test_pooled_mean_between_seed_se_and_a_named_disagreement():

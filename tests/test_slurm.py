@@ -237,6 +237,30 @@ def test_bad_settings_are_refused_against_the_real_cluster(slurm_cluster, tmp_pa
     assert err.value.key == "launcher.additional_parameters" and "Invalid node name" in str(err.value)
 
 
+def test_the_documented_command_runs_on_a_cpu_only_cluster_with_the_partitions_defaults(tmp_path, model_args,
+                                                                                       slurm_cluster):
+    """`launcher=slurm` and nothing else: no GPU requested where the partition has none, CPUs within its
+    node (read from sinfo), and the run measured and reduced."""
+    run_dir = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *TINY, *model_args, "launcher=slurm",
+                        "launcher.timeout_min=5", "launcher.poll_s=0.5", f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    asked = launch_json(run_dir)["launcher"]
+    sinfo = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, check=True)
+    cpus = int(sinfo.stdout.split()[0])
+    assert asked["gpus_per_node"] == 0 and 1 <= asked["cpus_per_task"] <= cpus
+    assert final_state(launch_json(run_dir)["job_id"]) == "COMPLETED 0:0"
+
+
+def test_every_problem_of_a_submission_is_one_line_against_the_real_cluster(slurm_cluster):
+    with pytest.raises(ConfigError) as err:
+        check(launcher(name="slurm", partition="nope", gpus_per_node=1, cpus_per_task=512, timeout_min=5))
+    said = str(err.value)
+    assert all(k in said for k in ("launcher.partition='nope'", "launcher.gpus_per_node=1",
+                                   "launcher.cpus_per_task=512")), said
+
+
 @pytest.mark.parametrize("override, error", [
     ("launcher.partition=nope", "launcher.partition='nope': no such partition on this cluster"),
     ("launcher.gpus_per_node=1", "launcher.gpus_per_node=1: partition debug has no GPUs"),

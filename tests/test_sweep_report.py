@@ -59,8 +59,10 @@ def test_rows_are_the_swept_knob_in_numeric_order_and_every_cell_state_is_distin
     g = sweep_grid(pin_sweep)
     assert g["row_axis"] == "intervention.sigma_pin" and g["rows"] == ["0.2", "0.5", "0.8", "1.2"]
     assert g["sigmas"] == [0.2, 1.2]
-    assert g["states"] == [["no_se", "within_2se"], ["failed", "failed"], ["below_noise", "no_se"],
-                           ["effect", "within_2se"]]
+    # the gate bins (sigma_pin 0.2 at σ 0.2, 1.2 at 1.2) are marked as gates, never an effect of 0
+    assert g["states"] == [["gate", "within_2se"], ["failed", "failed"], ["below_noise", "no_se"],
+                           ["effect", "gate"]]
+    assert np.isnan(g["effect"][0, 0]) and np.isnan(g["effect"][3, 1])
     assert g["effect"][3, 0] == pytest.approx(0.5) and g["effect"][0, 1] == pytest.approx(0.1)
     assert g["gates"] == {(0, 0), (3, 1)}  # the gate bins of the points that reported them
 
@@ -215,8 +217,9 @@ def test_heatmap_titles_intervention_and_estimand_and_hatches_uncertain_cells(pi
     assert (tmp_path / "h.png").stat().st_size > 5000
     ax = _panels(_figure(pin_sweep))[0]
     hatched = {(p.get_x() + 0.5, p.get_y() + 0.5) for p in ax.patches if p.get_hatch() == "///"}
-    assert hatched == {(1, 0), (1, 3)}  # (column, row) of both cells within 2 SE
+    assert hatched == {(1, 0)}  # (column, row) of the cell within 2 SE; the gate cell is no value
     texts = {(t.get_position(), t.get_text()) for t in ax.texts}
+    assert ((0, 0), "gate") in texts and ((1, 3), "gate") in texts
     assert ((0, 2), "n") in texts and ((0, 1), "×") in texts and ((1, 1), "×") in texts
 
 

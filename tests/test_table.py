@@ -60,6 +60,14 @@ def test_one_row_per_run_sigma_estimand_with_the_summary_s_numbers(seed_sweep):
             assert (row.cos_lo, row.cos_hi) == pytest.approx((e["cos"] - half, e["cos"] + half))
     gate = lone[lone.gate]
     assert set(gate.sigma) == {0.5} and gate.gate_passed.all()  # the registered gate bin, passed
+    # Every resolved setting, defaults too: the sweep never overrode sigma_pin, the lone run did.
+    for column in ("intervention.sigma_pin", "intervention._target_", "probe.n_images", "probe.n_draws",
+                   "probe.n_folds", "probe.chunk_draws", "sigma_grid.sigmas"):
+        assert runs[column].notna().all(), column
+    assert set(runs["intervention.sigma_pin"]) == {0.5}
+    assert set(runs[runs.run_dir != str(run)]["probe.n_images"]) == {290}
+    assert runs["probe.n_images"].dtype.kind == "i" and runs["intervention.sigma_pin"].dtype.kind == "f"
+    assert not [c for c in df.columns if c.split(".")[0] in ("launcher", "hydra", "tracker")]
     assert lone.kernel_path_sha256.str.fullmatch("[0-9a-f]{64}").all()
 
 
@@ -127,3 +135,17 @@ def test_a_directory_that_is_no_run_is_one_line_with_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [(f"twinrun: error: {tmp_path}: holds no run.json and no sweep point: give a run or a "
                     "sweep directory")]
+
+
+def test_a_training_row_carries_its_segment_s_losses_and_settings_are_typed():
+    summary = {"losses": [
+        {"step": 2, "role": "twin", "train_loss": 0.5, "heldout_loss": 0.4, "heldout_se": 0.01},
+        {"step": 2, "role": "intervention", "train_loss": 0.6, "heldout_loss": 0.45, "heldout_se": 0.01,
+         "heldout_diff": 0.05, "heldout_diff_se": 0.002, "heldout_diff_significant": True},
+        {"step": 4, "role": "chaos", "train_loss": 0.1, "heldout_loss": 0.1, "heldout_se": 0.0}]}
+    got = table.loss_fields(summary, 2)
+    assert (got["train_loss"], got["twin_train_loss"], got["heldout_diff"]) == (0.6, 0.5, 0.05)
+    assert got["heldout_diff_significant"] is True and got["twin_heldout_loss"] == 0.4
+    assert table.loss_fields(summary, 4) == {} and table.loss_fields(None, 2) == {}
+    cols = table.settings({"seed": 1, "probe": {"n_images": 8, "params": ["*"]}, "intervention": {"f": 0.5}})
+    assert cols == {"probe.n_images": 8, "probe.params": '["*"]', "intervention.f": 0.5}

@@ -37,8 +37,9 @@ def logged(tmp_path_factory):
 
 
 def _effects(summary, estimand="all"):
+    """{the tracker's step (σ in millionths): effect row}."""
     rows = [e for e in summary["effects"] if e["estimand"] == estimand]
-    return {i: e for i, e in enumerate(sorted(rows, key=lambda e: e["sigma"]))}
+    return {round(e["sigma"] * trackers.SIGMA_STEP_SCALE): e for e in rows}
 
 
 def _kernel_path(run):
@@ -62,14 +63,16 @@ def test_mlflow_store_read_back_with_mlflows_client(logged):
     assert p.data.tags["twinrun.kernel_path"] == _kernel_path(run)
     assert p.data.tags["twinrun.verdict"] == "valid" and p.data.tags["twinrun.version"]
     assert p.data.params["intervention.sigma_pin"] == "0.5" and p.data.params["probe.n_images"] == "8"
-    assert p.data.metrics["passed"] == 1.0 and p.data.metrics["gate/all/sigma0.5"] == 1.0
-    for step, e in _effects(summary).items():  # effects per σ bin with their SEs; step = the bin
-        history = {m.step: m.value for m in client.get_metric_history(p.info.run_id, "norm2_arm/all")}
-        assert history[step] == pytest.approx(e["norm2"], rel=1e-6)
+    assert p.data.metrics["passed"] == 1.0
+    gate = client.get_metric_history(p.info.run_id, "gate/all")  # one metric, at the gate's σ
+    assert [(m.step, m.value) for m in gate] == [(500_000, 1.0)]
+    effect = {m.step: m.value for m in client.get_metric_history(p.info.run_id, "effect/all")}
+    se = {m.step: m.value for m in client.get_metric_history(p.info.run_id, "effect_se/all")}
+    for step, e in _effects(summary).items():  # effects per σ with their SEs; step = σ in millionths
         if e["cos"] is not None:
-            effect = {m.step: m.value for m in client.get_metric_history(p.info.run_id, "effect/all")}
-            se = {m.step: m.value for m in client.get_metric_history(p.info.run_id, "effect_se/all")}
             assert (effect[step], se[step]) == pytest.approx((1 - e["cos"], e["se"]), rel=1e-6)
+        else:
+            assert step not in effect
     artifacts = {a.path for a in client.list_artifacts(p.info.run_id)}
     assert {"effect.png", "report.md", "summary.json", "config.json"} <= artifacts
     local = client.download_artifacts(p.info.run_id, "summary.json", dst_path=str(root / "dl"))
@@ -80,8 +83,16 @@ def test_mlflow_store_read_back_with_mlflows_client(logged):
     assert set(roles) == {"baseline", "intervention"}
     assert roles["baseline"].info.run_id == p.data.tags["twinrun.baseline_run_id"]
     assert roles["baseline"].data.tags["twinrun.arm"] == "native"
-    twin = {m.step: m.value for m in client.get_metric_history(roles["baseline"].info.run_id, "norm2/all")}
-    assert twin == pytest.approx({s: e["norm2_base"] for s, e in _effects(summary).items()}, rel=1e-6)
+    # Twin and arm under one key, overlaid at the same σ steps: what MLflow's run comparison draws.
+    overlay = {role: {m.step: m.value for m in client.get_metric_history(c.info.run_id, "norm2/all")}
+               for role, c in roles.items()}
+    assert overlay["baseline"] == pytest.approx({s: e["norm2_base"] for s, e in _effects(summary).items()},
+                                                rel=1e-6)
+    assert overlay["intervention"] == pytest.approx({s: e["norm2"] for s, e in _effects(summary).items()},
+                                                    rel=1e-6)
+    sigma = {m.step: m.value for m in client.get_metric_history(roles["baseline"].info.run_id, "sigma")}
+    assert sigma == pytest.approx({s: e["sigma"] for s, e in _effects(summary).items()})
+    assert not any(k.startswith("norm2_arm") for c in roles.values() for k in c.data.metrics)
 
 
 @pytest.mark.slow
@@ -100,7 +111,7 @@ def test_wandb_offline_run_read_back_from_its_files(logged):
     assert arm["config"]["intervention"]["sigma_pin"] == 0.5 and arm["config"]["seed"] == 0
     assert arm["config"]["twinrun"]["kernel_path"] == _kernel_path(run)
     assert arm["config"]["twinrun"]["run_dir"] == str(run.resolve())
-    assert arm["summary"]["passed"] is True and arm["summary"]["gate/all/sigma0.5"] is True
+    assert arm["summary"]["passed"] is True
     history = {h["_step"]: h for h in arm["history"] if "sigma" in h}
     for step, e in _effects(summary).items():
         assert history[step]["sigma"] == e["sigma"]
@@ -109,9 +120,17 @@ def test_wandb_offline_run_read_back_from_its_files(logged):
             assert history[step]["effect_se/all"] == pytest.approx(e["se"])
         else:
             assert "effect/all" not in history[step] and history[step]["below_noise/all"] == 1.0
+    assert history[500_000]["gate/all"] == 1.0
+    assert not any("gate/all/" in k for h in arm["history"] for k in h)
     assert any("plots/effect" in h for h in arm["history"])  # the plot, as an image
+    # Twin and arm under one key at the same σ: W&B's group view overlays them.
     base = {h["_step"]: h for h in by_job["baseline"]["history"]}
-    assert base[0]["norm2/all"] == pytest.approx(_effects(summary)[0]["norm2_base"])
+    for step, e in _effects(summary).items():
+        assert base[step]["norm2/all"] == pytest.approx(e["norm2_base"])
+        assert history[step]["norm2/all"] == pytest.approx(e["norm2"])
+        assert base[step]["sigma"] == history[step]["sigma"]
+    assert {"norm2_arm/all"}.isdisjoint(k for h in arm["history"] for k in h)
+    assert arm["kinds"].get("metric", 0) >= 2  # define_metric: sigma, and every metric against it
     assert not Path("/tmp/wandb").exists() or not any(Path("/tmp/wandb").glob(f"*{run.name}*"))
 
 
@@ -136,10 +155,15 @@ def test_tensorboard_event_files_read_back_with_tensorboards_reader(logged):
     config = arm.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "`intervention.sigma_pin` | `0.5`" in config
     assert arm.Images("plots/effect")[0].width > 200
+    assert [(x.step, x.value) for x in arm.Scalars("gate/all")] == [(500_000, 1.0)]
     base = EventAccumulator(str(folder / "native"), size_guidance={"scalars": 0})
     base.Reload()
-    assert [x.value for x in base.Scalars("norm2/all")] == pytest.approx(
-        [e["norm2_base"] for e in _effects(summary).values()], rel=1e-5)
+    # Twin and arm under one tag, stepped by σ (millionths): TensorBoard draws them as two runs of one chart.
+    twin = {x.step: x.value for x in base.Scalars("norm2/all")}
+    mine = {x.step: x.value for x in arm.Scalars("norm2/all")}
+    assert twin == pytest.approx({s: e["norm2_base"] for s, e in _effects(summary).items()}, rel=1e-5)
+    assert mine == pytest.approx({s: e["norm2"] for s, e in _effects(summary).items()}, rel=1e-5)
+    assert "norm2_arm/all" not in arm.Tags()["scalars"]
 
 
 @pytest.mark.slow
@@ -188,12 +212,29 @@ def test_a_training_run_is_logged_at_its_optimizer_steps(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     distance = {e["step"]: e["distance"] for e in summary["effects"] if e["estimand"] == "all"}
     folder = tmp_path / "tb" / "twinrun" / run.name / "scale_lr"
-    arm = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    arm = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     arm.Reload()
     logged = {x.step: x.value for x in arm.Scalars("distance/all")}
     assert sorted(logged) == sorted(distance) == [2, 4]
     assert all(logged[k] == pytest.approx(v, rel=1e-6) for k, v in distance.items())
-    assert [x.step for x in arm.Scalars("loss_arm/heldout")] == [0, 2, 4]
+    losses = {(r["role"], r["step"]): r for r in summary["losses"]}
+    twin = EventAccumulator(str(folder.parent / "native"), size_guidance={"scalars": 0, "images": 0})
+    twin.Reload()
+    for reader, role in ((arm, "intervention"), (twin, "twin")):  # one key, both runs: overlaid
+        held = {x.step: x.value for x in reader.Scalars("loss/heldout")}
+        assert held == pytest.approx({s: losses[(role, s)]["heldout_loss"] for s in (0, 2, 4)}, rel=1e-6)
+        train = {x.step: x.value for x in reader.Scalars("loss/train")}
+        assert sorted(train) == [1, 2, 3, 4]  # every optimizer step's training loss
+        assert [train[3], train[4]] == pytest.approx(losses[(role, 4)]["train_loss_steps"], rel=1e-6)
+    assert "loss_arm/heldout" not in arm.Tags()["scalars"]
+    gates = {}  # one metric per gated arm, stepped by the optimizer step
+    for g in summary["gates"]:
+        gates.setdefault(f"gate/{g['arm']}", []).append((g["step"], float(g["passed"])))
+    assert gates and all([(x.step, x.value) for x in arm.Scalars(k)] == v for k, v in gates.items())
+    assert {"plots/loss", "plots/distance"} <= set(arm.Tags()["images"])
+    report = arm.Tensors("report/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert report.startswith("# twinrun training report")
+    assert "every segment's arms ran back to back" in report and "every bin's" not in report
 
 
 def test_a_missing_package_or_unwritable_store_is_refused_before_any_compute(tmp_path, monkeypatch):

@@ -433,12 +433,16 @@ def test_a_training_run_is_a_table_and_a_tracker_payload(tiny):
         assert (r.get("cos"), r.get("distance")) == ((None, None) if e is None else (e["cos"], e["distance"]))
     assert any(r.get("cos") is not None for r in rows)
     p = trackers.payload(index, summary, [], train_kind.TRAIN)
-    assert [s["step"] for s in p.steps] == [index.params(u)["to_step"] for u in index.units]
-    last = p.steps[-1]
-    assert last["distance/all"] == effects[last["step"], "all"]["distance"] and "loss_arm/heldout" in last
-    assert all(b["heldout_loss"] is not None for b in p.baseline_steps)
-    assert {k for k in p.verdict if k.startswith("gate/")} == {f"gate/{g['arm']}/step{g['step']}"
-                                                                for g in summary["gates"]}
+    stored = [index.params(u)["to_step"] for u in index.units]
+    assert sorted({s["step"] for s in p.steps} - {0}) == stored[1:]  # the gates join the stored steps
+    last = max(p.steps, key=lambda s: s["step"])
+    assert last["distance/all"] == effects[last["step"], "all"]["distance"]
+    # each arm's held-out loss under one key, in the twin's rows and the intervention's
+    for rows in (p.baseline_steps, p.arm_steps):
+        assert [r["step"] for r in rows if "loss/heldout" in r] == stored
+    assert not any(k.startswith("gate/") for k in p.verdict)  # gates are metrics: one per arm, stepped
+    assert {(k, s["step"]) for s in p.steps for k in s if k.startswith("gate/")} == {
+        (f"gate/{g['arm']}", g["step"]) for g in summary["gates"]}
 
 
 def test_a_post_hoc_residual_view_of_a_training_run_is_refused(tiny):
@@ -507,3 +511,19 @@ def test_running_out_of_memory_while_training_is_the_devices_not_the_models(tmp_
     index = RunIndex.load(run_dir)
     assert index.failure["error"] == "device_memory" and "type" not in index.failure
     assert [u["index"] for u in index.whole_units()] == [0, 1]  # measured before the error: kept
+
+
+def test_a_model_without_the_default_chaos_weight_is_told_to_set_train_chaos_param():
+    """The default train.chaos.param names the committed DiT's weight: a model of one's own gets one line
+    saying so, with names it does have."""
+    import torch
+
+    from twinrun.config import ChaosConfig
+    from twinrun.measures.train_state import check_chaos
+
+    with pytest.raises(ConfigError) as err:
+        check_chaos(torch.nn.Linear(2, 3), ChaosConfig())
+    said = str(err.value)
+    assert said.startswith("train.chaos.param='blocks.0.attn.qkv.weight': no such parameter in this model "
+                           "(the default names the committed DiT's weight") and "\n" not in said
+    assert "e.g. weight, bias" in said

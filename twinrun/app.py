@@ -189,7 +189,9 @@ class SweepCallback(Callback):
             jobs = -(-len(points) // pack)  # packs of `pack` runs, the last one may hold fewer
             packs = (f"one job of {len(points)} runs" if jobs == 1 else
                      f"one job array of {jobs} jobs, up to {pack} runs each")
-            how = f"as {packs} (launcher.pack={pack}, one process a run)" if pack > 1 else "as one job array"
+            each = "each with launcher.cpus_per_task CPUs and mem_gb of its own: the job asks for pack × each"
+            how = f"as {packs} (launcher.pack={pack}, one process a run, {each})" if pack > 1 else \
+                "as one job array"
             if len(points) == 1:  # a lone run is a plain pair job (placement.place), packed or not
                 how = "as one job"
             print(f"twinrun: planning {len(points)} sweep points here; launcher={config.launcher.name} then "

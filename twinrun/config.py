@@ -232,8 +232,11 @@ class LauncherConfig:
     constraint: str | None = None
     timeout_min: int = 240
     nodes: int = 1  # the twin pair runs in one process: more nodes would only idle
-    gpus_per_node: int = 1  # 0 allowed (CPU-only partitions)
-    cpus_per_task: int = 4
+    # Per run (a pack's job asks for pack × each). None (launcher=slurm's default): read from the partition
+    # (sinfo): gpus_per_node 1 where its nodes have GPUs (pack where packed), else 0; cpus_per_task
+    # DEFAULT_CPUS_PER_RUN, or the largest node's CPUs / pack if fewer.
+    gpus_per_node: int | None = 1  # 0 allowed (CPU-only partitions)
+    cpus_per_task: int | None = 4
     mem_gb: float | None = None
     # USR2 this long before the time limit: the job checkpoints and requeues itself.
     signal_delay_s: int = 120
@@ -270,6 +273,10 @@ class DeterminismConfig:
     # Durable home for torch.compile caches (Inductor/Triton default to /tmp and vanish on
     # reboot, taking autotune winners with them). null = ~/.cache/twinrun/compile.
     compile_cache_dir: str | None = None
+    # A compiled run whose compile bundle this run replays (loaded before the first compile; a
+    # certificate in run.json says whether any kernel was still chosen here). null: none, unless
+    # `reference` names a run that saved one (docs/kernel-paths.md, "Pinning a kernel path").
+    kernel_path_from: str | None = None
 
 
 @dataclass
@@ -383,8 +390,15 @@ STORE_IDENTITY_KEYS = ("model_sha256", "data_sha256", "adapter_sha256")
 
 def config_hash(config: dict) -> str:
     """An arm's resolved config as run.json records it (planning writes it; the job and the reducer check
-    each config.yaml against it)."""
+    each config.yaml against it). The kernel-pin settings left at their defaults are left out, so a
+    config from before they existed hashes as it did."""
+    det = config.get("determinism") if isinstance(config, dict) else None
+    if isinstance(det, dict) and any(det.get(k) in UNSET_PIN.get(k, ()) for k in det):
+        config = {**config, "determinism": {k: v for k, v in det.items() if v not in UNSET_PIN.get(k, ())}}
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+UNSET_PIN = {"kernel_path_from": (None,)}  # defaults config_hash leaves out
 
 
 def _at(config: dict, dotted: str):

@@ -1,7 +1,9 @@
 """Tensor diff: `python -m twinrun.diff A B` for two safetensors files or two directories of them.
 
 Prints how many tensors differ, the largest absolute difference and the cosine of the flattened
-whole: the check that tells "bit-identical" from merely "close". Exit 0 when bit-identical,
+whole: the check that tells "bit-identical" from merely "close". Two run directories also get the
+kernel-path fields that differ between their latest jobs and the autotune decisions (each GEMM's
+winner, from their compile bundles' records) that differ. Exit 0 when bit-identical,
 1 when they differ, 2 for bad input (missing path, not safetensors, mismatched names or shapes).
 """
 
@@ -20,7 +22,9 @@ import torch
 from safetensors import safe_open
 
 from twinrun.errors import EXIT_GATE, EXIT_OK, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
-from twinrun.files import memory_bytes, open_regular
+from twinrun.files import memory_bytes, open_regular, read_json
+from twinrun.provenance.fingerprint import kernel_path_diff
+from twinrun.provenance.kernel_pin import decisions_between
 from twinrun.storage.store import OLD_STORE_FORMAT, STORE_FORMAT, StoreReader
 from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
 
@@ -104,6 +108,23 @@ def render(d: TensorDiff) -> str:
             f"cosine of the whole = {d.cosine:.12f}")
 
 
+def kernel_decisions(a: Path, b: Path) -> list[str]:
+    """For two run directories: the kernel-path fields that differ, and the autotune winners that do."""
+    if not all((Path(d) / "run.json").is_file() for d in (a, b)):
+        return []
+    paths = []
+    for d in (a, b):
+        jobs = read_json(Path(d) / "run.json").get("jobs") or [{}]
+        sha = str(jobs[-1].get("kernel_path_sha256") or "")
+        paths.append(Path(d) / "env" / f"kernel_path-{sha[:12]}.json")
+    if all(p.is_file() and len(p.name) == len("kernel_path-") + 12 + len(".json") for p in paths):
+        fields = kernel_path_diff(read_json(paths[0]), read_json(paths[1]))
+        line = f"kernel-path fields differ: {', '.join(fields) or 'none'}"
+    else:
+        line = "kernel-path fields: unknown (a run recorded no job)"
+    return [line, decisions_between(a, b)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m twinrun.diff", description=__doc__.splitlines()[0],
@@ -116,9 +137,12 @@ def main(argv=None) -> int:
     raise_on_signals()
     try:
         d = diff_tensors(load_tensors(args.a), load_tensors(args.b))
+        decisions = kernel_decisions(args.a, args.b)
     except (TwinrunError, Interrupted) as err:
         fail(err)
     print(render(d))
+    for line in decisions:
+        print(line)
     return EXIT_OK if d.n_differ == 0 else EXIT_GATE
 
 

@@ -10,7 +10,9 @@ field is and why it is compared or only recorded).
 
 import argparse
 import json
+from pathlib import Path
 
+from twinrun import cold_check
 from twinrun.config import TwinrunConfig
 from twinrun.errors import TwinrunError, fail
 from twinrun.measures.kind import resolve_device
@@ -36,7 +38,15 @@ def main(argv=None) -> int:
                    "default: the default model's)")
     p.add_argument("--device", default="auto",
                    help="the run's device setting (auto: this machine's GPU if torch sees one, else the CPU)")
+    p.add_argument("--cold-check", action="store_true",
+                   help="compile the sentinel and the default model cold and from a compile bundle, each in "
+                   "a fresh process, and require the same bits (exit 0; 1 when they differ)")
+    p.add_argument("--run", type=Path, help="with --cold-check: replay this compiled run's bundle")
+    p.add_argument("--compile", default="max-autotune", choices=("default", "max-autotune"),
+                   help="with --cold-check: the torch.compile mode")
     args = p.parse_args(argv)
+    if args.cold_check:
+        return cold_check.main(args)
     kind = measure_of(args.measure)
     if args.method is not None and args.method not in kind.methods:
         p.error(f"argument --method: invalid choice: {args.method!r} (choose from "

@@ -19,12 +19,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from twinrun.errors import EXIT_INTERRUPTED, FAILURE_EXIT_CODES, Interrupted, KernelPathRefused, TwinrunError
-from twinrun.files import make_dir, write_json
+from twinrun.errors import (
+    EXIT_INTERRUPTED,
+    FAILURE_EXIT_CODES,
+    ConfigError,
+    Interrupted,
+    KernelPathRefused,
+    TwinrunError,
+)
+from twinrun.files import make_dir, read_json, write_json
 from twinrun.measures.failures import failure_record, to_model_error
 from twinrun.measures.kind import Session, describe_device, resolve_device
 from twinrun.measures.registry import load_index, measure_of
 from twinrun.plan import load_arms
+from twinrun.provenance import kernel_pin
 from twinrun.provenance.fingerprint import fingerprint
 from twinrun.provenance.record import kernel_path_sha256, setup_determinism, straddling_rule, unit_record
 from twinrun.storage.lock import run_lock
@@ -70,11 +78,21 @@ def _unit_locks(rd: RunDir, units: list[int] | None) -> list[Path]:
     return [rd.unit_lock(i) for i in sorted(found)]
 
 
+# torch's warning when vmap falls back to a loop for scaled dot-product attention (any of its kernels).
+SDPA_UNDER_VMAP = r"There is a performance drop because we have not yet implemented the batching rule for " \
+    r"aten::_?scaled_dot_product"
+
+
 def warn_once() -> None:
     """From now on this process shows each warning (category and text) once. torch raises its C++
     warnings (e.g. "no batching rule for SDPA" under vmap) without a registry, so Python's own "once"
     and "default" filters cannot hold them back: planning's trial, the job's trial and every bin would
-    each print it again. Idempotent; called by every entry point that measures."""
+    each print it again. Idempotent; called by every entry point that measures.
+
+    One warning is kept off altogether: under vmap, attention through SDPA (a diffusers DiT's) has no
+    batching rule and runs a per-sample loop, which torch calls a "performance drop". The numbers are the
+    same; planning's estimate times that very path, so the warning tells the user nothing to act on."""
+    warnings.filterwarnings("ignore", message=SDPA_UNDER_VMAP, category=UserWarning)
     show = warnings.showwarning
     if getattr(show, "twinrun_once", False):
         return
@@ -103,6 +121,7 @@ def _measure(index: RunIndex, arms: list, units: list[int] | None, gpus: int | N
         # Judged here, on the node that measures (the planning host may have no GPU at all).
         device = resolve_device(kind.device(config), gpus, f"{kind.settings_key}.device")
         print(f"twinrun: measuring on {describe_device(device)}", flush=True)
+        pin = open_pin(index, config, kind.compiles(config), device)  # a replay's bundle: before any compile
         session = kind.open_session(config, arms, device)
     mine = len(index.units) if units is None else len(units)
     if len(todo) < mine:
@@ -113,7 +132,7 @@ def _measure(index: RunIndex, arms: list, units: list[int] | None, gpus: int | N
         last = index.units[todo[0]["index"] - 1]
         session.restore(last, {arm: (index.store_path(last, arm), entry["sha256"])
                                for arm, entry in last["stores"].items()})
-    return measure_units(index, arms, session, todo, determinism, units, device)
+    return measure_units(index, arms, session, todo, determinism, units, device, pin)
 
 @contextmanager
 def recorded_before_units(index: RunIndex, todo: list[UnitEntry]):
@@ -135,6 +154,7 @@ def measure_units(
     determinism: dict,  # what setup_determinism applied: recorded with this job
     units: list[int] | None = None,  # this array element's units (launcher.split=bins); None: the whole run
     device: torch.device | None = None,  # where the session measures: its GPU joins the kernel path
+    pin: dict | None = None,  # open_pin's watch on the compiles, and the run a replay took its bundle from
 ) -> RunRecord:
     """Measure `todo`, unit by unit; every arm of a unit back to back. Returns run.json."""
     hashes = {a["name"]: a["config_hash"] for a in index.arms}
@@ -156,7 +176,8 @@ def measure_units(
         raise
     identity = identity_sha256(session.identity)
     refuse_changed_identity(index, identity, todo)
-    job = start_job(index, fp, determinism, session.sentinel(), device)
+    pinned = record_pin(rd, pin, session.compile_mode, device)
+    job = start_job(index, fp, determinism, session.sentinel(), device, pinned)
     stamp = {"env": unit_record(fp, job["sentinel_start"]), "kernel_path": fp["kernel_path"]}
     index.set_status("running", units)  # an element never clears a failure recorded at another's unit
 
@@ -186,7 +207,7 @@ def measure_units(
     progress.close()
 
     # Step: close the job: the sentinel read again; the run is "measured" once every unit is whole.
-    index.end_job(job["index"], session.sentinel()["digest"])
+    index.end_job(job["index"], session.sentinel()["digest"], **close_pin(rd, job, pin, pinned))
     index.finish_measuring()
     return index.doc
 
@@ -249,7 +270,7 @@ def refuse_changed_identity(index: RunIndex, identity: str, todo: list[UnitEntry
 
 
 def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict,
-              device: torch.device | None = None) -> JobRecord:
+              device: torch.device | None = None, pinned: dict | None = None) -> JobRecord:
     """Record this job (a first run, a resume or a requeue) in run.json and its fingerprint in env/,
     with the device it measures on."""
     rd = index.run_dir
@@ -262,7 +283,74 @@ def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict,
            "slurm_job_id": (fp["info"].get("slurm") or {}).get("SLURM_JOB_ID"),
            "sentinel_start": sentinel["digest"], "sentinel_end": None,
            "device": None if device is None else describe_device(device)}
+    if pinned is not None:  # the bundle (or that an eager job had nothing to pin) in run.json
+        job["compile_bundle"] = pinned.get("bundle") or {"none": pinned.get("why")}
     index.add_job(job)
     write_json(rd.job_env(job["index"]), {"fingerprint": fp, "determinism": determinism,
-                                          "sentinel": sentinel})
+                                          "sentinel": sentinel, **({"kernel_pin": pinned} if pinned else {})})
     return job
+
+
+def open_pin(index: RunIndex, config: dict, compiles: bool, device: torch.device) -> dict | None:
+    """Before the first compile: watch this process's compiles and, for a replay (determinism.
+    kernel_path_from, or a reference that saved a bundle), load that run's bundle into this run's own
+    cache. A bundle made for another torch, Triton, GPU or CPU is refused here, before any compute."""
+    if not compiles:
+        return None
+    watch = kernel_pin.Watch()
+    source, explicit = pin_source(index, config)
+    if source is None:
+        return {"watch": watch, "from": None}
+    record = kernel_pin.recorded_pin(source)
+    if record is None:
+        if explicit:
+            raise ConfigError("determinism.kernel_path_from", source, "that run recorded no compile bundle "
+                              "(eager, or measured before twinrun saved bundles); name a compiled run")
+        return {"watch": watch, "from": None}
+    try:
+        kernel_pin.refuse_other_capability(source, record.get("capability") or {},
+                                           kernel_pin.capability(device))
+    except KernelPathRefused as err:
+        if explicit:
+            raise
+        # A reference measured elsewhere is still compared (and read dead or alive), just not replayed.
+        print(f"twinrun: the reference's compile bundle is not replayed: {err}", flush=True)
+        return {"watch": watch, "from": None}
+    keys = kernel_pin.load_bundle(kernel_pin.read_bundle(source, record))
+    print(f"twinrun: compile bundle of {source} loaded before the first compile "
+          f"({sum(map(len, keys.values()))} cache entries)", flush=True)
+    return {"watch": watch, "from": source, "source_record": record, "loaded_keys": keys}
+
+
+def pin_source(index: RunIndex, config: dict) -> tuple[str | None, bool]:
+    """(the run whose bundle this job replays, whether the user named it) or (None, False)."""
+    chosen = (config.get("determinism") or {}).get("kernel_path_from")
+    if chosen == kernel_pin.COLD:
+        return None, False
+    if chosen:
+        return str(chosen), True
+    return index.doc.get("reference"), False
+
+
+def record_pin(rd, pin: dict | None, compile_mode: str | None, device) -> dict:
+    """After the warm-up: the job's bundle saved in env/, or that an eager job had nothing to pin."""
+    if pin is None or compile_mode is None:
+        return {"bundle": None, "why": kernel_pin.NOTHING_TO_PIN}
+    make_dir(rd.env_dir)
+    return {**kernel_pin.save_bundle(rd.env_dir, pin["watch"], device), "replayed_from": pin["from"]}
+
+
+def close_pin(rd, job: JobRecord, pin: dict | None, pinned: dict) -> dict:
+    """At the job's end: its counters, and a replay's certificate (or PATH UNPINNED) in one line."""
+    if pin is None:
+        return {}
+    pinned["counters_end"] = pin["watch"].counters()
+    fields = {}
+    if pin["from"] is not None:
+        cert = kernel_pin.certificate(pin["from"], pin["watch"])
+        pinned["certificate"] = cert
+        fields["kernel_pin"] = {"from": pin["from"], "pinned": cert["pinned"], "line": cert["line"]}
+        print(f"twinrun: {cert['line']}", flush=True)
+    doc = read_json(rd.job_env(job["index"]))
+    write_json(rd.job_env(job["index"]), {**doc, "kernel_pin": pinned})
+    return fields

@@ -31,11 +31,12 @@ from twinrun.config import (
     replicate_count,
     signal_alpha_ok,
 )
-from twinrun.errors import ConfigError, StoreError, signals_held
+from twinrun.errors import ConfigError, StoreError, TwinrunError, signals_held
 from twinrun.files import atomic_write, make_dir, write_json
 from twinrun.interventions import check_protocol
 from twinrun.measures.kind import Measure
 from twinrun.measures.registry import MEASURES, measure_of
+from twinrun.provenance import kernel_pin
 from twinrun.provenance.determinism import MATMUL_PRECISIONS
 from twinrun.provenance.version import twinrun_version
 from twinrun.publish.trackers import check_tracker
@@ -98,6 +99,24 @@ def check_paths(cfg: DictConfig, run_dir: Path | None) -> None:
             raise ConfigError("determinism.compile_cache_dir", cache,
                               f"cannot be created or written here ({err.strerror or err}); choose a writable "
                               "directory (or null for ~/.cache/twinrun/compile)") from None
+
+
+def check_pin_source(cfg: DictConfig) -> None:
+    """determinism.kernel_path_from names a compiled run with a bundle made for this torch, Triton and
+    CPU (the job checks the GPU, and the bundle's digest, again before its first compile)."""
+    source = cfg.determinism.get("kernel_path_from")
+    if not source or source == kernel_pin.COLD:
+        return
+    try:
+        record = kernel_pin.recorded_pin(Path(source).expanduser())
+    except TwinrunError as err:
+        raise ConfigError("determinism.kernel_path_from", source, f"not a readable run directory ({err}); "
+                          "name a compiled run, or cold") from None
+    if record is None:
+        raise ConfigError("determinism.kernel_path_from", source, "that run recorded no compile bundle "
+                          "(eager, or measured before twinrun saved bundles); name a compiled run, or cold")
+    here = kernel_pin.capability(None)
+    kernel_pin.refuse_other_capability(source, {k: record.get("capability", {}).get(k) for k in here}, here)
 
 
 def _try_writing(path: Path) -> None:
@@ -176,6 +195,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
                              replicates=replicate_count(cfg),
                              chaos=kind.chaos_arm, exclude=foreign_keys(kind))
     check_paths(cfg, run_dir)
+    check_pin_source(cfg)
     check_tracker(OmegaConf.to_container(cfg.tracker, resolve=True))  # a sweep's points too, before any runs
     planned = kind.plan(cfg, intervention, arms, run_dir, validated)
     run: RunRecord = {

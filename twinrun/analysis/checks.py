@@ -30,7 +30,7 @@ from twinrun.errors import StoreError, TwinrunError
 from twinrun.files import ensure_descriptors
 from twinrun.interventions import rebuild
 from twinrun.provenance.record import tensors_sha256
-from twinrun.storage.records import GATE_REPLICATE
+from twinrun.storage.records import GATE_REPLICATE, ProbeUnit
 from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.store import StoreReader
 
@@ -79,6 +79,7 @@ def load_run(run_dir: Path) -> tuple[RunIndex, dict]:
     run_json = index.run_dir.run_json
     if index.measure != "probe":
         raise StoreError(run_json, f"measures {index.measure}, not the σ probe this reducer reads")
+    index.check_units(ProbeUnit, "sigma")  # its bins' own fields: each σ positive, strictly increasing
     if index.reference is not None and Path(index.reference).resolve() == index.run_dir.path.resolve():
         raise StoreError(run_json, f"field reference: {index.reference!r} is this run itself, which cannot "
                          "vouch for itself; the file is damaged or was edited by hand")

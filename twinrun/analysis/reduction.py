@@ -58,9 +58,10 @@ def used_settings(reg: dict, estimands=None, gate_rule=None, signal_alpha=None, 
             "family_alpha": float(reg["family_alpha"] if family_alpha is None else family_alpha)}
 
 
-def provenance_checks(index: RunIndex, stores: dict) -> list[dict]:
-    """Validity rule 3: each bin's arms ran in one process/node/boot/GPU/job on one kernel path,
-    and the kernel-path sentinel read around the jobs never moved."""
+def provenance_checks(index: RunIndex, stores: dict, unit: str = "bin") -> list[dict]:
+    """Validity rule 3: each unit's arms ran in one process/node/boot/GPU/job on one kernel path,
+    and the kernel-path sentinel read around the jobs never moved. `unit`: what the kind calls its units
+    (bin, segment, chunk), the word the check's detail uses."""
     out = []
     split = {}
     for u in index.units:  # any kind's units (a probe's bins, a training run's segments)
@@ -69,9 +70,9 @@ def provenance_checks(index: RunIndex, stores: dict) -> list[dict]:
         if fields or not records[0]:
             split[u["index"]] = fields or ["(no record)"]
     out.append(check("same_allocation_per_bin", not split,
-                     "every bin's arms ran back to back in one process (same job, node, boot, GPU)"
-                     if not split else "arms of a bin ran apart: "
-                     + "; ".join(f"bin {i}: {', '.join(f)}" for i, f in split.items())))
+                     f"every {unit}'s arms ran back to back in one process (same job, node, boot, GPU)"
+                     if not split else f"arms of a {unit} ran apart: "
+                     + "; ".join(f"{unit} {i}: {', '.join(f)}" for i, f in split.items())))
     paths = {(s.meta.get("env") or {}).get("kernel_path_sha256") for s in stores.values()}
     out.append(check("one_kernel_path", len(paths) == 1 and None not in paths,
                      "every store was measured on one kernel path" if len(paths) == 1

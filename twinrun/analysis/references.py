@@ -21,6 +21,7 @@ from twinrun.config import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS
 from twinrun.errors import TwinrunError
 from twinrun.files import ensure_descriptors
 from twinrun.provenance.fingerprint import kernel_path_diff
+from twinrun.provenance.kernel_pin import decisions_between
 from twinrun.storage.rundir import RunDir
 from twinrun.storage.store import StoreReader
 
@@ -127,7 +128,16 @@ def cause_fields(run_dir: Path, ref_dir: Path, mine: dict, ref: dict) -> tuple[l
     return measured, kp, cfg
 
 
-def _dead_detail(measured: list[str], kp: list[str], cfg: list[str], rows: list[dict]) -> str:
+def winners_line(ref_dir: Path, run_dir: Path) -> str:
+    """The autotune decisions that differ between the reference's compiled job and this run's."""
+    try:
+        return decisions_between(ref_dir, run_dir)
+    except TwinrunError as err:
+        return f"autotune winners: unreadable ({err})"
+
+
+def _dead_detail(measured: list[str], kp: list[str], cfg: list[str], rows: list[dict],
+                 winners: str = "") -> str:
     """Why a reference is dead, the measured thing first: a changed model or data set is named as such
     (whatever path it was read from), before any config or environment field."""
     worst = max(r["max_shift"] for r in rows)
@@ -148,7 +158,10 @@ def _dead_detail(measured: list[str], kp: list[str], cfg: list[str], rows: list[
     if kp:
         blame = ". " if what or model else ": this gap is the environment's. "
         text += f"Kernel-path fields that differ: {', '.join(kp)}{blame}"
-    if not kp and not cfg and not what:
+    moved = winners.startswith("autotune winners differ")
+    if moved:
+        text += f"{winners[0].upper()}{winners[1:]}. "
+    if not kp and not cfg and not what and not moved:
         text += "No recorded kernel-path, config, model or data field differs: the cause is unrecorded. "
     return text + "Nothing is read against it; read effects against the twin only."
 
@@ -181,7 +194,7 @@ def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alp
     measured, kp, cfg = cause_fields(run_dir, ref_dir, mine, ref)
     out = {"path": str(ref_dir), "alive": alive, "status": "alive" if alive else "dead", "rule": rule,
            "measured_differs_in": measured, "kernel_path_differs_in": kp, "config_differs_in": cfg,
-           "native_vs_reference": rows}
+           "native_vs_reference": rows, "autotune_winners": winners_line(ref_dir, run_dir)}
     if alive:
         n_identical = len({r["sigma"] for r in rows if r["bit_identical"]})
         out["detail"] = (f"reference ALIVE in this environment ({rule}: {n_identical} / {len(mine)} bins "
@@ -189,7 +202,7 @@ def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alp
         if run_ok:
             out["intervention_vs_reference"] = inter_rows
     else:
-        out["detail"] = _dead_detail(measured, kp, cfg, rows)
+        out["detail"] = _dead_detail(measured, kp, cfg, rows, out["autotune_winners"])
     return out
 
 

@@ -70,7 +70,8 @@ def validity_checks(index: RunIndex, stores: dict) -> list[dict]:
     mixed = sorted({k for _, m in stores.values() for k in keys if m[k] != first[k]})
     out.append(check("same_protocol", not mixed, "one sampler, schedule, seed and loss protocol in every "
                      "store" if not mixed else f"stores differ in {', '.join(mixed)}"))
-    return out + provenance_checks(index, {k: SimpleNamespace(meta=m) for k, (_, m) in stores.items()})
+    return out + provenance_checks(index, {k: SimpleNamespace(meta=m) for k, (_, m) in stores.items()},
+                                   "chunk")
 
 
 def paired(values: torch.Tensor) -> tuple[float, float | None]:

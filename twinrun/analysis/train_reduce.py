@@ -184,7 +184,7 @@ def validity_checks(run: Run, records: list[dict]) -> list[dict]:
                   f"of {run.chaos_param}: the floor would measure something else")
         out.append(check("chaos_perturbation_landed", landed, detail))
     metas = {(arm, i): _Meta(m) for i, per in enumerate(records) for arm, m in per.items()}
-    return out + provenance_checks(index, metas)
+    return out + provenance_checks(index, metas, "segment")
 
 
 @dataclass

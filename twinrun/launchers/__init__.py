@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from twinrun.errors import ConfigError
 from twinrun.launchers.local import check_in_process, check_submitit, local_state
 from twinrun.launchers.placement import SPLITS
-from twinrun.launchers.slurm import check_slurm, slurm_state, unsafe_sbatch_knob
+from twinrun.launchers.slurm import check_slurm, fill_from_partition, slurm_state, unsafe_sbatch_knob
 from twinrun.measures.kind import parse_device
 
 
@@ -86,6 +86,8 @@ def check(launcher: dict, compiled: tuple[str, object] | None = None, sequential
         raise ConfigError("launcher.split", split, f"cannot run with {key}={value!r}: "
                           "the bins' jobs would share one compile cache and land on different kernel "
                           f"paths; use launcher.split=pair, or {key}=false")
+    if LAUNCHERS[name].cluster == "slurm":
+        fill_from_partition(launcher)  # knobs left null, read from sinfo (in place: the job asks for them)
     check_pack(launcher)
     if LAUNCHERS[name].cluster != "slurm" and launcher.get("constraint") is not None:
         raise ConfigError("launcher.constraint", launcher["constraint"], f"launcher={name} runs on this "

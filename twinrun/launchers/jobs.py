@@ -93,16 +93,17 @@ class PackedJob(submitit.helpers.Checkpointable):
     finished units. A run that fails is its own run.json's failure: the others go on.
     """
 
-    def __init__(self, run_dirs: list, trusted=()):
+    def __init__(self, run_dirs: list, trusted=(), cpus_per_run: int | None = None):
         self.run_dirs = [str(Path(r).resolve()) for r in run_dirs]
         self.trusted = list(trusted)
+        self.cpus_per_run = cpus_per_run  # launcher.cpus_per_task: each process's threads (None: torch's)
         self._children: dict[str, subprocess.Popen] = {}
 
     def __getstate__(self) -> dict:  # requeued by pickling: the running processes stay behind
-        return {"run_dirs": self.run_dirs, "trusted": self.trusted}
+        return {"run_dirs": self.run_dirs, "trusted": self.trusted, "cpus_per_run": self.cpus_per_run}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _children={})
+        self.__dict__.update({"cpus_per_run": None, **state}, _children={})
 
     def __call__(self) -> dict[str, int]:
         devices = assign_devices(len(self.run_dirs), os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -128,6 +129,8 @@ class PackedJob(submitit.helpers.Checkpointable):
 
     def _start(self, run_dir: str, device: str) -> subprocess.Popen:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": device}
+        if self.cpus_per_run:  # the job holds pack × cpus_per_task CPUs: each process uses its own share
+            env["OMP_NUM_THREADS"] = str(self.cpus_per_run)
         return subprocess.Popen([sys.executable, "-m", "twinrun.launchers.jobs", run_dir, *self.trusted],
                                 env=env)
 

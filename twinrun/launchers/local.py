@@ -19,6 +19,9 @@ def check_submitit(launcher: dict) -> None:
                           "process, so more nodes would idle (a sweep runs its points as a job array)")
     for key, low in (("timeout_min", 1), ("cpus_per_task", 1), ("gpus_per_node", 0), ("signal_delay_s", 0),
                      ("max_num_timeout", 0), ("array_parallelism", 1)):
+        if launcher[key] is None:  # only launcher=slurm reads a null from the partition (before this)
+            raise ConfigError(f"launcher.{key}", None, f"must be a number ≥ {low} with launcher="
+                              f"{launcher['name']} (null is read from the partition by launcher=slurm)")
         if launcher[key] < low:
             raise ConfigError(f"launcher.{key}", launcher[key], f"must be ≥ {low}")
     if launcher["mem_gb"] is not None and launcher["mem_gb"] <= 0:

@@ -79,56 +79,109 @@ def unsafe_sbatch_knob(launcher: dict, trusted: bool) -> tuple[str, object] | No
     return None
 
 
+DEFAULT_CPUS_PER_RUN = 4  # cpus_per_task left null on a partition whose nodes have at least this many
+
+
 def check_slurm(launcher: dict) -> None:
+    """Every resource problem of the submission against sinfo's partitions, reported at once in one line
+    (ConfigError naming the first knob, the others after it), before anything is submitted."""
     check_submitit(launcher)
+    partitions = _answering()
+    problems, partition, nodes = _partition(launcher, partitions)
+    problems += _time_problems(launcher)
+    if nodes:
+        problems += _gpu_problems(launcher, partition, nodes) + _fit_problems(launcher, partition, nodes)
+    if problems:
+        (key, value, fix), rest = problems[0], problems[1:]
+        more = "".join(f"; and {k}={v!r}: {f}" for k, v, f in rest)
+        raise ConfigError(key, value, fix + more)
+
+
+def fill_from_partition(launcher: dict) -> None:
+    """The knobs launcher=slurm leaves null, read from the partition the job goes to (sinfo), in place:
+    gpus_per_node one per run where its nodes have GPUs, else 0 (a CPU-only cluster asks for none);
+    cpus_per_task DEFAULT_CPUS_PER_RUN, or what the largest node has per run of a pack if fewer. Unknown
+    partitions leave them for check_slurm to report (with the others)."""
+    if launcher.get("gpus_per_node") is not None and launcher.get("cpus_per_task") is not None:
+        return
+    _, _, nodes = _partition(launcher, _answering())
+    pack = launcher.get("pack", 1) or 1
+    if launcher.get("gpus_per_node") is None:
+        launcher["gpus_per_node"] = pack if any("gpu" in n["gres"] for n in nodes) else 0
+    if launcher.get("cpus_per_task") is None:
+        most = max((n["cpus"] for n in nodes if n["cpus"] is not None), default=None)
+        launcher["cpus_per_task"] = max(1, min(DEFAULT_CPUS_PER_RUN, (most or DEFAULT_CPUS_PER_RUN) // pack))
+
+
+def _answering() -> dict[str, list[dict]]:
     if shutil.which("sbatch") is None:
         raise ConfigError("launcher", "slurm", "sbatch is not on PATH: run where SLURM is installed (a local "
                           "test cluster: `bash launch/slurm-up.sh`), or use launcher=local or submitit_local")
-    timeout_min, delay_s = launcher["timeout_min"], launcher["signal_delay_s"]
-    if timeout_min * 60 <= delay_s + CHECKPOINT_MARGIN_S:
-        least = (delay_s + CHECKPOINT_MARGIN_S) // 60 + 1
-        raise ConfigError("launcher.timeout_min", timeout_min,
-                          f"leaves no time to run: the job is signalled launcher.signal_delay_s={delay_s} s "
-                          f"before the limit and needs {CHECKPOINT_MARGIN_S} s more to requeue; use "
-                          f"timeout_min ≥ {least} or a smaller signal_delay_s")
-    partitions = _sinfo()
+    return _sinfo()
+
+
+def _partition(launcher: dict, partitions: dict) -> tuple[list, str | None, list[dict]]:
+    """(problems, the partition the job goes to, its nodes): the one named, else the cluster's default;
+    a name the cluster lacks is a problem, and the rest is then judged against the default, if any."""
     names = [p.rstrip("*") for p in partitions]
-    partition = launcher["partition"]
-    if partition is None:
-        default = [p.rstrip("*") for p in partitions if p.endswith("*")]
-        if not default:
-            raise ConfigError("launcher.partition", None,
-                              f"this cluster has no default partition; choose one of {', '.join(names)}")
-        partition = default[0]
-    elif partition not in names:
-        raise ConfigError("launcher.partition", partition,
-                          f"no such partition on this cluster; choose one of {', '.join(names)}")
+    default = next((p.rstrip("*") for p in partitions if p.endswith("*")), None)
+    partition, problems = launcher["partition"], []
+    if partition is None and default is None:
+        fix = f"this cluster has no default partition; choose one of {', '.join(names)}"
+        problems.append(("launcher.partition", None, fix))
+    elif partition is not None and partition not in names:
+        fix = f"no such partition on this cluster; choose one of {', '.join(names)}"
+        problems.append(("launcher.partition", partition, fix))
+        partition = default
+    else:
+        partition = partition or default
     nodes = [n for p, ns in partitions.items() if p.rstrip("*") == partition for n in ns]
+    return problems, partition, nodes
+
+
+def _time_problems(launcher: dict) -> list[tuple]:
+    timeout_min, delay_s = launcher["timeout_min"], launcher["signal_delay_s"]
+    if timeout_min * 60 > delay_s + CHECKPOINT_MARGIN_S:
+        return []
+    least = (delay_s + CHECKPOINT_MARGIN_S) // 60 + 1
+    fix = (f"leaves no time to run: the job is signalled launcher.signal_delay_s={delay_s} s before the "
+           f"limit and needs {CHECKPOINT_MARGIN_S} s more to requeue; use timeout_min ≥ {least} or a "
+           "smaller signal_delay_s")
+    return [("launcher.timeout_min", timeout_min, fix)]
+
+
+def _gpu_problems(launcher: dict, partition: str, nodes: list[dict]) -> list[tuple]:
     gres = {n["gres"] for n in nodes}
     if launcher["gpus_per_node"] > 0 and not any("gpu" in g for g in gres):
-        raise ConfigError("launcher.gpus_per_node", launcher["gpus_per_node"],
-                          f"partition {partition} has no GPUs (sinfo gres: {', '.join(sorted(gres))}); "
-                          "use launcher.gpus_per_node=0 to run on CPUs, or a GPU partition")
-    _check_fits(launcher, partition, nodes)
+        fix = (f"partition {partition} has no GPUs (sinfo gres: {', '.join(sorted(gres))}); use "
+               "launcher.gpus_per_node=0 to run on CPUs (or leave it null: read from the partition), or a "
+               "GPU partition")
+        return [("launcher.gpus_per_node", launcher["gpus_per_node"], fix)]
+    return []
 
 
-def _check_fits(launcher: dict, partition: str, nodes: list[dict]) -> None:
+def _fit_problems(launcher: dict, partition: str, nodes: list[dict]) -> list[tuple]:
     """CPUs, memory and time asked for must fit some node of the partition, else the job would pend
-    forever (PartitionConfig); checked before submission, naming the knob."""
+    forever (PartitionConfig). A pack's job asks for pack × cpus_per_task and pack × mem_gb."""
+    pack = launcher.get("pack", 1) or 1
+    per = f" per run × launcher.pack={pack}" if pack > 1 else ""
+    problems = []
     most_cpus = max((n["cpus"] for n in nodes if n["cpus"] is not None), default=None)
-    if most_cpus is not None and launcher["cpus_per_task"] > most_cpus:
-        raise ConfigError("launcher.cpus_per_task", launcher["cpus_per_task"],
-                          f"partition {partition}'s largest node has {most_cpus} CPUs; ask for at most that")
+    if most_cpus is not None and launcher["cpus_per_task"] * pack > most_cpus:
+        fix = (f"partition {partition}'s largest node has {most_cpus} CPUs; ask for at most "
+               f"{max(most_cpus // pack, 1)}{per}")
+        problems.append(("launcher.cpus_per_task", launcher["cpus_per_task"], fix))
     most_mb = max((n["mem_mb"] for n in nodes if n["mem_mb"] is not None), default=None)
-    if most_mb is not None and launcher["mem_gb"] is not None and launcher["mem_gb"] * 1024 > most_mb:
-        raise ConfigError("launcher.mem_gb", launcher["mem_gb"],
-                          f"partition {partition}'s largest node has {most_mb / 1024:.1f} GB; ask for at "
-                          "most that (or null for the cluster's default)")
+    if most_mb is not None and launcher["mem_gb"] is not None and launcher["mem_gb"] * pack * 1024 > most_mb:
+        fix = (f"partition {partition}'s largest node has {most_mb / 1024:.1f} GB; ask for at most "
+               f"{most_mb / 1024 / pack:.1f}{per} (or null for the cluster's default)")
+        problems.append(("launcher.mem_gb", launcher["mem_gb"], fix))
     limits = [n["limit_min"] for n in nodes]
     if limits and None not in limits and launcher["timeout_min"] > max(limits):
-        raise ConfigError("launcher.timeout_min", launcher["timeout_min"],
-                          f"partition {partition}'s time limit is {max(limits)} min; ask for at most that "
-                          "(the job checkpoints and requeues itself at the limit)")
+        fix = (f"partition {partition}'s time limit is {max(limits)} min; ask for at most that (the job "
+               "checkpoints and requeues itself at the limit)")
+        problems.append(("launcher.timeout_min", launcher["timeout_min"], fix))
+    return problems
 
 
 def _minutes(limit: str) -> int | None:

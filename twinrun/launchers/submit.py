@@ -15,15 +15,17 @@ from twinrun.launchers.slurm import sbatch_refused
 
 
 def executor_parameters(launcher: dict, cluster: str, job_name: str) -> dict:
-    """Keywords for submitit's update_parameters; a None knob is not passed (the cluster decides)."""
+    """Keywords for submitit's update_parameters; a None knob is not passed (the cluster decides).
+    cpus_per_task and mem_gb are per run: a pack's job asks for pack × each (its GPUs: gpus_per_node)."""
+    pack = launcher.get("pack", 1) or 1
     params = {"name": job_name, "timeout_min": launcher["timeout_min"], "nodes": launcher["nodes"],
               "tasks_per_node": 1, "gpus_per_node": launcher["gpus_per_node"] or None}  # 0: ask for none
     if cluster == "local":
         params["local_setup"] = list(launcher["setup"]) or None
     else:
         params.update({
-            "cpus_per_task": launcher["cpus_per_task"],
-            "mem_gb": launcher["mem_gb"],
+            "cpus_per_task": launcher["cpus_per_task"] * pack,
+            "mem_gb": None if launcher["mem_gb"] is None else launcher["mem_gb"] * pack,
             "slurm_partition": launcher["partition"],
             "slurm_account": launcher["account"],
             "slurm_qos": launcher["qos"],
@@ -63,7 +65,8 @@ def submit(run_dirs: list[Path], launcher: dict, folder_root: Path,
     with submitit.helpers.clean_env():  # submitting from inside an allocation must not inherit it
         try:
             with executor.batch():
-                jobs = [executor.submit(_job(group, trusted, launcher["gpus_per_node"])) for group in groups]
+                jobs = [executor.submit(_job(group, trusted, launcher["gpus_per_node"],
+                                             launcher["cpus_per_task"])) for group in groups]
         except UncompletedJobError as err:  # sbatch refused the job
             raise sbatch_refused(err, launcher) from None
     submitted = [(e, job) for group, job in zip(groups, jobs) for e in group]
@@ -89,10 +92,11 @@ def _what(group: tuple[Element, ...]) -> str:
     return f"unit {', '.join(map(str, e.units))} of {e.run_dir}" if e.units is not None else str(e.run_dir)
 
 
-def _job(group: tuple[Element, ...], trusted, gpus: int) -> PairJob | PackedJob:
+def _job(group: tuple[Element, ...], trusted, gpus: int, cpus: int | None = None) -> PairJob | PackedJob:
     """The callable one job runs: a pack's PackedJob, or the pair job of one run (or of its units).
-    `gpus`: what the job requests (launcher.gpus_per_node), against which its device is judged."""
+    `gpus`: what the job requests (launcher.gpus_per_node), against which its device is judged; `cpus`:
+    each run's CPUs (launcher.cpus_per_task), the threads a pack gives each of its processes."""
     e = group[0]
     if e.pack:
-        return PackedJob([x.run_dir for x in group], trusted)
+        return PackedJob([x.run_dir for x in group], trusted, cpus)
     return PairJob(e.run_dir, trusted, e.units, gpus)

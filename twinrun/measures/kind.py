@@ -90,7 +90,8 @@ class Measure:
     summary_type: type = SharedSummary  # summary.json's type (a TypedDict), checked when read
     unit_key: str = "unit"  # how its summary's effects and gates name a unit (sigma; step)
     unit_own: str = "unit"  # the unit's own field in run.json that holds the same value (sigma; to_step)
-    # (index, summary) -> (the intervention's rows, the twin's rows): what a tracker logs per unit
+    # (index, summary) -> (the comparison's rows, the twin's own[, the intervention's own]): what a tracker
+    # logs per unit; each arm's own quantities under the same keys, so the tracker overlays the two runs
     tracker_rows: Callable = lambda index, summary: ([], [])
     tracker_step: str | None = None  # the row field that is a tracker's step axis (None: the row's index)
     # summary -> the fields a sweep's summary keeps of one reduced point (publish/sweep.py)

@@ -231,12 +231,13 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
     try:
         method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions, c.objective,
-                                  c.cond)
+                                  c.cond, trial.trial_key(arms[0].config, grid[0], "trial"))
     except Exception as err:
         if failures.is_out_of_memory(err):  # this host's memory: named as memory, never as the model's fault
             raise out_of_memory(err, "the trial run at plan time", None, p, c.device) from err
         raise
-    estimate_cost(cfg, c, method, grid[0], n_stores)
+    timing = trial.trial_key(arms[0].config, grid[0], f"cost {method}")
+    estimate_cost(cfg, c, method, grid[0], n_stores, timing)
     if parse_device("probe.device", p.device)[0] != "cpu":  # (on the CPU: host memory, estimate_cost)
         memory = estimate_memory(p, c, method, grid[0])
         print(f"twinrun: device memory per arm and bin, estimated for probe.method={method}: "
@@ -420,6 +421,7 @@ PROBE = Measure(
     unit_key="sigma",
     unit_own="sigma",
     tracker_rows=probe_rows.tracker_rows,
+    tracker_step="sigma",  # σ itself (in millionths where a tracker's step is an integer: trackers/)
     sweep_point=probe_rows.sweep_point,
     sweep_protocol="probe",
     compile_setting=lambda config: ("probe.compile", config["probe"].get("compile")),

@@ -73,13 +73,22 @@ def time_one_call(c, p: ProbeConfig, method: str, sigma: float) -> tuple[float, 
     return best, images, eps.shape[1], max(0, resident_bytes()[1] - peak_before)
 
 
-def estimate_cost(cfg: DictConfig, c, method: str, sigma: float, n_stores: int) -> None:
+def estimate_cost(cfg: DictConfig, c, method: str, sigma: float, n_stores: int,
+                  key: str | None = None) -> None:
     """Print, before any compute, the run's measuring time (one call timed here, scaled by samples) and its
     peak host memory; refuse a run whose memory estimate exceeds the memory it will have (launcher.mem_gb,
-    else this machine's)."""
+    else this machine's). With `key` (trial.trial_key), a call this process timed under the same key is
+    not timed again (a sweep's later points)."""
     p = typed(ProbeConfig, OmegaConf.to_container(cfg.probe, resolve=True), "probe")
     baseline = resident_bytes()[0]
-    seconds, images, n_draws, call = time_one_call(c, p, method, sigma)
+    if key is None or key not in trial.PLANNED:
+        timed_call = time_one_call(c, p, method, sigma)
+        if key is None:
+            seconds, images, n_draws, call = timed_call
+        else:
+            trial.PLANNED[key] = timed_call
+    if key is not None:
+        seconds, images, n_draws, call = trial.PLANNED[key]
     samples = p.n_images * p.n_draws
     total_s = seconds * samples / (images * n_draws) * n_stores
     parts = host_memory(p, c.images.shape[1:], sum(g["numel"] for g in c.layout), baseline, call)

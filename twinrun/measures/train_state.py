@@ -12,7 +12,7 @@ from pathlib import Path
 import hydra
 import torch
 
-from twinrun.config import TrainConfig, build
+from twinrun.config import ChaosConfig, TrainConfig, build
 from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import Intervention
 from twinrun.measures import fold_sums as fs
@@ -96,13 +96,19 @@ def perturb(model: torch.nn.Module, name: str, index: int, ulps: int) -> None:
     flat[index] = value
 
 
+DEFAULT_CHAOS_PARAM = ChaosConfig.param
+
+
 def check_chaos(model: torch.nn.Module, c) -> None:
     """The chaos arm's weight must exist, be floating point and hold the element."""
     params = dict(model.named_parameters())
     if c.param not in params:
         near = difflib.get_close_matches(c.param, list(params), n=3, cutoff=0.5) or list(params)[:3]
-        raise ConfigError("train.chaos.param", c.param, f"no such parameter; did you mean {', '.join(near)}? "
-                          f"(one of the {len(params)} names of model.named_parameters())")
+        default = " (the default names the committed DiT's weight: a model of your own sets it)" \
+            if c.param == DEFAULT_CHAOS_PARAM else ""
+        raise ConfigError("train.chaos.param", c.param, f"no such parameter in this model{default}; set "
+                          f"train.chaos.param to one of its {len(params)} model.named_parameters(), e.g. "
+                          f"{', '.join(near)}")
     param = params[c.param]
     if not param.is_floating_point() or not param.is_contiguous():
         raise ConfigError("train.chaos.param", c.param, "must be a contiguous floating-point parameter")

@@ -7,6 +7,7 @@ the fix, before a bin is spent. Plan time runs it eagerly on the CPU; the job ru
 again where it measures (compiling there, after determinism has moved the compile caches).
 """
 
+import json
 import logging
 
 import torch
@@ -33,6 +34,23 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("default", "max-autotune")
 # Seed of the trial's draws (the same bits every time).
 TRIAL_SEED = 20251201
+# What this process's plan-time trials found, by trial_key: the points of a sweep planned here (each one
+# twice: checked dry, then planned) share a model and its probe settings, so the model runs its trial
+# (and its timed call, probe_cost) once per distinct key, not once per point.
+PLANNED: dict[str, object] = {}
+
+
+def trial_key(config: dict, sigma: float, what: str) -> str:
+    """What a plan-time trial or timing of the arm config `config` depends on: the model, the data, the
+    objective, the probe settings, the first σ and the interventions' classes with their settings that
+    are no numbers (a module's name; a swept factor or σ changes no op the model runs).
+    `what` names the memo's user."""
+    def shape(node):
+        return {k: v for k, v in (node or {}).items()
+                if not isinstance(v, int | float) or isinstance(v, bool)}
+    return json.dumps([what, config.get("model"), config.get("data"), config.get("objective"),
+                       config.get("probe"), sigma, shape(config.get("intervention"))],
+                      sort_keys=True, default=str)
 
 
 def compile_mode(value) -> str | None:
@@ -86,8 +104,22 @@ def refuse_compiled_hooks(mode: str | None, interventions: dict) -> None:
 
 
 def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images: torch.Tensor, sigma: float,
-               interventions: dict, objective=None, cond: dict | None = None) -> str:
-    """Plan time: each arm's model, eager, on the CPU; returns the method chosen.
+               interventions: dict, objective=None, cond: dict | None = None, key: str | None = None) -> str:
+    """Plan time: each arm's model, eager, on the CPU; returns the method chosen. With `key` (trial_key),
+    a trial this process already ran under the same key is not run again (a sweep's later points)."""
+    if key is not None and key in PLANNED:
+        print(f"twinrun: probe.method={p.method}: {PLANNED[key]}, as the trial run at plan time found for an "
+              "earlier point (same model, data and probe settings)", flush=True)
+        return PLANNED[key]
+    method = _smoke_test(model, names, p, images, sigma, interventions, objective, cond)
+    if key is not None:
+        PLANNED[key] = method
+    return method
+
+
+def _smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images: torch.Tensor, sigma: float,
+                interventions: dict, objective=None, cond: dict | None = None) -> str:
+    """smoke_test's trial itself.
 
     Nothing here touches a GPU or Inductor: in a local run the job follows in this process, and its
     determinism must come before CUDA's first use (cuBLAS reads its workspace setting once) and

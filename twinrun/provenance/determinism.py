@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from twinrun.errors import ConfigError
-from twinrun.provenance.compile_cache import default_inductor_cache_dir, is_run_cache
+from twinrun.provenance.compile_cache import CACHE_ENV, default_inductor_cache_dir, is_run_cache
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"  # one of the two settings cuBLAS documents as deterministic
@@ -155,10 +155,13 @@ def switches_kept(builder: str, restore: bool):
     yield
     after = _current()
     changed = [key for key in before if after[key] != before[key]]
+    if restore and changed:
+        _restore(before)
+    # A compile cache directory is no numerics switch: importing diffusers (torch._dynamo) exports
+    # Inductor's default one, which changes no arithmetic; only one a builder chose itself is named.
+    changed = [key for key in changed if key not in CACHE_ENV or not _not_chosen_by_user(after[key])]
     if not changed:
         return
-    if restore:
-        _restore(before)
     what = ", ".join(f"{key} {before[key]!r} -> {after[key]!r}" for key in changed)
     outcome = ("set back, as determinism.enabled=true pins them" if restore else
                "kept (determinism.enabled=false): the kernel path records them")

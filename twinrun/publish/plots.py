@@ -6,7 +6,8 @@ summary does not carry) and reads no files; the only write is save_figure's atom
 What it promises (issue 21; tests/test_plots.py reads the artists to hold it to it): a bin without
 a number (below noise, or withheld) is never drawn on the no-effect value; titles name the
 intervention with its setting, the protocol and the estimand; the σ ticks are the run's bins on a
-log axis; the norm ratio is on a log axis with a line at 1; nothing warns, whatever is drawn.
+log axis; the norm ratio is on a log axis with a line at 1; a no-op gate bin is a labelled band, never
+an effect of zero; nothing warns, whatever is drawn.
 """
 
 import io
@@ -27,8 +28,9 @@ from twinrun.files import atomic_write
 # has a number or not. A bin without a number is a labelled grey band, never a point on the
 # no-effect value (0, resp. 1): "below noise" is not "no effect" (an ablation whose every bin is
 # below noise must not read as one that does nothing).
-EFFECT_COLOR, ARM_COLOR, TWIN_COLOR, GATE_COLOR = "tab:blue", "tab:red", "0.35", "0.45"
+EFFECT_COLOR, ARM_COLOR, TWIN_COLOR = "tab:blue", "tab:red", "0.35"
 BELOW_NOISE_FILL, BELOW_NOISE_HATCH = "0.9", "////"
+GATE_FILL, GATE_HATCH, GATE_EDGE = "#fde3c8", "\\\\", "#f0a050"  # a no-op gate bin's band (orange)
 EFFECT_ROWS = ("1 − debiased cos to twin", "norm ratio |μ_arm| / |μ_twin|", "debiased |μ|² of each arm")
 
 
@@ -56,11 +58,12 @@ def has_number(row: dict) -> bool:
     return not row.get("below_noise") and row.get("cos") is not None and row.get("norm_ratio") is not None
 
 
-def _segments(rows: list[dict]) -> list[list[dict]]:
-    """Runs of consecutive bins with a number: a line never crosses a below-noise gap."""
+def _segments(rows: list[dict], gates: tuple = ()) -> list[list[dict]]:
+    """Runs of consecutive bins with a number: a line never crosses a below-noise gap or a gate bin
+    (σ in `gates`: the arms equal there by construction, which is the gate's test, not an effect of 0)."""
     runs, current = [], []
     for row in rows:
-        if has_number(row):
+        if has_number(row) and row["sigma"] not in gates:
             current.append(row)
         elif current:
             runs, current = runs + [current], []
@@ -129,8 +132,8 @@ def _no_effects_figure(title: str, summary: dict) -> Figure:
 def plot_effect(summary: dict, path: Path, *, intervention: dict | None = None, protocol: dict | None = None,
                 sigmas: list[float] | None = None) -> Path:
     """effect.png: per estimand, 1 − debiased cos, the norm ratio and each arm's debiased |μ|² against
-    noising σ, with the printed 95% intervals (|μ|²: t-intervals); below-noise bins a labelled band,
-    gate bins a dashed line.
+    noising σ, with the printed 95% intervals (|μ|²: t-intervals); below-noise bins a labelled grey band,
+    gate bins a labelled orange band (no value: equal by construction).
 
     summary: summary.json as the reducer writes it (effects, gates, arms, passed).
     intervention: the intervention arm's `intervention` config node (`_target_` and its settings), from
@@ -160,33 +163,36 @@ def effect_caption(summary: dict) -> str:
         parts.append("Grey hatched bands: below noise, where an arm's |μ|² is not signal, so no cosine or "
                      "ratio exists; that is not \"no effect\" (the |μ|² row shows which arm lacked signal).")
     if summary.get("gates"):
-        parts.append("Dashed lines: no-op gate bins.")
+        parts.append("Orange hatched bands: no-op gate bins, where the intervention does nothing by "
+                     "construction; their cosine and ratio are the gate's test (its table), not an effect of "
+                     "zero, so no value is drawn there (each arm's |μ|² is).")
     return " ".join(parts)
 
 
 def _effect_column(axes, rows: list[dict], bins: list[float], gate_sigmas: list[float]) -> None:
     """One estimand: its three rows of axes, sharing the σ axis."""
     ax_cos, ax_ratio, ax_signal = axes
-    _values(ax_cos, rows, "cos", "se")
-    _values(ax_ratio, rows, "norm_ratio", "norm_ratio_se")
+    gates = tuple(gate_sigmas)
+    _values(ax_cos, rows, "cos", "se", gates)
+    _values(ax_ratio, rows, "norm_ratio", "norm_ratio_se", gates)
     _signal(ax_signal, rows)
     ax_cos.axhline(0, color="k", lw=0.8, zorder=1)
     ax_ratio.axhline(1, color="k", lw=0.8, zorder=1)
     _ratio_axis(ax_ratio)
-    gaps = [r["sigma"] for r in rows if not has_number(r)]
+    gaps = [r["sigma"] for r in rows if not has_number(r) and r["sigma"] not in gates]
     for ax in axes:
         _mark_below_noise(ax, gaps, bins, labelled=ax is not ax_signal)
-        for g in gate_sigmas:
-            ax.axvline(g, color=GATE_COLOR, ls="--", lw=1, zorder=1)
+        _mark_gates(ax, [g for g in gates if g in bins], bins, labelled=ax is not ax_signal)
         _sigma_axis(ax, bins)
         ax.grid(alpha=0.3)
 
 
-def _values(ax, rows: list[dict], key: str, se_key: str) -> None:
+def _values(ax, rows: list[dict], key: str, se_key: str, gates: tuple = ()) -> None:
     """Measured bins as points with their printed 95% intervals (conditional on printing, so asymmetric
     near the detection boundary; a side the data do not bound is an open triangle at the value), joined
-    only between neighbours with a number. key: "cos" (drawn as 1 − cos) or "norm_ratio"."""
-    for seg in _segments(rows):
+    only between neighbours with a number; gate bins are not values (_mark_gates). key: "cos" (drawn as
+    1 − cos) or "norm_ratio"."""
+    for seg in _segments(rows, gates):
         sigma = np.array([r["sigma"] for r in seg])
         value = np.array([1 - r["cos"] if key == "cos" else r[key] for r in seg])
         lo, hi = np.array([_bar_ends(r, key, se_key) for r in seg]).T
@@ -263,6 +269,17 @@ def _mark_below_noise(ax, gaps: list[float], bins: list[float], labelled: bool) 
                     bbox={"fc": BELOW_NOISE_FILL, "ec": "none", "pad": 1.5})
 
 
+def _mark_gates(ax, gates: list[float], bins: list[float], labelled: bool) -> None:
+    """An orange hatched band across the whole axis at each no-op gate bin, labelled "no-op gate": the
+    arms are equal there by construction (the gate tests that), so no effect value is drawn on it."""
+    w = _band_factor(bins)
+    for sigma in gates:
+        ax.axvspan(sigma / w, sigma * w, fc=GATE_FILL, hatch=GATE_HATCH, ec=GATE_EDGE, lw=0, zorder=0)
+        if labelled:
+            ax.text(sigma, 0.5, "no-op gate", transform=ax.get_xaxis_transform(), rotation=90, ha="center",
+                    va="center", fontsize=7, color="0.25", bbox={"fc": GATE_FILL, "ec": "none", "pad": 1.5})
+
+
 def _ratio_axis(ax) -> None:
     """Log scale read as plain numbers (0.5, 1, 2, 5, …): a ratio of 2 and one of 0.5 are as far from 1."""
     ax.set_yscale("log")
@@ -296,7 +313,8 @@ def _effect_legend(fig: Figure, measured: bool, below_noise: bool, gates: bool) 
                              label=("below noise: an arm's |μ|² is not signal, so no cos or ratio "
                                     "(not 'no effect')")))
     if gates:
-        handles.append(Line2D([], [], color=GATE_COLOR, ls="--", lw=1, label="no-op gate bin"))
+        handles.append(Patch(fc=GATE_FILL, hatch=GATE_HATCH, ec=GATE_EDGE, lw=0,
+                             label="no-op gate bin: equal by construction, no value"))
     fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7.5, frameon=False)
 
 

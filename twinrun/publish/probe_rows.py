@@ -4,29 +4,32 @@ summary keeps of a reduced probe point (the kind's `tracker_rows` and `sweep_poi
 from twinrun.storage.rundir import RunIndex
 
 
-def tracker_rows(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
-    """(the intervention's rows, the twin's rows), one per σ bin: numbers only where the summary has them
-    (a below-noise effect logs below_noise/<estimand> = 1 and no cos or ratio, never a 0)."""
+def tracker_rows(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """(the comparison's rows, the twin's own, the intervention's own), one per σ bin: each arm's debiased
+    |μ|² under one key (`norm2/<estimand>`) in its own rows, so trackers overlay them; the comparison has
+    numbers only where the summary has them (a below-noise effect logs below_noise/<estimand> = 1 and no
+    cos or ratio, never a 0)."""
     effects = {(e["sigma"], e["estimand"]): e for e in summary["effects"]}
     names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
-    steps, base = [], []
+    steps, arm, base = [], [], []
     for u in index.units:
         sigma = index.params(u).get("sigma")
-        row, twin = {"sigma": sigma}, {"sigma": sigma}
+        row, mine, twin = {"sigma": sigma}, {"sigma": sigma}, {"sigma": sigma}
         for n in names:
             e = effects.get((sigma, n))
             if e is None:
                 continue
             row[f"below_noise/{n}"] = float(e["below_noise"])
-            row[f"norm2_arm/{n}"], row[f"norm2_arm_se/{n}"] = e["norm2"], e["norm2_se"]
+            mine[f"norm2/{n}"], mine[f"norm2_se/{n}"] = e["norm2"], e["norm2_se"]
             twin[f"norm2/{n}"], twin[f"norm2_se/{n}"] = e["norm2_base"], e["norm2_base_se"]
             if e["cos"] is not None:
                 row[f"effect/{n}"], row[f"effect_se/{n}"] = 1 - e["cos"], e["se"]
                 row[f"cos/{n}"] = e["cos"]
                 row[f"norm_ratio/{n}"], row[f"norm_ratio_se/{n}"] = e["norm_ratio"], e["norm_ratio_se"]
         steps.append(row)
+        arm.append(mine)
         base.append(twin)
-    return steps, base
+    return steps, base, arm
 
 
 def sweep_point(summary: dict) -> dict:

@@ -17,11 +17,38 @@ def analysis_head(summary: dict) -> str:
             if ph else f"registered analysis (settings recorded at plan time: {summary['registered']})")
 
 
-def interval_text(interval: list | None, spec: str = ".4f") -> str:
-    """A printed interval `[lo, hi]`, asymmetric as computed; — for a side the data do not bound."""
+def interval_text(interval: list | None, spec: str = ".4f", whole: str = "−1 to 1") -> str:
+    """A printed interval `[lo, hi]`, asymmetric as computed; — for a side the data do not bound, and
+    where neither side is bound, why: the interval given printing spans the quantity's whole range
+    (`whole`: "−1 to 1" for a cosine, "0 to ∞" for a ratio), so the value ± SE is all the row says."""
     if interval is None:
         return ""
-    return "[" + ", ".join("—" if x is None else f"{x:{spec}}" for x in interval) + "]"
+    text = "[" + ", ".join("—" if x is None else f"{x:{spec}}" for x in interval) + "]"
+    if all(x is None for x in interval):
+        text += f" (unbounded: given that it printed, the data allow every value from {whole})"
+    return text
+
+
+def family_text(family: dict, effects: list[dict]) -> str:
+    """The family-wise reading in words, counting apart the rejected rows that print a number and those
+    below noise (there the arms differ, but no cosine or ratio says how)."""
+    if not family["n_hypotheses"]:
+        return f"0 effect rows read; family-wise (Holm, α={family['level']:g}): nothing to read."
+    below = {(e["sigma"], e["estimand"]) for e in effects if e.get("below_noise")}
+    rejected = [(r["sigma"], r["estimand"]) for r in family["rejected"]]
+    named = lambda rows: ", ".join(f"σ={s:g} {e}" for s, e in rows)
+    shown, hidden = [r for r in rejected if r not in below], [r for r in rejected if r in below]
+    if not rejected:
+        found = "no row shows an effect"
+    else:
+        found = (f"an effect in {len(shown)} {'row' if len(shown) == 1 else 'rows'} with a number"
+                 + (f" ({named(shown)})" if shown else ""))
+        if hidden:
+            found += (f"; {len(hidden)} below-noise {'row' if len(hidden) == 1 else 'rows'} reject no effect "
+                      f"too ({named(hidden)}): the arms differ there, but no cosine or ratio says how")
+    holm = f"family-wise (Holm, α={family['level']:g})"
+    return (f"{family['n_rows']} effect rows read ({family['n_hypotheses']} distinct hypotheses of no "
+            f"effect: `residual` tests what `all` tests); {holm}: {found}.")
 
 
 def noise_note(row: dict) -> str:
@@ -66,7 +93,7 @@ def render(summary: dict) -> str:
         lines.append(f"  {x['sigma']:>6g}  {x['estimand']:<9} {pm(x['cos'], x['se']):>22} "
                      f"{interval_text(x.get('cos_interval')):>18} "
                      f"{pm(x['norm_ratio'], x['norm_ratio_se']):>22} "
-                     f"{interval_text(x.get('norm_ratio_interval')):>18}{near}")
+                     f"{interval_text(x.get('norm_ratio_interval'), whole='0 to ∞'):>18}{near}")
     if summary.get("family"):
-        lines += ["", f"family-wise: {summary['family']['detail']}"]
+        lines += ["", f"family-wise: {family_text(summary['family'], summary['effects'])}"]
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from twinrun.errors import StoreError
 from twinrun.files import atomic_write, read_json
 from twinrun.provenance.version import version_text
 from twinrun.publish.plots import effect_caption, plot_effect
-from twinrun.publish.render import interval_text, noise_note, pm
+from twinrun.publish.render import family_text, interval_text, noise_note, pm
 from twinrun.storage.rundir import EFFECT_PNG, REPORT_MD, RunIndex
 
 
@@ -37,7 +37,7 @@ def effect_table(effects: list[dict]) -> list[str]:
                 else f"naive cos {e['cos_naive']:.4f}")
         rows.append([f"{e['sigma']:g}", e["estimand"], pm(e["cos"], e["se"]),
                      interval_text(e.get("cos_interval")), pm(e["norm_ratio"], e["norm_ratio_se"]),
-                     interval_text(e.get("norm_ratio_interval")), note])
+                     interval_text(e.get("norm_ratio_interval"), whole="0 to ∞"), note])
     return _table(["σ", "estimand", "debiased cos ± se", "95% interval", "norm ratio ± se", "95% interval",
                    "note"], rows)
 
@@ -69,17 +69,10 @@ def receipt_table(effects: list[dict]) -> list[str]:
 
 
 def family_line(summary: dict) -> list[str]:
-    """The registered family-wise reading: how many effect rows, and whether any shows an effect."""
+    """The registered family-wise reading: how many effect rows, and which show an effect (those below
+    noise counted apart: render.family_text)."""
     fam = summary.get("family")
-    if not fam:
-        return []
-    if not fam["n_hypotheses"]:
-        return [f"0 effect rows read; family-wise (Holm, α={fam['level']:g}): nothing to read."]
-    named = ", ".join(f"σ={r['sigma']:g} {r['estimand']}" for r in fam["rejected"])
-    found = (f"an effect in {len(fam['rejected'])} rows ({named})" if fam["effect"]
-             else "no row shows an effect")
-    return [(f"{fam['n_rows']} effect rows read ({fam['n_hypotheses']} distinct hypotheses of no effect: "
-             f"`residual` tests what `all` tests); family-wise (Holm, α={fam['level']:g}): {found}.")]
+    return [family_text(fam, summary.get("effects") or [])] if fam else []
 
 
 def gate_table(gates: list[dict]) -> list[str]:

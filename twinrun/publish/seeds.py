@@ -13,13 +13,19 @@ folds are few (docs/estimator.md, "Seeds as an axis", has the simulation; tests/
 import numpy as np
 from scipy import stats
 
+from twinrun.arms import EXCLUDED
+
 SEED_KEY = "seed"
 DISAGREE_ALPHA = 0.05  # a pooled row names the seeds as disagreeing below this p-value
 TEST_NAME = "Welch's test of equal means (heterogeneity), within-seed SEs with F − 1 df"
 
 
 def _overrides_by_key(overrides: list[str]) -> dict[str, str]:
-    return dict(o.lstrip("+~").partition("=")[::2] for o in overrides)
+    """The science overrides by key: how a run is launched, logged or compared (launcher.*, hydra.*,
+    tracker.*, reference.*) is no setting of the measurement, so it neither splits a seed group nor
+    shows in what the group holds fixed."""
+    pairs = (o.lstrip("+~").partition("=")[::2] for o in overrides)
+    return {k: v for k, v in pairs if k.split(".")[0].split("/")[0] not in EXCLUDED}
 
 
 def seed_groups(points: list[dict]) -> list[dict]:

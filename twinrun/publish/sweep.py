@@ -114,9 +114,7 @@ def seed_lines(pooled: list[dict]) -> list[str]:
               f"between-seed SE (sd / √K) and the SE the seeds' own SEs imply (√Σse² / K); \"disagree\" is "
               f"{TEST_NAME} at p < {pooled[0]['alpha']:g}. Every seed probes the same images (only the draws "
               "change), so the between-seed SE is the draws' share of the noise, not an SE over images."), ""]
-    bad = disagreements(pooled)
-    lines += ([f"**Seeds disagree** beyond their within-seed SEs at: {'; '.join(bad)}.", ""] if bad
-              else ["The seeds agree within their SEs at every σ and estimand.", ""])
+    lines += [agreement_sentence(pooled), ""]
     lines += [("| fixed | σ | estimand | seeds | 1 − cos: mean ± between-seed SE (within) | p | "
                "norm ratio: mean ± between-seed SE (within) | p |"), "|---|---|---|---|---|---|---|---|"]
     for c in pooled:
@@ -125,6 +123,22 @@ def seed_lines(pooled: list[dict]) -> list[str]:
                      f"{_pooled_text(c, 'effect')} | {_p_text(c, 'effect')} | "
                      f"{_pooled_text(c, 'norm_ratio')} | {_p_text(c, 'norm_ratio')} |")
     return lines
+
+
+def agreement_sentence(pooled: list[dict]) -> str:
+    """What the seeds' test found, claiming no more than the cells it could test (two or more seeds with a
+    number and an SE): disagreement named, agreement only over the cells tested, and said so."""
+    bad = disagreements(pooled)
+    if bad:
+        return f"**Seeds disagree** beyond their within-seed SEs at: {'; '.join(bad)}."
+    tested = [c for c in pooled if c["effect_p"] is not None or c["norm_ratio_p"] is not None]
+    if not tested:
+        return ("No σ and estimand had two seeds with a number and an SE: nothing to pool, nothing tested "
+                "(the table says how many seeds each cell had).")
+    if len(tested) == len(pooled):
+        return "The seeds agree within their SEs at every σ and estimand."
+    return (f"The seeds agree within their SEs at the {len(tested)} of {len(pooled)} σ × estimand cells "
+            "where two or more seeds had a number and an SE; the others could not be tested.")
 
 
 def _seed_count(c: dict) -> str:

@@ -1,7 +1,8 @@
 """sweep_effect.png: a sweep's heatmap, one panel per estimand, rows the swept points, columns the σ
 bins, on a fixed, documented colour scale (EFFECT_SCALE) with value ± SE in each cell that has a number;
 below-noise, failed and unmeasured cells each their own mark; legend swatches coloured as the cells they
-name (tests/test_sweep_report.py reads the artists to hold it to that). Reads no files; the only write
+name (tests/test_sweep_report.py reads the artists to hold it to that); a gate bin's cell is marked
+"gate", never coloured as an effect of 0. Reads no files; the only write
 is save_figure's atomic PNG.
 """
 
@@ -50,6 +51,8 @@ CELL_STYLES = {
     "no_se": CellStyle("dotted: no SE (a leave-one-fold-out replicate below noise)", None, "..", "", ""),
     "below_noise": CellStyle("grey 'n': below noise, no cosine defined (not 'no effect'); under it, where "
                              "recorded, each arm's debiased |μ|² ± SE", "0.82", "", "n", "0.25"),
+    "gate": CellStyle("orange 'gate': no-op gate bin, arms equal by construction (no effect value)",
+                      "#fde3c8", "", "gate", "0.25"),
     "failed": CellStyle("red × on pink: the point's checks or gates failed, numbers withheld", "#e7b9b9", "",
                         "×", "#a01010"),
     "unfinished": CellStyle("'?': the point has no verdict (not measured or not reduced)", "0.95", "", "?",
@@ -95,6 +98,14 @@ def _cell(effect: dict | None, point_state: str | None) -> tuple[str, float, flo
     return ("within_2se" if abs(value) <= 2 * effect["se"] else "effect"), value, effect["se"]
 
 
+def _gate_cell(effect: dict | None, point_state: str | None) -> tuple[str, float, float]:
+    """A gate bin's cell: marked as the gate, no value (its 0 is by construction, the gate's test, and on
+    the colour scale would read as the strongest "same direction"), unless the point shows no numbers."""
+    if point_state is not None or effect is None:
+        return _cell(effect, point_state)
+    return "gate", np.nan, np.nan
+
+
 def sweep_estimands(sweep_summary: dict) -> list[str]:
     """The estimands any point has effects for, in the order the reducer wrote them."""
     return list(dict.fromkeys(e["estimand"] for p in sweep_summary["points"] for e in p["effects"]))
@@ -114,7 +125,9 @@ def sweep_grid(sweep_summary: dict, estimand: str = "all") -> dict:
     shape = (len(order), len(sigmas))
     states, grid, se = [], np.full(shape, np.nan), np.full(shape, np.nan)
     for r, i in enumerate(order):
-        cells = [_cell(effects[r].get(s), _point_state(points[i])) for s in sigmas]
+        gate_sigmas = set(points[i].get("gate_sigmas", []))
+        cells = [_gate_cell(effects[r].get(s), _point_state(points[i])) if s in gate_sigmas
+                 else _cell(effects[r].get(s), _point_state(points[i])) for s in sigmas]
         states.append([state for state, _, _ in cells])
         grid[r] = [value for _, value, _ in cells]
         se[r] = [err for _, _, err in cells]

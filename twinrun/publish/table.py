@@ -4,13 +4,18 @@ the JSON stays the record.
 `frame(paths, load_index)` reads each run directory (or every point of a sweep directory) through the
 validated owners (RunIndex, RunDir.read_summary), each as its kind says (`load_index`, handed down:
 twinrun.table.load passes the registry's), and returns a pandas DataFrame; `rows` is the same as plain
-dicts. A sweep adds, under `row_kind` "pooled over seeds", its σ × estimand pooled across seeds
-(twinrun.publish.seeds). pandas and pyarrow are the `table` extra (`pip install 'twinrun[table]'`).
+dicts. Every row carries every resolved setting of its run's intervention arm (`probe.*`,
+`intervention.*`, `sigma_grid.*`, …, defaults too), so runs group by protocol without knowing what each
+overrode; launcher and tracker settings are not columns (they are not science). A training row carries
+its segment's losses. A sweep adds, under `row_kind` "pooled over seeds", its σ × estimand pooled across
+seeds (twinrun.publish.seeds). pandas and pyarrow are the `table` extra (`pip install 'twinrun[table]'`).
 """
 
 import io
+import json
 from pathlib import Path
 
+from twinrun.arms import EXCLUDED, flatten
 from twinrun.errors import StoreError, TwinrunError
 from twinrun.files import write_output
 from twinrun.publish.seeds import pool_seeds
@@ -24,7 +29,8 @@ except ImportError:
     pd = None
 
 EXTRA_HINT = "pip install 'twinrun[table]' (pandas and pyarrow)"
-# The columns every row has, in this order; an effect row's further fields follow, then the overrides.
+# The columns every row has, in this order; an effect row's further fields follow (a training row's
+# losses among them), then every resolved setting of the arm's config and the overrides.
 COLUMNS = ("row_kind", "run_dir", "sweep_dir", "verdict", "checks_passed", "passed", "measure", "unit_index",
            "unit", "sigma", "estimand", "gate", "gate_passed", "below_noise", "effect", "cos", "se", "cos_lo",
            "cos_hi", "norm_ratio", "norm_ratio_se", "norm_ratio_lo", "norm_ratio_hi", "cos_naive", "norm2",
@@ -54,14 +60,45 @@ def _at(config: dict, dotted: str):
 
 
 def _overrides(run_dir: Path, config: dict) -> dict:
-    """Every override Hydra recorded for the run as a column: the resolved (typed) value where the
-    config has the key, else the override's text (`+experiment=pin_sigma` → experiment: pin_sigma)."""
+    """Every science override Hydra recorded for the run as a column: the resolved (typed) value where
+    the config has the key, else the override's text (`+experiment=pin_sigma` → experiment: pin_sigma).
+    How the run was launched or logged (launcher.*, hydra.*, tracker.*) is no column: not science."""
     out = {}
     for o in point_overrides(run_dir):
         key, _, text = o.lstrip("+~").partition("=")
+        if key.split(".")[0].split("/")[0] in EXCLUDED:
+            continue
         value = _at(config, key)
         out[key] = value if isinstance(value, bool | int | float | str) else text
     return out
+
+
+def settings(config: dict) -> dict:
+    """Every resolved setting of the arm's config as a column (`probe.n_images`, `intervention.sigma_pin`,
+    …), overridden or default alike, so runs concatenate without NaN in what they share: a scalar as its
+    own type, a list or mapping as its JSON text. The arm's config holds no launcher or tracker setting."""
+    out = {}
+    for key, value in flatten(config).items():
+        if key in COLUMNS:
+            continue
+        out[key] = value if isinstance(value, bool | int | float | str) or value is None else \
+            json.dumps(value, sort_keys=True)
+    return out
+
+
+def loss_fields(summary: dict | None, step) -> dict:
+    """A training segment's losses (the intervention's and the twin's, the paired held-out difference)
+    as columns; {} for a probe's row or a step with none."""
+    found = {r.get("role"): r for r in (summary or {}).get("losses", []) if r.get("step") == step}
+    arm, twin = found.get("intervention"), found.get("twin")
+    if arm is None and twin is None:
+        return {}
+    arm, twin = arm or {}, twin or {}
+    return {"train_loss": arm.get("train_loss"), "heldout_loss": arm.get("heldout_loss"),
+            "heldout_se": arm.get("heldout_se"), "twin_train_loss": twin.get("train_loss"),
+            "twin_heldout_loss": twin.get("heldout_loss"), "twin_heldout_se": twin.get("heldout_se"),
+            "heldout_diff": arm.get("heldout_diff"), "heldout_diff_se": arm.get("heldout_diff_se"),
+            "heldout_diff_significant": arm.get("heldout_diff_significant")}
 
 
 def _interval(row: dict, key: str, se_key: str) -> tuple:
@@ -112,7 +149,8 @@ def run_rows(run_dir: Path, load, sweep_dir: Path | None = None) -> list[dict]:
               "sweep_dir": None if sweep_dir is None else str(sweep_dir), "verdict": VERDICTS[passed],
               "checks_passed": None if summary is None else summary["checks_passed"], "passed": passed,
               "measure": index.measure, "seed": config.get("seed"), **_version(summary)}
-    overrides = {k: v for k, v in _overrides(run_dir, config).items() if k not in COLUMNS}
+    overrides = {k: v for k, v in {**settings(config), **_overrides(run_dir, config)}.items()
+                 if k not in COLUMNS}
     rows = []
     for u in index.units:
         own = index.params(u)
@@ -122,7 +160,7 @@ def run_rows(run_dir: Path, load, sweep_dir: Path | None = None) -> list[dict]:
             rows.append({**shared, "unit_index": u["index"], "unit": u["label"], **own, "estimand": name,
                          "gate": u["gate"], "gate_passed": gates.get(key, gates.get((key[0], None))),
                          "kernel_path_sha256": ",".join(sorted(paths)) or None,
-                         **_effect_fields(effects.get(key)), **overrides})
+                         **_effect_fields(effects.get(key)), **loss_fields(summary, key[0]), **overrides})
     return rows
 
 
@@ -133,11 +171,13 @@ def pooled_rows(sweep_dir: Path, load) -> list[dict]:
         first = Path(c["run_dirs"][0])
         if first not in typed:  # the group's shared overrides, typed as the run rows type them
             index = RunIndex.load(first)
-            typed[first] = _overrides(first, index.arm_config(index.arm("intervention")["name"]))
+            config = index.arm_config(index.arm("intervention")["name"])
+            typed[first] = {**settings(config), **_overrides(first, config)}
         numbers = {k: v for k, v in c.items() if k.startswith(("effect_", "norm_ratio_"))}
         out.append({"row_kind": "pooled over seeds", "sweep_dir": str(sweep_dir), "sigma": c["sigma"],
                     "estimand": c["estimand"], "effect": c["effect_mean"], "norm_ratio": c["norm_ratio_mean"],
                     "n_seeds": c["n_seeds"], "seeds": ",".join(map(str, c["seeds"])), **numbers,
+                    **{k: v for k, v in typed[first].items() if k not in COLUMNS},
                     **{k: typed[first].get(k, v) for k, v in c["fixed"].items() if k not in COLUMNS}})
     return out
 

@@ -2,30 +2,31 @@
 sweep's summary keeps of a reduced training point (the kind's `tracker_rows` and `sweep_point`,
 measures/train.py)."""
 
+from twinrun.publish.trackers import merge_rows
 from twinrun.storage.rundir import RunIndex
 
 
-def tracker_rows(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]]:
-    """(the intervention's rows, the twin's rows), one per stored step of a training run: the distance to
-    the twin, its chaos floor, cos and norm ratio of the updates per estimand, and the held-out losses."""
-    effects = {(e["step"], e["estimand"]): e for e in summary["effects"]}
-    names = list(dict.fromkeys(e["estimand"] for e in summary["effects"]))
-    loss = {(r["step"], r["role"]): r["heldout_loss"] for r in summary.get("losses", [])}
-    steps, base = [], []
-    for u in index.units:
-        step = index.params(u)["to_step"]
-        row, twin = {"step": step}, {"step": step, "heldout_loss": loss.get((step, "twin"))}
-        row["loss_arm/heldout"] = loss.get((step, "intervention"))
-        for n in names:
-            e = effects.get((step, n))
-            if e is None:
-                continue
-            row[f"distance/{n}"], row[f"floor/{n}"] = e["distance"], e["floor"]
-            row[f"above_floor/{n}"] = float(e["above_floor"])
-            row[f"cos/{n}"], row[f"norm_ratio/{n}"] = e["cos"], e["norm_ratio"]
-        steps.append(row)
-        base.append(twin)
-    return steps, base
+def tracker_rows(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """(the comparison's rows, the twin's own, the intervention's own) of a training run: per stored step
+    the distance to the twin, its chaos floor, cos and norm ratio of the updates per estimand; each arm's
+    training loss at every optimizer step (`loss/train`) and held-out loss ± SE at every stored step
+    (`loss/heldout`), under the same keys for both arms, so trackers overlay them."""
+    steps = []
+    for e in summary["effects"]:
+        n = e["estimand"]
+        steps.append({"step": e["step"], f"distance/{n}": e["distance"], f"floor/{n}": e["floor"],
+                      f"above_floor/{n}": float(e["above_floor"]), f"cos/{n}": e["cos"],
+                      f"norm_ratio/{n}": e["norm_ratio"]})
+    own: dict = {"intervention": [], "twin": []}
+    for r in summary.get("losses", []):
+        if r["role"] not in own:
+            continue
+        rows, per_step = own[r["role"]], r.get("train_loss_steps") or []
+        first = r["step"] - len(per_step) + 1
+        rows += [{"step": first + i, "loss/train": x} for i, x in enumerate(per_step)]
+        rows.append({"step": r["step"], "loss/heldout": r["heldout_loss"],
+                     "loss/heldout_se": r["heldout_se"]})
+    return merge_rows("step", steps), merge_rows("step", own["twin"]), merge_rows("step", own["intervention"])
 
 
 def last_train_effect(summary: dict) -> dict | None:

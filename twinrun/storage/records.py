@@ -121,6 +121,8 @@ class JobRecord(TypedDict):
     boot_id: str | None
     slurm_job_id: str | None
     device: NotRequired[str | None]  # where it measured, resolved in the job: "cpu", "cuda:0 (NVIDIA H200 …)"
+    compile_bundle: NotRequired[dict]  # file, sha256, bytes of its compile bundle; {"none": why} if none
+    kernel_pin: NotRequired[dict]  # a replay's certificate: from, pinned, line (provenance/kernel_pin.py)
 
 
 class RunRecord(TypedDict):

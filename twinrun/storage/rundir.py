@@ -418,9 +418,11 @@ class RunIndex:
         self._update(change)
         return job["index"]
 
-    def end_job(self, index: int, sentinel_end: str) -> None:
+    def end_job(self, index: int, sentinel_end: str, **fields) -> None:
+        """The job's closing record: the sentinel read again, and `fields` (a replay's kernel_pin)."""
         def change(doc: RunRecord) -> None:
             doc["jobs"][index]["sentinel_end"] = sentinel_end
+            doc["jobs"][index].update(fields)
 
         self._update(change)
 

@@ -27,7 +27,7 @@ from twinrun.arms import flatten
 from twinrun.errors import ConfigError, StoreError
 from twinrun.files import refuse_links_under
 from twinrun.provenance.version import twinrun_version
-from twinrun.storage.rundir import RunIndex
+from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, RunIndex
 
 
 class Sink(NamedTuple):
@@ -120,9 +120,20 @@ def check_tracker(tracker: dict) -> dict | None:
     return {"name": name, "dir": str(store), "project": str(tracker.get("project") or "twinrun")}
 
 
+# A probe's σ on the integer step axis of MLflow and TensorBoard: σ in millionths (σ = 0.5 is step
+# 500000), so the x axis is σ itself, runs with other grids overlay at the same σ, and no two bins of a
+# grid coarser than 1e-6 share a step; W&B plots against the logged `sigma` itself (define_metric).
+SIGMA_STEP_SCALE = 1_000_000
+
+
 @dataclass
 class Payload:
-    """What every sink logs of one reduced run, as plain data."""
+    """What every sink logs of one reduced run, as plain data.
+
+    Keys are shared across runs: what each arm has of its own (a probe's debiased |μ|² `norm2/<estimand>`,
+    a training run's `loss/train`, `loss/heldout`) is logged under the same key in the twin's rows and the
+    intervention's (`arm_steps`), so a tracker's run comparison overlays them; what compares the two
+    (effects, distances, the floor, the gates) is in `steps`, logged with the intervention."""
 
     name: str  # the run directory's name: the tracker's run name
     run_dir: str
@@ -131,21 +142,35 @@ class Payload:
     config: dict  # the intervention arm's resolved config
     params: dict[str, str]  # the same, flattened (key: its text)
     tags: dict[str, str]  # run directory, kernel path, verdict, twinrun version
-    verdict: dict[str, bool]  # passed, valid, and one entry per gate (gate/<estimand>/sigma<σ>)
-    steps: list[dict] = field(default_factory=list)  # one per unit (σ bin, stored training step): the effects
-    baseline_steps: list[dict] = field(default_factory=list)  # the twin's rows, one per unit
-    files: list[Path] = field(default_factory=list)  # summary.json, report.md, effect.png
-    # The row field that is the tracker's step axis: a training run's optimizer step, so its curves line
-    # up with the researcher's own training logs; None: the row's index (a σ bin's, σ logged beside it).
-    step_key: str | None = None
+    verdict: dict[str, bool]  # passed, checks_passed (the gates are per-unit metrics: `gate/<name>`)
+    steps: list[dict] = field(default_factory=list)  # the comparison, one row per unit: effects, gates
+    baseline_steps: list[dict] = field(default_factory=list)  # the twin's own quantities
+    files: list[Path] = field(default_factory=list)  # summary.json, report.md, the plots
+    # The row field that is the step axis (the kind's tracker_step): a training run's optimizer step
+    # ("step"), so its curves line up with the researcher's own training logs; a probe's σ ("sigma", in
+    # millionths: SIGMA_STEP_SCALE); None: the row's index.
+    step_key: str | None = "sigma"
+    arm_steps: list[dict] = field(default_factory=list)  # the intervention arm's own, keys as the twin's
+
+    def step_of(self, row: dict, i: int) -> int:
+        if self.step_key is None:
+            return i
+        value = row[self.step_key]
+        return round(float(value) * SIGMA_STEP_SCALE) if self.step_key == "sigma" else int(value)
 
     def logged(self, rows: list[dict]) -> list[tuple[int, dict]]:
-        """(the tracker's step, row) for each row, in order (increasing, as W&B requires)."""
-        return [(int(row[self.step_key]) if self.step_key else i, row) for i, row in enumerate(rows)]
+        """(the tracker's step, row) for each row, by increasing step (as W&B requires)."""
+        return sorted(((self.step_of(row, i), row) for i, row in enumerate(rows)), key=lambda pair: pair[0])
+
+    def arm_rows(self) -> list[dict]:
+        """The intervention run's rows: its own quantities and the comparison, merged by unit."""
+        if self.step_key is None:
+            return [{**mine, **row} for mine, row in zip(self.arm_steps, self.steps)] or self.steps
+        return merge_rows(self.step_key, self.arm_steps + self.steps)
 
     def after_last_step(self) -> int:
         """A step past every row's: where a sink logs what belongs to the whole run (the plots)."""
-        return max((step for step, _ in self.logged(self.steps)), default=-1) + 1
+        return max((step for step, _ in self.logged(self.arm_rows())), default=-1) + 1
 
 
 def _kernel_paths(index: RunIndex) -> str:
@@ -153,29 +178,50 @@ def _kernel_paths(index: RunIndex) -> str:
     return ",".join(sorted(paths))
 
 
+def merge_rows(key: str, rows: list[dict]) -> list[dict]:
+    """Rows with the same step field as one row (a tracker takes one row per step)."""
+    merged: dict = {}
+    for row in rows:
+        merged.setdefault(row[key], {}).update(row)
+    return list(merged.values())
+
+
 def _gate_key(g: dict, unit_key: str) -> str:
-    """A gate's metric name: gate/<estimand, else arm>/<the kind's unit key><value>, e.g. gate/all/sigma0.5
-    (a probe's bin), gate/scale_lr_noop/step10 (training)."""
+    """A gate's verdict name, for a kind whose rows have no step field: gate/<estimand, else arm>/<the kind's
+    unit key><value>."""
     return f"gate/{g.get('estimand', g.get('arm'))}/{unit_key}{g[unit_key]:g}"
+
+
+def _gate_rows(summary: dict, key: str) -> list[dict]:
+    """One metric per gate, stepped by unit: `gate/<estimand>` at a probe's gate σ, `gate/<arm>` at each
+    of a training run's stored steps (1 passed, 0 not)."""
+    return [{key: g[key], f"gate/{g['estimand'] if 'estimand' in g else g['arm']}": float(g["passed"])}
+            for g in summary["gates"]]
 
 
 def payload(index: RunIndex, summary: dict, files: list[Path], kind) -> Payload:
     """The payload of one registered reduction (its summary, as summary.json holds it), its rows as its
-    measurement `kind` reads them (twinrun/measures/kind.py: tracker_rows, tracker_step, unit_key)."""
+    measurement `kind` reads them (twinrun/measures/kind.py: tracker_rows, tracker_step, unit_key):
+    (the comparison's rows, the twin's own[, the intervention's own, under the twin's keys])."""
     rd = index.run_dir
     arm, twin = index.arm("intervention")["name"], index.arm("twin")["name"]
     config = index.arm_config(arm)  # held to run.json's config_hash: the params are the measured config
     version = twinrun_version()
     verdict = {"passed": bool(summary["passed"]), "checks_passed": bool(summary["checks_passed"])}
-    verdict.update({_gate_key(g, kind.unit_key): bool(g["passed"]) for g in summary["gates"]})
     tags = {"twinrun.run_dir": str(rd.path.resolve()), "twinrun.kernel_path": _kernel_paths(index),
             "twinrun.verdict": "valid" if summary["passed"] else "instrument broken",
             "twinrun.version": version["version"], "twinrun.commit": str(version["commit"]),
             "twinrun.arm": arm, "twinrun.baseline": twin}
-    steps, base = kind.tracker_rows(index, summary)
+    steps, base, mine = (*kind.tracker_rows(index, summary), [])[:3]
+    if kind.tracker_step == kind.unit_key:  # the gates as metrics of their own, at their unit's step
+        steps = merge_rows(kind.unit_key, steps + _gate_rows(summary, kind.unit_key))
+    else:
+        verdict.update({_gate_key(g, kind.unit_key): bool(g["passed"]) for g in summary["gates"]})
     params = {k: str(v) for k, v in flatten(config).items()}
+    plots = [rd.path / LOSS_PNG, rd.path / DISTANCE_PNG]  # a training run's (the probe's effect.png is given)
+    shown = list(dict.fromkeys(Path(f) for f in [*files, *plots]))
     return Payload(rd.path.name, str(rd.path), arm, twin, config, params, tags, verdict, steps, base,
-                   [f for f in files if Path(f).is_file()], kind.tracker_step)
+                   [f for f in shown if f.is_file()], kind.tracker_step, mine)
 
 
 def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path], kind) -> bool:

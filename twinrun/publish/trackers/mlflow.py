@@ -1,5 +1,9 @@
 """tracker=mlflow: one parent run per twinrun run in a local SQLite store, the native twin and the
 intervention arm as its children (`mlflow.parentRunId`, tag `twinrun.role`: baseline, intervention).
+Each child logs its own quantities under the same keys (`norm2/<estimand>`, `loss/train`,
+`loss/heldout`), so selecting both children in MLflow's run comparison overlays them on one chart; the
+parent holds the comparison (effects, distances, `gate/<name>`), the params, plots and report. A probe's
+step is σ in millionths, and `sigma` is logged as a metric too (a chart's x axis may be set to it).
 
 The store is DIR/mlflow.db with artifacts under DIR/artifacts (MLflow 3 refuses its old file store
 unless MLFLOW_ALLOW_FILE_STORE is set; SQLite is its offline store). MLflow truncates a param longer
@@ -56,9 +60,7 @@ def log(p, store: Path, project: str) -> str:
     verdict = [Metric(k, float(v), now, 0) for k, v in p.verdict.items()]
     _log_batches(client, pid, _metrics(p.logged(p.steps), now) + verdict, _params(p.params))
     _log_batches(client, children["baseline"].info.run_id, _metrics(p.logged(p.baseline_steps), now), [])
-    arm_rows = [{k: v for k, v in row.items()
-                 if k in ("sigma", "step") or k.startswith(("norm2_arm", "loss_arm"))} for row in p.steps]
-    _log_batches(client, children["intervention"].info.run_id, _metrics(p.logged(arm_rows), now), [])
+    _log_batches(client, children["intervention"].info.run_id, _metrics(p.logged(p.arm_steps), now), [])
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(p.config, indent=1, sort_keys=True))

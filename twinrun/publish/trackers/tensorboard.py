@@ -1,10 +1,11 @@
 """tracker=tensorboard: event files under DIR/<project>/<run>/<arm> and DIR/<project>/<run>/<twin> (the
 baseline), through torch's SummaryWriter (which needs the tensorboard package).
 
-Steps are integers, so a probe's scalar step is its σ bin's index and σ is logged as a scalar of its own
-(a training run's step is its optimizer step);
-the config, the verdict with its gates and the tags are text; effect.png is an image. Scalars are
-stored as float32.
+Both folders log their own quantities under the same tags (`norm2/<estimand>`, `loss/train`,
+`loss/heldout`), so TensorBoard draws the twin and the arm as two runs of one chart; the comparison
+(effects, distances, `gate/<name>`) is in the arm's folder. Steps are integers: a probe's step is σ in
+millionths (σ = 0.5 is step 500000; σ is also a scalar of its own), a training run's its optimizer step.
+The config, the verdict and the tags are text; the plots are images. Scalars are stored as float32.
 """
 
 import json
@@ -40,12 +41,14 @@ def log(p, store: Path, project: str) -> str:
         arm.add_text("verdict", _table(p.verdict), 0)
         arm.add_text("tags", _table({**p.tags, "twinrun.role": "intervention"}), 0)
         arm.add_text("config_json", json.dumps(p.config), 0)
-        _scalars(arm, p.logged(p.steps))
+        _scalars(arm, p.logged(p.arm_rows()))
         for key, value in p.verdict.items():
             arm.add_scalar(key, float(value), global_step=0)
         for f in p.files:
             if f.suffix == ".png":
                 arm.add_image(f"plots/{f.stem}", mpimg.imread(str(f))[..., :3], 0, dataformats="HWC")
+            elif f.suffix == ".md":  # the report, as TensorBoard's text dashboard renders markdown
+                arm.add_text(f.stem, f.read_text(encoding="utf-8"), 0)
     finally:
         arm.close()
     return str(root)

@@ -1,6 +1,9 @@
 """tracker=wandb: offline W&B runs (WANDB_MODE=offline), two per twinrun run in one group: the
-intervention arm (config, verdict and gates in its summary, effects per σ bin with SEs in its
-history, the plot as an image, report and summary as files) and the native twin (job_type baseline).
+intervention arm (config and verdict in its summary; its own quantities, the effects with SEs and the
+gates in its history; the plots as images, report and summary as files) and the native twin (job_type
+baseline). Both log their own quantities under the same keys (`norm2/<estimand>`, `loss/train`,
+`loss/heldout`), so W&B's group view overlays them; a probe's history is plotted against `sigma`
+(define_metric), a training run's against its optimizer step.
 
 W&B writes nothing outside DIR: its config, cache, data and artifact directories are put there, and a
 run that lands elsewhere (W&B falls back to /tmp/wandb when DIR cannot be written, and says nothing)
@@ -33,6 +36,13 @@ def _run(store: Path, project: str, group: str, job_type: str, name: str, config
     return run
 
 
+def _axis(run, p) -> None:
+    """Every metric plotted against the payload's step field: σ (a probe), the optimizer step (training)."""
+    if p.step_key is not None:
+        run.define_metric(p.step_key)
+        run.define_metric("*", step_metric=p.step_key)
+
+
 def log(p, store: Path, project: str) -> str:
     """Log the payload; returns where (the two offline run directories)."""
     _environment(store)
@@ -40,13 +50,15 @@ def log(p, store: Path, project: str) -> str:
     where = []
     base = _run(store, project, p.name, "baseline", f"{p.name}/{p.baseline}",
                 {"twinrun": {**tags, "role": "baseline"}})
+    _axis(base, p)
     for step, row in p.logged(p.baseline_steps):
         base.log(row, step=step)
     where.append(str(Path(base.dir).parent))
     base.finish()
     run = _run(store, project, p.name, "intervention", f"{p.name}/{p.arm}",
                {**p.config, "twinrun": {**tags, "role": "intervention"}})
-    for step, row in p.logged(p.steps):
+    _axis(run, p)
+    for step, row in p.logged(p.arm_rows()):
         run.log(row, step=step)
     run.summary.update(p.verdict)
     for f in p.files:

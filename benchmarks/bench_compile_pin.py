@@ -1,0 +1,45 @@
+"""Compile time of the default model, cold, warm and replayed from a compile bundle, side by side.
+
+    python benchmarks/bench_compile_pin.py            # probe.compile=max-autotune, determinism off (~10 min)
+    python benchmarks/bench_compile_pin.py --smoke    # torch.compile's default mode (what tests run)
+
+Each compile runs in a fresh process on the default model (`dit_digits`), its forward and backward as
+the sentinel runs them (twinrun/cold_check.py): cold = an empty cache (every kernel chosen, GEMMs
+timed under max-autotune); warm = the same cache again; replayed = an empty cache of its own filled
+from the cold compile's bundle first, as `determinism.kernel_path_from` does. The replay must cost
+no more than the warm compile and time nothing (its certificate is printed)."""
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from twinrun.cold_check import in_fresh_process
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="torch.compile's default mode: quick, no meaning")
+    p.add_argument("--determinism", choices=("on", "off"), default="off")
+    a = p.parse_args()
+    mode = "default" if a.smoke else "max-autotune"
+    load = os.getloadavg()[0]
+    print(f"bench_compile_pin: mode {mode}, determinism {a.determinism}, load average {load:.1f}")
+    with tempfile.TemporaryDirectory(prefix="bench-compile-pin-") as tmp:
+        work, on = Path(tmp), a.determinism == "on"
+        cold = in_fresh_process(work, "cold", mode, on, None)
+        warm = in_fresh_process(work, "warm", mode, on, None, cache=work / "cold" / "cache")
+        replay = in_fresh_process(work, "replay", mode, on, work / "cold")
+    c, w, r = cold["compile_s"], warm["compile_s"], replay["compile_s"]
+    timed = len(cold["kernel_pin"].get("decisions") or [])
+    print(f"compile time: cold {c:.1f} s ({timed} GEMMs timed), warm {w:.1f} s, replayed {r:.1f} s")
+    print(f"ratios: replayed / warm {r / w:.2f}x, replayed / cold {r / c:.2f}x, warm / cold {w / c:.2f}x")
+    same = cold["sentinel"]["digest"] == replay["sentinel"]["digest"] == warm["sentinel"]["digest"]
+    print(f"bits: cold, warm and replayed sentinels {'identical' if same else 'DIFFER'}")
+    print(f"replay: {replay['certificate']['line']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,12 +3,14 @@ sweeps concatenated, seeds pooled; CSV and parquet round trips; bad input one li
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 from conftest import TINY, run_twinrun
 from rundirs import planned_run
 
 from twinrun import table as table_cli
+from twinrun.config import config_hash
 from twinrun.publish import table
 
 # the `table` extra (.ci/run installs it); without it only the refusal is tested
@@ -108,7 +110,10 @@ def test_csv_and_parquet_round_trip_through_the_command_line(seed_sweep, tmp_pat
 
 @needs_pandas
 def test_a_run_not_yet_reduced_is_a_row_per_unit_and_estimand_without_numbers(tmp_path):
+    config = {"seed": 3, "intervention": {}}  # the table reads it held to run.json's config_hash
     index = planned_run(tmp_path / "r", n_units=2)
+    index = planned_run(tmp_path / "r2", n_units=2, hashes={a: config_hash(config) for a in index.arm_names})
+    shutil.move(tmp_path / "r2" / "run.json", tmp_path / "r" / "run.json")
     arms = tmp_path / "r" / "arms"
     for arm in index.arm_names:
         (arms / arm).mkdir(parents=True)

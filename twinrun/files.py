@@ -113,16 +113,23 @@ def refuse_links(paths) -> None:
     link): code that writes it in place (Hydra's records, a log opened for appending) would write through it
     into a file outside the directory. Absent paths pass."""
     for path in map(Path, paths):
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
+        st = _lstat(path)
+        if st is None:
             continue
-        except OSError as err:
-            raise StoreError(path, f"cannot be inspected ({err.strerror})") from None
         if stat.S_ISLNK(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else f"a hard link ({st.st_nlink} names)"
             raise StoreError(path, f"is {kind}: refusing to write through it into a file elsewhere; "
                              "remove it and run again")
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    """The entry at `path` itself (a link, not its target); None if there is none."""
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise StoreError(path, f"cannot be inspected ({err.strerror})") from None
 
 
 def make_dir(path: Path) -> Path:
@@ -263,3 +270,92 @@ def memory_bytes() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 1 << 40
+
+
+# ----------------------------------------------------------------------------- outside a run directory
+
+
+def refuse_unsafe_target(path: Path, what: str) -> None:
+    """A name twinrun is about to write outside a run directory (a table at a user's path, a tracker's
+    file): absent or a regular file of one link, else a StoreError (exit 2). A symlink would be written
+    through (or replaced, losing where it pointed); a device node, FIFO or directory is never replaced
+    (as root, `--csv /dev/null` would otherwise swap the machine's /dev/null for a regular file)."""
+    path = Path(path)
+    st = _lstat(path)
+    if st is None:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise StoreError(path, f"is a symlink: refusing to write a {what} through it; name a new file or a "
+                         "regular one")
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(path, f"exists and is not a regular file (a {_kind(st.st_mode)}): refusing to "
+                         f"replace it with a {what}; name a new file or a regular one")
+    if st.st_nlink > 1:
+        raise StoreError(path, f"is a hard link ({st.st_nlink} names): refusing to write a {what} over a "
+                         "file shared with another name; name a new file")
+
+
+def write_output(path: Path, data: bytes, what: str) -> Path:
+    """A file at a user's path (a table): refused onto anything but a new name or a regular file of one
+    link (refuse_unsafe_target), then written as atomic_write writes (exclusive temporary file, renamed)."""
+    refuse_unsafe_target(path, what)
+    atomic_write(Path(path), data)
+    return Path(path)
+
+
+def create_once(path: Path, data: bytes, what: str) -> None:
+    """A small file twinrun creates once in a folder of its own outside a run directory (a compile
+    cache's marker): created exclusively, never through a link; an existing regular file is kept, any
+    other entry at the name is a StoreError."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except FileExistsError:
+        refuse_unsafe_target(path, what)
+        return
+    except OSError as err:
+        raise StoreError(path, f"cannot create this {what} ({err.strerror or err})") from None
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+MAX_TREE_ENTRIES = 1_000_000  # a tracker's store of this many entries is not one twinrun wrote
+
+
+def refuse_links_under(root: Path, what: str) -> None:
+    """Every entry under `root` (a tracker's store) a directory, a regular file of one link or a symlink
+    that resolves inside `root` (W&B keeps some), walked without following links, else a StoreError
+    naming the first other entry: a tracker's package opens its files by name (SQLite's mlflow.db and
+    its journals, TensorBoard's run folders, W&B's run directories), so a link planted there would carry
+    its writes into a file outside the store."""
+    root, seen = Path(root), 0
+    inside, stack = os.path.realpath(root), [root]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise StoreError(folder, f"cannot be listed ({err.strerror})") from None
+        for entry in entries:
+            seen += 1
+            if seen > MAX_TREE_ENTRIES:
+                raise StoreError(root, f"holds more than {MAX_TREE_ENTRIES:,} entries: not a {what} twinrun "
+                                 "would write into; choose another directory")
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(Path(entry.path))
+            elif stat.S_ISLNK(st.st_mode) and _within(os.path.realpath(entry.path), inside):
+                continue  # the tracker's own pointers (W&B's latest-run, debug.log): what they name is walked
+            elif stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+                kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else f"a hard link ({st.st_nlink} names)"
+                        if stat.S_ISREG(st.st_mode) else f"a {_kind(st.st_mode)}")
+                raise StoreError(entry.path, f"is {kind} inside the {what}: refusing to let the tracker "
+                                 "write through it into a file elsewhere; remove it and run again")
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)

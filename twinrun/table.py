@@ -4,7 +4,7 @@ One row per run × σ bin × estimand (verdict, gate, below-noise flag, cos, nor
 the pairing receipt, the kernel-path digest, the seed and every override as a column); a sweep adds its
 σ × estimand pooled over seeds. Without --csv or --parquet the CSV goes to stdout. Needs the `table`
 extra: `pip install 'twinrun[table]'`. Exit codes: 0 written; 2 bad input (not a run or sweep directory,
-a damaged record, pandas or pyarrow missing).
+a damaged record, pandas or pyarrow missing, an output path that is a link or not a regular file).
 """
 
 import argparse
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from twinrun.errors import EXIT_OK, TwinrunError, fail
+from twinrun.files import refuse_unsafe_target
 from twinrun.measures.registry import load_index
 from twinrun.publish.table import frame, write
 
@@ -30,6 +31,9 @@ def main(argv=None) -> int:
     out.add_argument("--parquet", type=Path, metavar="FILE", help="write the table as parquet (pyarrow)")
     args = p.parse_args(argv)
     try:
+        target = args.parquet or args.csv
+        if target is not None:  # before any run is read: a device node or a link is refused at once
+            refuse_unsafe_target(target, "table")
         df = load(args.paths)
         if args.csv is None and args.parquet is None:
             sys.stdout.write(df.to_csv(index=False))

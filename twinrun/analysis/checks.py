@@ -2,9 +2,9 @@
 
 `load_run` is the one place the reducer side reads run.json and the stores it lists; everything
 read is checked (format, sha256, arm, bin, config hash) and cross-checked against what the run says
-it measured (each arm's config.yaml, hash-checked; σ, σ_cond, seed, images and sizes of every store;
-each unit's gate flag), and any problem is a StoreError naming the file and the field (exit 2), never
-a number.
+it measured (each arm's config.yaml, hash-checked; σ, σ_cond, seed, images and sizes of every store,
+the fields the probe declares in twinrun.analysis.vouch; each unit's gate flag), and any problem is a
+StoreError naming the file and the field (exit 2), never a number.
 """
 
 import math
@@ -18,12 +18,12 @@ from twinrun import data as data_mod
 from twinrun.analysis.estimands import check_estimands, check_groups
 from twinrun.analysis.reduction import check, provenance_checks
 from twinrun.analysis.scan import Scan, scan
+from twinrun.analysis.vouch import Voucher
 from twinrun.config import (
     STORE_IDENTITY_KEYS,
     STORE_PROTOCOL_KEYS,
     DigitsDataConfig,
     ProbeConfig,
-    config_hash,
     typed,
 )
 from twinrun.errors import StoreError, TwinrunError
@@ -87,41 +87,20 @@ def load_run(run_dir: Path) -> tuple[RunIndex, dict]:
         check_groups(index.registered.get("groups") or {})
     except TwinrunError as err:
         raise StoreError(run_json, f"field registered.groups: {err}") from None
-    configs = arm_configs(index)
+    voucher = Voucher(index)  # every config.yaml held to run.json's hash, every store to the probe's rules
+    configs = voucher.configs
     wanted = _wanted(index)
     ensure_descriptors(len(wanted), f"reading the {len(wanted)} stores of {index.run_dir.path}")
     readers = {}
     try:
-        for key, (path, sha, config_hash, payload) in wanted.items():
-            readers[key] = reader = StoreReader(path, sha, payload)
-            if reader.meta["config_hash"] != config_hash:
-                raise StoreError(path, "config hash differs from run.json's: a store from another run")
-            if reader.meta["arm"] != key[0] or reader.meta["bin_index"] != key[1]:
-                raise StoreError(path, "store belongs to another arm or bin than run.json says")
-            kernel_path = index.store_entry(index.units[key[1]], key[0]).get("kernel_path_sha256")
-            if kernel_path != (reader.meta.get("env") or {}).get("kernel_path_sha256"):
-                raise StoreError(path, "metadata field env.kernel_path_sha256 is not the kernel path "
-                                 f"run.json records for it ({kernel_path}): damaged or forged")
-        cross_check(index, configs, readers)
+        for key, (path, sha, _, payload) in wanted.items():
+            readers[key] = StoreReader(path, sha, payload)
+        cross_check(index, configs, readers, voucher)
         _check_registered(index, readers[TWIN, 0].meta["layout"])
     except BaseException:
         close(readers)
         raise
     return index, readers
-
-
-def arm_configs(index: RunIndex) -> dict[str, dict]:
-    """{arm: its config.yaml}, each the config run.json hashed (the reducer reads σ grid, seed, probe and
-    intervention from them: an edited one is exit 2 naming the file, never a verdict)."""
-    configs = {}
-    for entry in index.arms:
-        path = index.run_dir.arm_config(entry["name"])
-        configs[entry["name"]] = config = index.run_dir.read_arm_config(entry["name"])
-        if config_hash(config) != entry["config_hash"]:
-            raise StoreError(path, f"does not match the config_hash {entry['config_hash']} run.json records "
-                             "for it (edited after planning?); restore it, or measure again into a new run "
-                             "directory")
-    return configs
 
 
 def _check_registered(index: RunIndex, layout: list[dict]) -> None:
@@ -136,12 +115,14 @@ def _check_registered(index: RunIndex, layout: list[dict]) -> None:
             from None
 
 
-def cross_check(index: RunIndex, configs: dict, readers: dict) -> None:
+def cross_check(index: RunIndex, configs: dict, readers: dict, voucher: Voucher) -> None:
     """Everything a verdict depends on, held against what the run says it measured (a StoreError naming the
     file and the field): run.json's σ grid against the configs'; every store's σ, seed, images, draws and
     folds against its arm's config and the twin's first store; σ_cond against the arm's intervention at
     that bin, and each unit's gate flag against the intervention's gate bins, where the intervention can
-    be rebuilt without running code from the run directory (`rebuild`: twinrun's own, or imported here)."""
+    be rebuilt without running code from the run directory (`rebuild`: twinrun's own, or imported here).
+    What every kind's stores are held to (their arm, unit, config hash, kernel path, and the fields the
+    probe declares in vouch.STORE_RULES) is the voucher's."""
     twin_cfg, run_json = configs[TWIN], index.run_dir.run_json
     grid = [float(s) for s in twin_cfg["sigma_grid"]["sigmas"]]
     sigmas = [b.sigma for b in bins_of(index)]
@@ -159,10 +140,10 @@ def cross_check(index: RunIndex, configs: dict, readers: dict) -> None:
                 raise StoreError(run_json, f"field units[{b.index}].gate: {b.gate}, but the intervention of "
                                  f"its config is {noop} at σ={b.sigma:g}; the file is damaged or was edited "
                                  "by hand")
-    first = readers[TWIN, 0].meta
     probed = _probed_data(twin_cfg)
     for (arm, i), reader in readers.items():
-        _check_store(reader, configs.get(arm, twin_cfg), interventions[arm], sigmas[i], first)
+        voucher.store(index.units[i], arm, reader.path, reader.meta)
+        _check_store(reader, configs.get(arm, twin_cfg), interventions[arm], sigmas[i])
         for key, value in (probed or {}).items():
             if reader.meta.get(key) != value:
                 raise StoreError(reader.path, f"metadata field {key}: {str(reader.meta.get(key))[:60]} is "
@@ -190,19 +171,12 @@ def _intervention(index: RunIndex, arm: str, config: dict):
         raise StoreError(index.run_dir.arm_config(arm), f"field intervention: {str(err)[:200]}") from None
 
 
-def _check_store(reader: StoreReader, config: dict, intervention, sigma: float, first: dict) -> None:
+def _check_store(reader: StoreReader, config: dict, intervention, sigma: float) -> None:
+    """σ_cond against what the arm's intervention feeds at this σ (the rest: the voucher's)."""
     meta, path = reader.meta, reader.path
-    p = typed(ProbeConfig, config["probe"], path)
-    expected = {"sigma": sigma, "seed": config["seed"], "n_images": p.n_images, "n_draws": p.n_draws,
-                "image_ids": first.get("image_ids"), "fold_sizes": first["fold_sizes"]}
-    for key, value in expected.items():
-        if meta.get(key) != value:
-            raise StoreError(path, f"metadata field {key}: {str(meta.get(key))[:60]} is not "
-                             f"{str(value)[:60]}, what its run measured (its config, its bin, the twin's "
-                             "first store): damaged or forged")
-    if len(meta["fold_sizes"]) != p.n_folds or len(meta.get("image_ids") or []) != p.n_images:
-        raise StoreError(path, f"metadata fields fold_sizes and image_ids: not {p.n_folds} folds of "
-                         f"{p.n_images} images, as its config says")
+    if len(meta.get("image_ids") or []) != typed(ProbeConfig, config["probe"], path).n_images:
+        raise StoreError(path, "metadata field image_ids: missing or not one id per probed image, as its "
+                         "config says")
     if intervention is not None:
         cond = float(intervention.sigma_cond(torch.tensor(sigma, dtype=torch.float32)))
         # a few float32 ulps: another torch (or CPU) may round exp∘log differently; a forgery is far off

@@ -27,6 +27,7 @@ from twinrun.analysis.reduction import (
     used_settings,
     view_name,
 )
+from twinrun.analysis.vouch import Voucher, check_step_digests
 from twinrun.config import TrainConfig, typed
 from twinrun.errors import ConfigError, StoreError, TwinrunError
 from twinrun.storage.rundir import RunIndex
@@ -53,17 +54,14 @@ class Run:
         return self.by_role.get(role) or ([self.roles[role]] if role in self.roles else [])
 
 
-def _store(index: RunIndex, u: dict, arm: str) -> TrainStore:
+def _store(index: RunIndex, u: dict, arm: str, voucher: Voucher) -> TrainStore:
+    """One store read through its checks, then held to the run (its config, unit, kernel path, data)."""
     entry = u["stores"][arm]
     path = index.store_path(u, arm)
     if entry["status"] != "done":
         raise StoreError(path, f"{u['label']} of arm {arm} is {entry['status']}: resume the run, then reduce")
     store = read_train_store(path, entry["sha256"])
-    config_hash = next(a["config_hash"] for a in index.arms if a["name"] == arm)
-    if store.meta["config_hash"] != config_hash:
-        raise StoreError(path, "config hash differs from run.json's: a store from another run")
-    if store.meta["arm"] != arm or store.meta["unit_index"] != u["index"]:
-        raise StoreError(path, "store belongs to another arm or unit than run.json says")
+    voucher.store(u, arm, path, store.meta)
     return store
 
 
@@ -127,13 +125,16 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
     for a in index.arms:
         by_role.setdefault(a["role"], []).append(a["name"])
     roles = {role: names[0] for role, names in by_role.items()}
-    twin_cfg = index.run_dir.read_arm_config(TWIN)
-    t = typed(TrainConfig, twin_cfg["train"], index.run_dir.arm_config(TWIN))
+    voucher = Voucher(index)  # every config.yaml held to run.json's hash before anything is read from it
+    t = typed(TrainConfig, voucher.configs[TWIN]["train"], index.run_dir.arm_config(TWIN))
     chaos, moved = roles.get("chaos"), {}
     groups = index.registered.get("groups") or {}
     records, found, losses, start, sel = [], {}, [], None, None
     for u in index.units:
-        stores = {arm: _store(index, u, arm) for arm in u["stores"]}
+        stores = {arm: _store(index, u, arm, voucher) for arm in u["stores"]}
+        for arm in (a for a in stores if a != TWIN):
+            check_step_digests(stores[arm].path, stores[arm].meta, stores[TWIN].meta, stores[arm].digests,
+                               stores[TWIN].digests, stores[TWIN].path)
         weights = {arm: _weights(s) for arm, s in stores.items()}
         if start is None:
             start, layout = weights[TWIN], stores[TWIN].meta["layout"]
@@ -159,7 +160,7 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
 def validity_checks(run: Run, records: list[dict]) -> list[dict]:
     index = run.index
     names = index.arm_names
-    configs = {n: index.run_dir.read_arm_config(n) for n in names}
+    configs = {n: index.arm_config(n) for n in names}
     bad = {n: d for n in names
            if (d := arms_mod.outside_intervention(arms_mod.config_diff(configs[TWIN], configs[n])))}
     out = [check("configs_differ_only_in_intervention", not bad,
@@ -489,7 +490,8 @@ def arm_stores(run_dir: Path, arm: str) -> dict[int, TrainStore]:
         raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not training")
     if arm not in index.arm_names:
         raise StoreError(run_dir, f"has no arm {arm!r} (its arms: {', '.join(index.arm_names)})")
-    return {u["train"]["to_step"]: _store(index, u, arm) for u in index.units}
+    voucher = Voucher(index)
+    return {u["train"]["to_step"]: _store(index, u, arm, voucher) for u in index.units}
 
 
 def compare_stores(a: dict[int, TrainStore], b: dict[int, TrainStore]) -> list[dict]:

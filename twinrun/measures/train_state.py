@@ -13,14 +13,14 @@ from typing import Any
 
 import hydra
 import torch
-from safetensors import SafetensorError, safe_open
 
 from twinrun.config import ChaosConfig, TrainConfig, build, typed
-from twinrun.errors import ConfigError
+from twinrun.errors import ConfigError, StoreError
 from twinrun.interventions import Intervention
 from twinrun.measures import fold_sums as fs
 from twinrun.measures import train_loop as loop
 from twinrun.measures.failures import first_line
+from twinrun.storage.safetensors_file import SafetensorsFile
 
 
 @dataclass
@@ -38,23 +38,21 @@ class ArmState:
 
 
 def load_start(model: torch.nn.Module, path: str) -> None:
-    """Load the start checkpoint (safetensors, never pickle) into the model, or one line saying how
-    it does not match."""
-    try:
-        with safe_open(str(Path(path).expanduser()), framework="pt") as handle:
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
-    except (SafetensorError, OSError) as err:
-        raise ConfigError("train.start_checkpoint", path, f"is not a readable safetensors file "
-                          f"({first_line(err)})") from None
+    """Load the start checkpoint into the model, read as untrusted input (SafetensorsFile: a regular file
+    only, its header checked, its names and shapes held to the model's before any tensor is read), or
+    one line saying how it does not match."""
     own = model.state_dict()
-    missing = sorted(set(own) - set(tensors))
-    extra = sorted(set(tensors) - set(own))
-    shapes = sorted(n for n in set(own) & set(tensors) if tuple(own[n].shape) != tuple(tensors[n].shape))
-    if missing or extra or shapes:
-        parts = [f"{what} {', '.join(names[:3])}{' …' if len(names) > 3 else ''}" for what, names in
-                 (("lacks", missing), ("has unknown", extra), ("has other shapes for", shapes)) if names]
-        raise ConfigError("train.start_checkpoint", path, f"does not match the model: it {'; '.join(parts)}; "
-                          "give a checkpoint of this model's parameters, named as in model.state_dict()")
+    try:
+        with SafetensorsFile(Path(path).expanduser(), "checkpoint") as f:
+            f.expect({name: list(t.shape) for name, t in own.items()})
+            tensors = f.tensors()
+    except StoreError as err:
+        said = str(err).removeprefix(f"{Path(path).expanduser()}: ")
+        if said.startswith("does not match"):
+            raise ConfigError("train.start_checkpoint", path, f"{said} (the model); give a checkpoint of "
+                              "this model's parameters, named as in model.state_dict()") from None
+        raise ConfigError("train.start_checkpoint", path, f"is not a readable safetensors file ({said})") \
+            from None
     model.load_state_dict(tensors, strict=True)
 
 

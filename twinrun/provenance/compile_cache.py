@@ -13,6 +13,8 @@ import re
 import tempfile
 from pathlib import Path
 
+from twinrun.files import create_once
+
 # Inductor exports these itself on first compile; their resolved paths are read separately.
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 # Beside a run's own inductor/ and triton/ folders: names the run (and marks the folder twinrun's).
@@ -27,10 +29,9 @@ def run_cache_dir(root: str, run_dir) -> str:
     where = os.path.realpath(run_dir)
     home = os.path.join(os.path.abspath(root), "runs", hashlib.sha256(where.encode()).hexdigest()[:16])
     os.makedirs(home, exist_ok=True)
-    marker = os.path.join(home, RUN_CACHE_MARKER)
-    if not os.path.isfile(marker):
-        with open(marker, "w", encoding="utf-8") as f:
-            f.write(f"torch.compile caches of the twinrun run at {where}\n")
+    # Created exclusively, never through a link planted at its name (a dangling symlink was followed).
+    text = f"torch.compile caches of the twinrun run at {where}\n"
+    create_once(Path(home) / RUN_CACHE_MARKER, text.encode(), "compile-cache marker")
     return home
 
 

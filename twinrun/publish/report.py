@@ -142,7 +142,7 @@ def plot_context(index: RunIndex) -> dict:
     read titles the plot without them (the report is prose; the checks read the record)."""
     sigmas = [index.params(u)["sigma"] for u in index.units if "sigma" in index.params(u)]
     try:
-        config = index.run_dir.read_arm_config(index.arm("intervention")["name"])
+        config = index.arm_config(index.arm("intervention")["name"])
     except StoreError:
         config = {}
     node = (lambda key: config.get(key) if isinstance(config.get(key), dict) else None)

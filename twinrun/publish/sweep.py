@@ -40,7 +40,7 @@ def _intervention(index: RunIndex, node: str | None) -> tuple[dict, dict | None,
     """The intervention arm's `intervention` node (its sweep axis), its kind's protocol `node` (None: the
     kind names none) and its seed."""
     name = index.arm("intervention")["name"]
-    config = index.run_dir.read_arm_config(name)
+    config = index.arm_config(name)
     if not isinstance(config.get("intervention"), dict):
         raise StoreError(index.run_dir.arm_config(name), "field intervention: missing or not a config node")
     protocol, seed = config.get(node) if node else None, config.get("seed")

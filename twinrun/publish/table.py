@@ -17,7 +17,7 @@ from pathlib import Path
 
 from twinrun.arms import EXCLUDED, flatten
 from twinrun.errors import StoreError, TwinrunError
-from twinrun.files import atomic_write
+from twinrun.files import write_output
 from twinrun.publish.seeds import pool_seeds
 from twinrun.publish.sweep import collect_points
 from twinrun.storage.rundir import RunDir, RunIndex
@@ -135,7 +135,7 @@ def run_rows(run_dir: Path, load, sweep_dir: Path | None = None) -> list[dict]:
     how its summary names a unit (`unit_key`) and which of the unit's own fields holds it (`unit_own`)."""
     index, kind = load(run_dir)
     rd = index.run_dir
-    config = rd.read_arm_config(index.arm("intervention")["name"])
+    config = index.arm_config(index.arm("intervention")["name"])  # held to run.json's config_hash
     summary = rd.read_summary(kind.summary_type) if rd.has_summary() else None
     passed = None if summary is None else summary["passed"]
     field = kind.unit_key
@@ -171,7 +171,7 @@ def pooled_rows(sweep_dir: Path, load) -> list[dict]:
         first = Path(c["run_dirs"][0])
         if first not in typed:  # the group's shared overrides, typed as the run rows type them
             index = RunIndex.load(first)
-            config = index.run_dir.read_arm_config(index.arm("intervention")["name"])
+            config = index.arm_config(index.arm("intervention")["name"])
             typed[first] = {**settings(config), **_overrides(first, config)}
         numbers = {k: v for k, v in c.items() if k.startswith(("effect_", "norm_ratio_"))}
         out.append({"row_kind": "pooled over seeds", "sweep_dir": str(sweep_dir), "sigma": c["sigma"],
@@ -205,7 +205,8 @@ def frame(paths, load_index) -> "pd.DataFrame":
 
 
 def write(df: "pd.DataFrame", path: Path, fmt: str) -> Path:
-    """The table as CSV or parquet, written atomically (a half-written table never replaces a whole one)."""
+    """The table as CSV or parquet, written atomically (a half-written table never replaces a whole one),
+    onto a new name or a regular file only."""
     buf = io.BytesIO()
     if fmt == "parquet":
         try:
@@ -214,5 +215,5 @@ def write(df: "pd.DataFrame", path: Path, fmt: str) -> Path:
             raise TwinrunError(f"--parquet {path}: needs pyarrow ({err}): {EXTRA_HINT}") from None
     else:
         buf.write(df.to_csv(index=False).encode())
-    atomic_write(Path(path), buf.getvalue())
-    return Path(path)
+    # A user's path: a new name or a regular file only (never through a link, never over a device node).
+    return write_output(Path(path), buf.getvalue(), "table")

@@ -88,6 +88,35 @@ def store_format(path: Path) -> str | None:
     return meta.get("format") if isinstance(meta, dict) else None
 
 
+class HeldFile:
+    """A file held open by its descriptor `fd` for reading (a store, a checkpoint): a context manager,
+    closed once, and reads of exactly the bytes asked for (a file that shrinks under the reader is an
+    error, never a short read)."""
+
+    path: Path
+    fd: int | None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        try:
+            data = os.pread(self.fd, n, offset)
+        except OSError as err:
+            raise StoreError(self.path, f"cannot read ({err.strerror})") from None
+        if len(data) != n:
+            raise StoreError(self.path, "changed size while being read")
+        return data
+
+
 def bytes_of(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes, without a copy (any dtype: viewed as bytes)."""
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())

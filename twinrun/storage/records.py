@@ -33,6 +33,9 @@ RUN_STATUSES = ("planned", "running", "measured", "failed", "interrupted")
 STORE_STATUSES = ("pending", "done", "failed")
 
 HexDigest = Annotated[str, "hex digest"]
+# A number of a summary: a JSON number, inf allowed (a ratio over a zero floor), NaN never (where a number is
+# undefined twinrun writes null, so a NaN literal there is an edit the table would show).
+Num = Annotated[float, "not nan"]
 SafeName = Annotated[str, "safe name"]
 Sigma = Annotated[float, "positive"]  # finite and > 0
 RunStatus = Literal["planned", "running", "measured", "failed", "interrupted"]
@@ -81,6 +84,11 @@ class TrainUnit(TypedDict):
 
     from_step: int  # the step its arms start from (the previous unit's to_step)
     to_step: int  # the step its stores hold
+
+
+# A kind's (from, to) unit fields that chain, keyed by its unit type: each unit starts where the one before
+# ended and moves on (a training run's segments: an overlapping one would train some steps twice).
+CHAINED: dict[type, tuple[str, str]] = {TrainUnit: ("from_step", "to_step")}
 
 
 class KindFields(TypedDict):
@@ -164,11 +172,11 @@ class EffectRow(TypedDict):
     sigma: Sigma
     estimand: str
     gate: bool
-    cos: float | None
-    se: float | None
-    norm_ratio: float | None
-    norm_ratio_se: float | None
-    cos_naive: float
+    cos: Num | None
+    se: Num | None
+    norm_ratio: Num | None
+    norm_ratio_se: Num | None
+    cos_naive: float  # NaN where an arm's mean gradient is zero
     below_noise: bool
     norm2: float
     norm2_se: float
@@ -294,8 +302,10 @@ class TrainStoreMeta(TypedDict):
     optimizer: dict  # its class, param_groups and the state that is not a tensor
     data_digest: str  # sha256 of the samples and noise this unit's steps consumed (equal in every arm)
     heldout_digest: str  # sha256 of the held-out images and noise the held-out loss read
-    # per step of the unit, per weight (layout order): sha256 prefix of the weight after that step
-    step_digests: list[list[str]]
+    heldout_ids: NotRequired[list[int]]  # the held-out images' ids (the reducer holds them to the data)
+    # per step of the unit, per weight (layout order): sha256 prefix of the weight after that step (the
+    # last step's is a prefix of the stored weight's own digest: read_train_store checks it)
+    step_digests: list[list[HexDigest]]
     env: NotRequired[dict | None]
     kernel_path: NotRequired[dict | None]
 
@@ -355,8 +365,21 @@ def validate_units(path: Path, run: RunRecord, fields: type, increasing: str | N
     c, kind = Checker(path), run["measure"]
     for i, u in enumerate(run["units"]):
         check_typed(c, u[kind], fields, f"units[{i}].{kind}")
+    if fields in CHAINED:
+        _validate_chain(c, run["units"], kind, *CHAINED[fields])
     if increasing is not None:
         _validate_order(c, run["units"], kind, increasing)
+
+
+def _validate_chain(c: Checker, units: list[UnitEntry], kind: str, start: str, end: str) -> None:
+    """The first unit is empty (from = to = 0: the start), every later one starts where the one before
+    ended and ends after it starts."""
+    for i, u in enumerate(units):
+        first, last = u[kind][start], u[kind][end]
+        before = units[i - 1][kind][end] if i else 0
+        if first != before or (last <= first if i else last != first):
+            c.fail(f"units[{i}].{kind}.{end}", f"{first!r} … {last!r} does not follow units[{i - 1}]'s end "
+                   f"{before!r}" if i else f"{first!r} … {last!r}: the first unit is the start, 0 … 0")
 
 
 def _validate_order(c: Checker, units: list[UnitEntry], kind: str, key: str) -> None:
@@ -435,6 +458,7 @@ def validate_train_store_meta(path: Path, meta: dict, n_tensors: dict[str, list[
     if (len(digests) != meta["to_step"] - meta["from_step"]
             or any(len(d) != len(meta["layout"]) for d in digests)):
         c.fail("metadata.step_digests", "not one digest per weight for every step of the unit")
+    _validate_kernel_path(c, meta)
     return meta
 def _validate_kernel_path(c: Checker, meta: ProbeStoreMeta) -> None:
     """The kernel-path object is what its digest says (the digest alone is what run.json, the straddling

@@ -14,6 +14,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from twinrun.config import config_hash
 from twinrun.errors import StoreError
 from twinrun.files import read_json, read_yaml, safe_name, write_json
 from twinrun.storage.lock import update_lock
@@ -272,6 +273,21 @@ class RunIndex:
         if not found:
             raise StoreError(self.run_dir.run_json, f"no arm with role {role!r}")
         return found[0]
+
+    def arm_config(self, name: str) -> dict:
+        """An arm's config.yaml, held to the config_hash run.json records for it: what every reader (the
+        reducers, the table, the trackers) takes from a config is the config that was measured; an
+        edited one is one line naming the file (exit 2), never a verdict, a seed or a param."""
+        path = self.run_dir.arm_config(name)
+        config = self.run_dir.read_arm_config(name)
+        recorded = next((a["config_hash"] for a in self.arms if a["name"] == name), None)
+        if recorded is None:
+            raise StoreError(self.run_dir.run_json, f"has no arm {name!r}")
+        if config_hash(config) != recorded:
+            raise StoreError(path, f"does not match the config_hash {recorded} run.json records for it "
+                             "(edited after planning?); restore it, or measure again into a new run "
+                             "directory")
+        return config
 
     def arms_with_role(self, role: Role) -> list[str]:
         return [a["name"] for a in self.arms if a["role"] == role]

@@ -25,6 +25,7 @@ from twinrun.storage.header import (
     MAX_HEADER_BYTES,
     MAX_STORE_BYTES,
     TENSOR_SHA256,
+    HeldFile,
     decode_meta,
     encode_meta,
     refuse_sparse,
@@ -81,7 +82,7 @@ class Tensor:
     numel: int
 
 
-class StoreReader:
+class StoreReader(HeldFile):
     """One store opened for streaming: its header parsed and checked against the file's size before
     any payload is read; the payload then read front to back, column chunk by column chunk.
 
@@ -108,27 +109,10 @@ class StoreReader:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __del__(self) -> None:
         self.close()
 
-    def close(self) -> None:
-        if getattr(self, "fd", None) is not None:
-            os.close(self.fd)
-            self.fd = None
-
     # ---- the header
-
-    def _pread(self, n: int, offset: int) -> bytes:
-        try:
-            data = os.pread(self.fd, n, offset)
-        except OSError as err:
-            raise StoreError(self.path, f"cannot read ({err.strerror})") from None
-        if len(data) != n:
-            raise StoreError(self.path, "changed size while being read")
-        return data
 
     def _parse_header(self, size: int) -> bytes:
         if size < 8:

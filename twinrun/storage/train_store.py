@@ -119,6 +119,7 @@ def read_train_store(path: Path, sha256: str | None = None) -> TrainStore:
             and all(isinstance(d, str) and HEX64.fullmatch(d) for d in digests.values())):
         raise StoreError(path, f"metadata field {TENSOR_SHA256} is not one sha256 digest per tensor: damaged")
     meta = validate_train_store_meta(path, meta, shapes)
+    _check_last_step(path, meta, digests)
     tensors = _tensors_of(data, header, 8 + struct.unpack("<Q", data[:8])[0])
     for name, t in tensors.items():
         if hashlib.sha256(bytes_of(t)).hexdigest() != digests[name]:
@@ -128,6 +129,21 @@ def read_train_store(path: Path, sha256: str | None = None) -> TrainStore:
             raise StoreError(path, f"tensor {name!r} holds NaN or inf (twinrun never writes such a store): "
                              "damaged or forged")
     return TrainStore(path, tensors, meta, digests, digest)
+
+
+def _check_last_step(path: Path, meta: dict, digests: dict[str, str]) -> None:
+    """The digests of the unit's last step name the weights the store holds (each a prefix of its
+    tensor's sha256): the gate and the first differing step are read from the step digests, so a store
+    whose weights were rewritten with fresh tensor and file digests, or whose step digests were edited,
+    is refused here instead of read as a verdict."""
+    if not meta["step_digests"]:
+        return  # the start unit: no step
+    for w, short in zip(meta["layout"], meta["step_digests"][-1], strict=True):
+        full = digests[f"weight/{w['name']}"]
+        if not (16 <= len(short) <= len(full) and full.startswith(short)):
+            raise StoreError(path, f"metadata field step_digests: the last step's digest of weight "
+                             f"{w['name']!r} ({short[:16]}) is not the stored weight's ({full[:16]}): "
+                             "damaged or forged")
 
 
 def _tensors_of(data: bytearray, header: dict, start: int) -> dict[str, torch.Tensor]:

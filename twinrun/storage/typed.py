@@ -1,7 +1,7 @@
 """Checking a JSON document against a TypedDict schema, field by field: a field typed `X | None` may be
 null or absent, NotRequired[X] may be absent, Annotated marks ("hex digest", "positive", "safe name",
-"non-negative") add what a Python type cannot say. A failure is one StoreError naming the file and the
-field's path (exit 2), never a traceback or a number. Each schema's hints are worked out once.
+"non-negative", "not nan") add what a Python type cannot say. A failure is one StoreError naming the
+file and the field's path (exit 2), never a traceback or a number. Each schema's hints are worked out once.
 """
 
 import functools
@@ -157,6 +157,8 @@ def _check_mark(c: Checker, value, field: str, mark: str) -> None:
         c.fail(field, f"{show(value)} is not a hex digest")
     elif mark == "positive" and not (math.isfinite(value) and value > 0):
         c.fail(field, f"{show(value)} must be finite and > 0")
+    elif mark == "not nan" and math.isnan(value):
+        c.fail(field, "NaN is not a number twinrun writes (it writes null where a number is undefined)")
     elif mark == "non-negative" and value < 0:
         c.fail(field, f"{show(value)} must be ≥ 0")
     elif mark == "safe name":

@@ -12,8 +12,10 @@ at publish time a sink that still fails is one line on stderr, after the run's o
 and the exit code stays the reducer's.
 """
 
+import contextlib
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 import tempfile
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from twinrun.arms import flatten
-from twinrun.errors import ConfigError
+from twinrun.errors import ConfigError, StoreError
+from twinrun.files import refuse_links_under
 from twinrun.provenance.version import twinrun_version
 from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, RunIndex
 
@@ -43,6 +46,44 @@ EXTRA_HINT = "pip install 'twinrun[trackers]'"
 QUIET_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "WANDB_SILENT": "true",
              "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off",
              "WANDB_ERROR_REPORTING": "false", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+# Set to 1 to see a tracker package's own log lines (MLflow's database migrations, W&B's notices).
+VERBOSE_ENV = "TWINRUN_TRACKER_LOGS"
+CHATTY_LOGGERS = ("mlflow", "alembic", "wandb", "tensorboard", "absl")
+
+
+@contextlib.contextmanager
+def quiet(name: str):
+    """A tracker package's own output kept off the user's terminal while it logs (unless VERBOSE_ENV=1):
+    its loggers raised to ERROR, and what it prints, at Python's level or the descriptors' (a helper
+    process's), into a temporary file that is dropped. twinrun's own line says what was logged."""
+    if os.environ.get(VERBOSE_ENV) == "1":
+        yield
+        return
+    loggers = {n: logging.getLogger(n) for n in CHATTY_LOGGERS}
+    levels = {n: lg.level for n, lg in loggers.items()}
+    for lg in loggers.values():
+        lg.setLevel(logging.ERROR)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with tempfile.TemporaryFile() as sink, open(os.dup(sink.fileno()), "w") as text, \
+                contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                text.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    finally:
+        for fd in saved:
+            os.close(fd)
+        for n, lg in loggers.items():
+            lg.setLevel(levels[n])
 
 
 def writable_dir(path: Path) -> None:
@@ -72,6 +113,10 @@ def check_tracker(tracker: dict) -> dict | None:
     except OSError as err:
         raise ConfigError("tracker.dir", str(store), f"cannot be written ({err.strerror or err}); choose a "
                           "writable directory") from None
+    try:  # a link planted in the store: refused before any compute, and again before each publish
+        refuse_links_under(store, f"{name} store")
+    except StoreError as err:
+        raise ConfigError("tracker.dir", str(store), f"{err}; or choose a fresh directory") from None
     return {"name": name, "dir": str(store), "project": str(tracker.get("project") or "twinrun")}
 
 
@@ -160,7 +205,7 @@ def payload(index: RunIndex, summary: dict, files: list[Path], kind) -> Payload:
     (the comparison's rows, the twin's own[, the intervention's own, under the twin's keys])."""
     rd = index.run_dir
     arm, twin = index.arm("intervention")["name"], index.arm("twin")["name"]
-    config = rd.read_arm_config(arm)
+    config = index.arm_config(arm)  # held to run.json's config_hash: the params are the measured config
     version = twinrun_version()
     verdict = {"passed": bool(summary["passed"]), "checks_passed": bool(summary["checks_passed"])}
     tags = {"twinrun.run_dir": str(rd.path.resolve()), "twinrun.kernel_path": _kernel_paths(index),
@@ -187,12 +232,14 @@ def send(tracker: dict | None, index: RunIndex, summary: dict, files: list[Path]
         return False
     name = tracker["name"]
     try:
+        store = Path(tracker["dir"])
+        writable_dir(store)
+        refuse_links_under(store, f"{name} store")  # before the tracker's package opens a file in it
         for key, value in QUIET_ENV.items():
             os.environ.setdefault(key, value)
         sink = importlib.import_module(SINKS[name].module)
-        store = Path(tracker["dir"])
-        writable_dir(store)
-        where = sink.log(payload(index, summary, files, kind), store, tracker["project"])
+        with quiet(name):
+            where = sink.log(payload(index, summary, files, kind), store, tracker["project"])
     except (Exception, SystemExit) as err:  # noqa: BLE001 — a tracker is foreign code; its failure is one line
         said = " ".join(str(err).split())[:300] or type(err).__name__
         print(f"twinrun: warning: tracker={name} did not log {index.run_dir.path} ({type(err).__name__}: "

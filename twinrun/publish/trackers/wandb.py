@@ -11,6 +11,7 @@ is refused. Upload later with `wandb sync DIR/wandb/offline-run-*`.
 """
 
 import os
+import shutil
 from pathlib import Path
 
 import wandb
@@ -63,7 +64,11 @@ def log(p, store: Path, project: str) -> str:
     for f in p.files:
         if f.suffix == ".png":
             run.log({f"plots/{f.stem}": wandb.Image(str(f))}, step=p.after_last_step())
-        run.save(str(f), base_path=str(f.parent), policy="now")
+        # A copy inside the store: W&B saves a file outside its run folder as a link to it, a link out of
+        # the store that the next publish would refuse (twinrun.files.refuse_links_under).
+        kept = Path(run.dir) / f.name
+        shutil.copyfile(f, kept)
+        run.save(str(kept), base_path=run.dir, policy="now")
     where.append(str(Path(run.dir).parent))
     run.finish()
     return ", ".join(where)

@@ -2,6 +2,7 @@
 a missing, damaged or mismatched cache is one line naming the file and the key."""
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ def test_a_cache_reads_back_exactly_with_each_files_digest(tmp_path):
 
 @pytest.mark.parametrize(("damage", "file", "said"), [
     ("missing", "cond", "not found"),
-    ("truncated", "latents", "not a readable safetensors cache"),
+    ("truncated", "latents", "but its header describes"),
+    ("fifo", "cond", "not a regular file"),
     ("other_ids", "cond", "key 'ids': disagrees"),
     ("reordered", "cond", "in another order"),
     ("no_latents", "latents", "key 'latents': missing"),
@@ -51,6 +53,9 @@ def test_a_bad_cache_is_one_line_naming_the_file_and_key(tmp_path, damage, file,
         con.unlink()
     elif damage == "truncated":
         lat.write_bytes(lat.read_bytes()[:-20])
+    elif damage == "fifo":  # refused without waiting for a writer (the test would hang otherwise)
+        con.unlink()
+        os.mkfifo(con)
     elif damage == "other_ids":
         caches.write_cache(con, cond, [i + 1 for i in ids])
     elif damage == "reordered":

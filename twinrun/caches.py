@@ -5,22 +5,23 @@ A latent cache holds `latents` [M, C, H, W] (floating) and `ids` [M] (int64, dis
 sample's noise draws). A conditioning cache holds `ids` [M], equal to the latent cache's, and one tensor
 per conditioning entry, [M, ...], each fed to the model's forward as the keyword of its name
 (twinrun.conditioning). `write_cache` writes either; `load_cache` (the probe's builder) and
-`load_train_cache` (training's) read them. Each file is read once into memory, bounded, from a regular
-file only; its sha256 is taken over the bytes parsed and recorded (`recording`) for the run's identity and
+`load_train_cache` (training's) read them. Each file is read once into memory as untrusted input
+(storage/safetensors_file.py: bounded, a regular file only, its header checked before any payload byte
+is read); its sha256 is taken over the bytes parsed and recorded (`recording`) for the run's identity and
 report. A missing, damaged or mismatched file is one line naming the file and the key (exit 2).
 """
 
 from __future__ import annotations
 
-import hashlib
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import save
 
 from twinrun.errors import StoreError
-from twinrun.files import atomic_write, memory_bytes, read_regular
+from twinrun.files import atomic_write, memory_bytes
+from twinrun.storage.safetensors_file import SafetensorsFile
 
 LATENTS = "latents"
 IDS = "ids"
@@ -57,13 +58,10 @@ def recording():
 def read(path: str | Path) -> dict[str, torch.Tensor]:
     """A cache's tensors, parsed from the bytes its digest is taken over (recorded when recording)."""
     path = Path(path)
-    data = read_regular(path, memory_bytes() // 2, "cache")
-    digest = hashlib.sha256(data).hexdigest()
-    try:
-        tensors = load(data)
-    except Exception as err:  # noqa: BLE001 — any damage in a cache is one named line
-        raise StoreError(path, f"not a readable safetensors cache ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0][:120] if str(err) else ''})") from None
+    # The untrusted reader: a regular file (a FIFO refused without waiting), not sparse, its header's
+    # every entry checked against the file's size before one payload byte is read.
+    with SafetensorsFile(path, "cache", memory_bytes() // 2) as f:
+        tensors, digest = f.tensors_and_sha256()
     for files in _READ:
         files[str(path)] = digest
     return tensors

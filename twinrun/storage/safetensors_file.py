@@ -7,6 +7,7 @@ mapped, never unpickled; the safetensors package's own reader is not used (it re
 header declares, 64 GiB included, before anyone can compare it with a model).
 """
 
+import hashlib
 import math
 import os
 import struct
@@ -103,13 +104,27 @@ class SafetensorsFile(HeldFile):
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, read once (little-endian, as safetensors writes them), as CPU tensors."""
-        assert sys.byteorder == "little", "twinrun reads safetensors files on little-endian machines only"
+        return self._tensors(self._payload())
+
+    def tensors_and_sha256(self) -> tuple[dict[str, torch.Tensor], str]:
+        """tensors(), and the sha256 of the file's bytes as read (header and payload): the digest a run's
+        identity records is of exactly the bytes its numbers came from."""
+        head, data = self._pread(self.start, 0), self._payload()
+        digest = hashlib.sha256(head)
+        digest.update(data)
+        return self._tensors(data), digest.hexdigest()
+
+    def _payload(self) -> bytearray:
         data = bytearray(self.size - self.start)
         try:
             if os.preadv(self.fd, [data], self.start) != len(data):
                 raise StoreError(self.path, "changed size while being read")
         except OSError as err:
             raise StoreError(self.path, f"cannot read ({err.strerror})") from None
+        return data
+
+    def _tensors(self, data: bytearray) -> dict[str, torch.Tensor]:
+        assert sys.byteorder == "little", "twinrun reads safetensors files on little-endian machines only"
         out = {}
         for name, (dtype, shape, (begin, end)) in self.entries.items():
             torch_dtype = DTYPES[dtype][0]

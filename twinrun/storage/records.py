@@ -335,6 +335,12 @@ def validate_run(path: Path, run: dict) -> RunRecord:
     _validate_registered(c, run["registered"])
     if not run["units"]:
         c.fail("units", "empty: a run has at least one unit")
+    # Units carry their own fields under the kind's name: if they hold another kind's and none this
+    # one's, `measure` is what was edited.
+    own = set(UnitEntry.__annotations__)
+    held = sorted({k for u in run["units"] if isinstance(u, dict) for k in u} - own)
+    if held and kind not in held:
+        c.fail("measure", f"{show(kind)}, but the units hold the fields of {', '.join(held)}")
     for i, u in enumerate(run["units"]):
         _validate_unit(c, u, i, names, kind)
     for i, job in enumerate(run.get("jobs", [])):

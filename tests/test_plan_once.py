@@ -14,7 +14,7 @@ def test_the_trial_runs_once_for_points_that_differ_in_a_number_only(monkeypatch
 
     def plan(config):
         return trial.smoke_test(None, [], type("P", (), {"method": "auto"})(), None, 0.2, {},
-                                trial.trial_key(config, 0.2, "trial"))
+                                key=trial.trial_key(config, 0.2, "trial"))
 
     assert [plan({**CONFIG, "intervention": {**CONFIG["intervention"], "sigma_pin": pin}})
             for pin in (0.2, 0.5, 1.2)] == ["vmap"] * 3

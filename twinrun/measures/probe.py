@@ -231,7 +231,7 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     store_bytes = check_sizes(cfg, c.images.shape[1:], [g["numel"] for g in c.layout], n_stores, run_dir)
     try:
         method = trial.smoke_test(c.model, c.names, p, c.images, grid[0], c.interventions, c.objective,
-                                  c.cond, trial.trial_key(arms[0].config, grid[0], "trial"))
+                                  c.cond, key=trial.trial_key(arms[0].config, grid[0], "trial"))
     except Exception as err:
         if failures.is_out_of_memory(err):  # this host's memory: named as memory, never as the model's fault
             raise out_of_memory(err, "the trial run at plan time", None, p, c.device) from err

@@ -104,7 +104,8 @@ def refuse_compiled_hooks(mode: str | None, interventions: dict) -> None:
 
 
 def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images: torch.Tensor, sigma: float,
-               interventions: dict, objective=None, cond: dict | None = None, key: str | None = None) -> str:
+               interventions: dict, objective=None, cond: dict | None = None, *,
+               key: str | None = None) -> str:
     """Plan time: each arm's model, eager, on the CPU; returns the method chosen. With `key` (trial_key),
     a trial this process already ran under the same key is not run again (a sweep's later points)."""
     if key is not None and key in PLANNED:

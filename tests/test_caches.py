@@ -2,6 +2,7 @@
 a missing, damaged or mismatched cache is one line naming the file and the key."""
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -79,3 +80,21 @@ def test_a_run_on_a_mismatched_cache_exits_2_naming_it(tmp_path):
                         "data=cache", f"data.latents={lat}", f"data.conditioning={con}"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert str(con) in proc.stderr and "key 'ids'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_training_run_on_caches_names_each_files_digest_in_its_summary_and_report(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    train = caches.write_cache(tmp_path / "train.safetensors",
+                               {"latents": torch.rand(24, 1, 8, 8, generator=gen)}, list(range(24)))
+    held = caches.write_cache(tmp_path / "held.safetensors",
+                              {"latents": torch.rand(8, 1, 8, 8, generator=gen)}, list(range(100, 108)))
+    run = tmp_path / "run"
+    proc = run_twinrun(["+experiment=train_scale_lr", "data=cache_train", f"data.train_latents={train}",
+                        f"data.heldout_latents={held}", "train.steps=2", "train.segment_steps=1",
+                        "train.batch_size=8", "train.heldout_images=8", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    digests = {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in (train, held)}
+    assert json.loads((run / "summary.json").read_text())["data_files"] == digests
+    report = (run / "report.md").read_text()
+    assert "## Data caches" in report and all(sha in report for sha in digests.values())

@@ -168,11 +168,13 @@ def validity_checks(run: Run, records: list[dict]) -> list[dict]:
     unequal = [u["label"] for u, per in zip(index.units, records, strict=True)
                if len({m["data_digest"] for m in per.values()}) > 1]
     held = {m["heldout_digest"] for per in records for m in per.values()}
-    same = not unequal and len(held) == 1
+    caches = {tuple(sorted((m.get("data_files") or {}).items())) for per in records for m in per.values()}
+    same = not unequal and len(held) == 1 and len(caches) == 1
     out.append(check("identical_samples_and_noise", same,
                      f"every arm trained on the same samples and noise in all {len(records)} units and "
                      "read the held-out loss on the same images and draws" if same else
-                     f"sample or noise digests differ between arms in {unequal or 'the held-out draws'}"))
+                     f"sample or noise digests differ between arms in {unequal or 'the held-out draws'}"
+                     f"{'' if len(caches) == 1 else ' (or the stores name other data caches)'}"))
     mismatched = sorted({m["path"] for u, per in zip(index.units, records, strict=True) for m in per.values()
                          if m["layout"] != run.layout or m["from_step"] != u["train"]["from_step"]
                          or m["to_step"] != u["train"]["to_step"]})
@@ -409,6 +411,8 @@ def analyse(run: Run, records: list[dict], losses: list[dict], found: dict, used
         summary["verdict"] += loss_sentence(summary["losses"])
     if ok and any(k[2] == EMA for k in found):
         summary["ema"] = ema_rows(run, records, found)
+    if records and records[0][TWIN].get("data_files"):  # the caches the data were read from (every store's)
+        summary["data_files"] = records[0][TWIN]["data_files"]
     return summary
 
 

@@ -412,6 +412,8 @@ class TrainSession:
                 "layout": self.layout, "optimizer": optim_meta, "data_digest": seg.digest,
                 "heldout_digest": self.heldout_digest, "heldout_ids": self.held_ids, "step_digests": digests,
                 "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
+        if "data_files" in self.identity:  # the caches the data were read from, each file's sha256
+            meta["data_files"] = self.identity["data_files"]
         if s.scheduler is not None:  # (absent without one: a constant-rate store is what it always was)
             meta["schedule"] = loop.schedule_record(s.scheduler)
         self.parking.park(s)  # (the store's tensors above are copies or the parked-from memory, kept alive)

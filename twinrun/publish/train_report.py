@@ -97,8 +97,11 @@ def _floor_lines(summary: dict) -> list[str]:
     return [said, "", f"![distance to the twin]({DISTANCE_PNG})", ""] + table(header, rows)
 
 
-def _tail(index: RunIndex) -> list[str]:
+def _tail(index: RunIndex, summary: dict) -> list[str]:
     lines, env_lines = [], env_summary(index)
+    if summary.get("data_files"):  # the latent/conditioning caches trained on, each file's sha256
+        lines += ["", "## Data caches", ""] + [f"- `{path}`: sha256 `{sha}`"
+                                               for path, sha in sorted(summary["data_files"].items())]
     if env_lines:
         lines += ["", "## Environment", "", "Full fingerprints: `env/job*.json`.", ""]
         lines += [f"- {x}" for x in env_lines]
@@ -134,7 +137,7 @@ def write_train_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
                 ["step", "distance to the twin's EMA", "chaos floor", "× floor"],
                 [[r["step"], num(r["distance"], ".3e"), num(r["floor"], ".3e"), num(r["floor_ratio"], ".3g")]
                  for r in summary["ema"]])
-    lines += _tail(index)
+    lines += _tail(index, summary)
     path = out_dir / REPORT_MD
     atomic_write(path, ("\n".join(lines) + "\n").encode())
     return path

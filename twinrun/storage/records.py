@@ -306,6 +306,7 @@ class TrainStoreMeta(TypedDict):
     # per step of the unit, per weight (layout order): sha256 prefix of the weight after that step (the
     # last step's is a prefix of the stored weight's own digest: read_train_store checks it)
     step_digests: list[list[HexDigest]]
+    data_files: NotRequired[dict[str, str]]  # {path: sha256} of the caches the data were read from
     env: NotRequired[dict | None]
     kernel_path: NotRequired[dict | None]
 

@@ -96,3 +96,4 @@ class TrainSummary(TypedDict):
     effects: list[TrainEffectRow]  # per stored step and estimand: the intervention against twin and floor
     losses: list[LossRow]  # per stored step and arm: training and held-out loss (paired SE against twin)
     post_hoc: NotRequired[PostHoc]
+    data_files: NotRequired[dict[str, str]]  # {path: sha256} of the caches the data were read from

@@ -192,6 +192,10 @@ def test_twin_sampling_runs_end_to_end_and_resumes_bit_identically(tmp_path):
         a, b = load(data), load(again[name])
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     assert _summary(run)["overall"] == summary["overall"]
+    # compare refuses a kind that cannot be compared there, in one line naming what to use instead
+    refused = run_twinrun([str(run), str(run / "arms" / "pin_sigma")], cwd=tmp_path, module="twinrun.compare")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "python -m twinrun.table A B" in refused.stderr and "Traceback" not in refused.stderr
 
 
 LEAKY = textwrap.dedent("""

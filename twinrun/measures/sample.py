@@ -331,4 +331,6 @@ SAMPLE = Measure(
     default_arithmetic=lambda method, device_type: {"device": device_type},  # as SampleSession's
     write_store=write_sample_store,
     verify_store=verify_sample_store,
+    not_comparable="twin sampling's arms are compared by their runs' tables (`python -m twinrun.table A B`) "
+                   "and bit for bit by `python -m twinrun.diff A B`",
 )

@@ -1,7 +1,8 @@
-"""Twin sampling (measure=sample): the samplers against a known solution, the MMD estimator against the
-truth by simulation, noise keyed per sample, and end to end on the default model: a resume that is
-bit-identical, a stochastic sampler whose replicate is bit-identical, and a 1e-7 leak in the sampler's
-conditioning that fails its gate."""
+"""Twin sampling (measure=sample): the samplers (EDM's and the flow ODE) against a known solution, the MMD
+estimator against the truth by simulation, noise keyed per sample, each sample conditioned on its own
+image's conditioning in any chunking, an objective without a sampler refused, and end to end on the
+default model: a resume that is bit-identical, a stochastic sampler whose replicate is bit-identical,
+and a 1e-7 leak in the sampler's conditioning that fails its gate."""
 
 import json
 import math
@@ -111,10 +112,16 @@ def test_the_flow_samplers_converge_to_the_exact_ode_solution_at_their_order(sam
     assert fine < 0.03 and 0.6 * 4**order < coarse / fine < 1.6 * 4**order, (coarse, fine)
 
 
-def test_an_objective_without_a_sampler_is_one_line_exit_2_before_compute(tmp_path):
-    proc = run_twinrun([*SMALL, "objective=vp", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+REFUSED = [(["objective=vp"], "objective='vp': twin sampling has samplers for objective edm, flow only"),
+           (["objective=flow", "sample.s_churn=5", "sample.loss_sigmas=[0.5]"],
+            "sample.s_churn=5.0: EDM's stochastic sampler needs objective=edm")]
+
+
+@pytest.mark.parametrize("overrides,said", REFUSED)
+def test_an_objective_without_a_sampler_is_one_line_exit_2_before_compute(tmp_path, overrides, said):
+    proc = run_twinrun([*SMALL, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "objective" in proc.stderr and "edm, flow" in proc.stderr and "Traceback" not in proc.stderr
+    assert said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run" / "arms").exists()
 
 

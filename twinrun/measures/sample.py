@@ -101,7 +101,12 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if objective.name not in samplers.ODES:
         raise ConfigError("objective", objective.name, f"twin sampling has samplers for objective "
                           f"{', '.join(samplers.ODES)} only; choose one of them")
-    objective.check("sample.loss_sigmas", sigmas)
+    try:
+        objective.check("sample.loss_sigmas", sigmas)
+    except ConfigError as err:  # the objective's own fix, with this key's example instead of the grid's
+        fix = err.fix.split("; e.g.")[0]
+        raise ConfigError("sample.loss_sigmas", sigmas, f"{fix}; the held-out loss is taken at levels of "
+                          f"objective={objective.name} (under flow e.g. [0.2,0.5,0.8])") from None
     if objective.name != "edm" and s.s_churn > 0:
         raise ConfigError("sample.s_churn", s.s_churn, f"EDM's stochastic sampler needs objective=edm; "
                           f"objective={objective.name} samples its ODE deterministically: set 0")

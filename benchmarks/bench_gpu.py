@@ -36,6 +36,7 @@ from twinrun.measures import trial
 from twinrun.measures.probe import fold_sizes
 from twinrun.measures.probe_cost import device_memory
 from twinrun.model import DiTDenoiser
+from twinrun.objectives import EDM
 from twinrun.provenance.determinism import apply_determinism
 
 N_IMAGES, N_DRAWS, N_FOLDS, SIGMA = 40, 12, 10, 0.5
@@ -88,7 +89,7 @@ def plain_backward(model, forward, names, images, eps, samples_per_call: int) ->
     leaves = [params[n] for n in names]
     clean = images.repeat_interleave(eps.shape[1], 0)
     noise = eps.flatten(0, 1)
-    weight = float(fs.edm_weight(torch.tensor(SIGMA), model.sigma_data))
+    weight = float(EDM().weight(model, torch.tensor(SIGMA)))
     total = torch.zeros(sum(p.numel() for p in leaves), device=images.device)
     largest = 0
     for start in range(0, clean.shape[0], samples_per_call):

@@ -38,6 +38,7 @@ from twinrun.interventions import Native, PinSigma
 from twinrun.measures import fold_sums as probe
 from twinrun.measures.probe import fold_sizes
 from twinrun.model import DEFAULT_ARCH, DEFAULT_WEIGHTS_PATH, DiTDenoiser, load_pretrained
+from twinrun.objectives import EDM
 
 N_IMAGES, N_DRAWS, N_FOLDS = 40, 12, 10  # the first default probe (today: conf/probe/default.yaml)
 SIGMA, SIGMA_PIN, SEED = 0.5, 1.2, 0  # a bin of the default grid; σ_pin off the gate, so the arms differ
@@ -93,7 +94,7 @@ def setup(n_draws: int | None = None, n_folds: int | None = None, model=None):
 def per_sample_loop(model, names, images, eps, fold_of_image) -> torch.Tensor:
     """The loop researchers write first: one forward and backward per (image, draw)."""
     params = dict(model.named_parameters())
-    lam = float(probe.edm_weight(torch.tensor(SIGMA), model.sigma_data))
+    lam = float(EDM().weight(model, torch.tensor(SIGMA)))
     sums = torch.zeros(int(fold_of_image.max()) + 1, sum(params[n].numel() for n in names),
                        dtype=torch.float64, device=images.device)
     sig = torch.tensor([SIGMA], device=images.device)
@@ -117,7 +118,7 @@ def batched_backward(model, names, images, eps, fold_of_image) -> None:
     n, d = eps.shape[:2]
     clean = images.repeat_interleave(d, 0)
     sig = torch.full((n * d,), SIGMA, device=images.device)
-    loss = (probe.edm_weight(sig, model.sigma_data)
+    loss = (EDM().weight(model, sig)
             * (model(clean + SIGMA * eps.flatten(0, 1), sig, sig) - clean).square().flatten(1).mean(1)).sum()
     model.zero_grad(set_to_none=True)
     loss.backward()

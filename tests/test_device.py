@@ -64,19 +64,23 @@ def test_a_device_twinrun_cannot_measure_on_is_one_line_naming_the_key(name):
 
 
 def test_the_job_resolves_the_device_against_the_gpus_it_sees(monkeypatch):
-    assert resolve_device("auto") == torch.device("cpu")  # this process: no GPU, the CPU
+    key = "probe.device"
+    assert resolve_device("auto", key=key) == torch.device("cpu")  # this process: no GPU, the CPU
     with pytest.raises(DeviceError, match=r"probe.device=cuda asks for a GPU, but this process sees none") \
             as err:
-        resolve_device("cuda")
+        resolve_device("cuda", key=key)
     assert err.value.exit_code == EXIT_DEVICE == 5
+    # the kind's own settings key is the one named (the job hands it in)
+    with pytest.raises(DeviceError, match=r"^sample.device=cuda asks for a GPU.*with sample.device=cpu"):
+        resolve_device("cuda", key="sample.device")
     with pytest.raises(DeviceError, match=r"launcher.gpus_per_node=1 asks for a GPU"):
-        resolve_device("auto", gpus=1)  # a GPU was requested and the job sees none: not silently the CPU
+        resolve_device("auto", gpus=1, key=key)  # a GPU was requested and the job sees none: not the CPU
     fake_gpus(monkeypatch, 2)  # e.g. CUDA_VISIBLE_DEVICES=5,7: the job sees them as cuda:0 and cuda:1
-    assert resolve_device("auto") == torch.device("cuda", 0)
-    assert resolve_device("cuda:1") == torch.device("cuda", 1)
-    assert resolve_device("auto", gpus=0) == torch.device("cpu")  # none requested: the CPU, as planning said
+    assert resolve_device("auto", key=key) == torch.device("cuda", 0)
+    assert resolve_device("cuda:1", key=key) == torch.device("cuda", 1)
+    assert resolve_device("auto", gpus=0, key=key) == torch.device("cpu")  # none requested: the CPU
     with pytest.raises(DeviceError, match=r"cuda:2: this process sees 2 GPUs .*cuda:0 to cuda:1"):
-        resolve_device("cuda:2")
+        resolve_device("cuda:2", key=key)
 
 
 def launcher(**settings) -> dict:

@@ -12,7 +12,8 @@ KINDS = ("probe", "train", "sample")
 # The rooms that serve every kind: neither a kind's name in their code (a string, an attribute) nor an
 # import of a kind's own module (one named for it: measures/probe.py, storage/train_store.py, ...).
 NEUTRAL = ["twinrun/storage/records.py", "twinrun/storage/rundir.py", "twinrun/publish/__init__.py",
-           "twinrun/publish/trackers/__init__.py", "twinrun/publish/table.py", "twinrun/publish/sweep.py",
+           "twinrun/compare.py", "twinrun/publish/trackers/__init__.py", "twinrun/publish/table.py",
+           "twinrun/publish/sweep.py",
            "twinrun/pipeline.py", "twinrun/env.py", "twinrun/status.py", "twinrun/table.py",
            "twinrun/measures/registry.py", "twinrun/plugins.py", "twinrun/job.py", "twinrun/plan.py",
            "twinrun/resume.py", "twinrun/reduce.py", "twinrun/app.py", "twinrun/sweep.py",

@@ -1,20 +1,25 @@
-"""Twin sampling (measure=sample): the samplers against a known solution, the MMD estimator against the
-truth by simulation, noise keyed per sample, and end to end on the default model: a resume that is
-bit-identical, a stochastic sampler whose replicate is bit-identical, and a 1e-7 leak in the sampler's
-conditioning that fails its gate."""
+"""Twin sampling (measure=sample): the samplers (EDM's and the flow ODE) against a known solution, the MMD
+estimator against the truth by simulation, noise keyed per sample, each sample conditioned on its own
+image's conditioning in any chunking, an objective without a sampler refused, and end to end on the
+default model: a resume that is bit-identical, a stochastic sampler whose replicate is bit-identical,
+and a 1e-7 leak in the sampler's conditioning that fails its gate."""
 
 import json
 import math
 import os
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
+from cond_models import cond_data, tiny
 from conftest import run_twinrun
 from safetensors.torch import load
 
+from twinrun import conditioning
 from twinrun.analysis.sample_reduce import mmd2
 from twinrun.measures import samplers
+from twinrun.measures.sample import SampleSession
 
 SMALL = ["+experiment=sample_pin_sigma", "sample.n_samples=4", "sample.chunk_samples=2", "sample.steps=3",
          "sample.device=cpu"]
@@ -85,6 +90,83 @@ def test_the_mmd_estimate_is_unbiased_and_its_se_never_understates_its_spread(sh
     assert se_ratio[0] < float(ses.mean()) / float(values.std()) < se_ratio[1]
 
 
+def flow_error(sampler: str, steps: int, mu: float = 0.7, s: float = 0.5) -> float:
+    """The flow ODE's error on data ~ N(μ, s²) with the exact velocity E[ε − x | x_t]: x_t = (1−t)x + tε
+    has variance V(t) = (1−t)²s² + t², v(x_t, t) = −μ + (t − (1−t)s²)/V·(x_t − (1−t)μ), and the ODE
+    carries x(1) = ε to exactly μ + s·ε at t = 0."""
+    def velocity(x, t):
+        t = t.reshape(-1, 1, 1, 1).double()
+        y = x.double() - (1 - t) * mu
+        return (-mu + (t - (1 - t) * s**2) / ((1 - t) ** 2 * s**2 + t**2) * y).float()
+
+    noise = torch.randn(64, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    out = samplers.integrate("flow", velocity, noise, samplers.levels("flow", steps, 0, 0, 0), sampler,
+                             DETERMINISTIC)
+    truth = mu + s * noise.double()
+    return float((out.double() - truth).abs().max() / truth.abs().max())
+
+
+@pytest.mark.parametrize("sampler,order", [("euler", 1), ("heun", 2)])
+def test_the_flow_samplers_converge_to_the_exact_ode_solution_at_their_order(sampler, order):
+    coarse, fine = flow_error(sampler, 16), flow_error(sampler, 64)
+    assert fine < 0.03 and 0.6 * 4**order < coarse / fine < 1.6 * 4**order, (coarse, fine)
+
+
+REFUSED = [(["objective=vp"], "objective='vp': twin sampling has samplers for objective edm, flow only"),
+           (["objective=flow", "sample.s_churn=5", "sample.loss_sigmas=[0.5]"],
+            "sample.s_churn=5.0: EDM's stochastic sampler needs objective=edm")]
+
+
+@pytest.mark.parametrize("overrides,said", REFUSED)
+def test_an_objective_without_a_sampler_is_one_line_exit_2_before_compute(tmp_path, overrides, said):
+    proc = run_twinrun([*SMALL, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "run" / "arms").exists()
+
+
+def _cond_session(objective: dict, loss_levels: list, n_images: int = 3) -> SampleSession:
+    config = {"seed": 5, "determinism": {}, "model": {"_target_": "cond_models.tiny"},
+              "data": {"_target_": "cond_models.cond_data", "n": n_images}, "objective": objective,
+              "sample": {"n_samples": 8, "chunk_samples": 4, "steps": 4, "sigma_max": 5.0,
+                         "loss_sigmas": loss_levels}}
+    native = {"_target_": "twinrun.interventions.Native"}
+    arm = SimpleNamespace(name="native", config={"intervention": native})
+    return SampleSession(config, [arm], torch.device("cpu"))
+
+
+def _sample_unit(session: SampleSession, first: int, count: int) -> dict:
+    u = {"index": 0, "label": "chunk", "sample": {"first": first, "count": count}}
+    session.begin_unit(u)
+    tensors, _ = session.measure(u, "native", {"config_hash": "", "env": {}, "kernel_path": ""})
+    return tensors
+
+
+@pytest.mark.parametrize("objective,levels", [({"_target_": "twinrun.objectives.EDM"}, [0.5, 2.0]),
+                                              ({"_target_": "twinrun.objectives.Flow"}, [0.3, 0.7])])
+def test_a_chunk_samples_each_sample_with_its_own_images_conditioning(objective, levels):
+    session = _cond_session(objective, levels)
+    chunk = _sample_unit(session, 2, 4)  # samples 2..5 of 3 images: conditioning rows 2, 0, 1, 2
+    _, _, cond = cond_data(3)
+    model = tiny()
+    for k, i in enumerate(range(2, 6)):
+        alone = _sample_unit(session, i, 1)
+        for name in ("samples", "loss", "features"):
+            assert torch.allclose(chunk[name][k], alone[name][0], rtol=1e-5, atol=1e-6), (name, i)
+        # ... and it is the sampler run by hand on image i mod 3's conditioning
+        own = conditioning.take(cond, [i % 3])
+        def by_hand_model(x, lev, own=own):
+            return model(x, lev, lev, **own)
+        by_hand = samplers.integrate(session.objective.name, by_hand_model,
+                                     samplers.initial_noise(5, [i], (1, 8, 8)), session.sigmas, "heun",
+                                     {"s_churn": 0.0, "s_tmin": 0.0, "s_tmax": 1e9, "s_noise": 1.0})
+        assert torch.allclose(chunk["samples"][k], by_hand[0], rtol=1e-5, atol=1e-6), i
+    assert not torch.allclose(chunk["samples"][0], chunk["samples"][3])  # one row, other noise
+    # the conditioning is part of what was sampled: other embeddings, another data digest
+    other = _cond_session(objective, levels, n_images=4)
+    assert other.identity["data_sha256"] != session.identity["data_sha256"]
+
+
 def _summary(run_dir) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -117,6 +199,10 @@ def test_twin_sampling_runs_end_to_end_and_resumes_bit_identically(tmp_path):
         a, b = load(data), load(again[name])
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     assert _summary(run)["overall"] == summary["overall"]
+    # compare refuses a kind that cannot be compared there, in one line naming what to use instead
+    refused = run_twinrun([str(run), str(run / "arms" / "pin_sigma")], cwd=tmp_path, module="twinrun.compare")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "python -m twinrun.table A B" in refused.stderr and "Traceback" not in refused.stderr
 
 
 LEAKY = textwrap.dedent("""

@@ -1,8 +1,8 @@
 """Absolute comparison of two arms: `python -m twinrun.compare A B [--force]`.
 
-Training runs (measure=train) are compared step by step instead: at every step both stored, how many
-weight tensors differ (and the first), the largest difference, B's distance from A relative to A's
-update, and B's held-out loss minus A's with its paired SE (same images, same draws).
+A kind with its own comparison (its Measure's `comparison`: training runs, step by step) is compared
+its own way, and a kind whose arms cannot be compared here (`not_comparable`: twin sampling) is refused
+in one line (exit 2), as are two sides of different kinds.
 
 A and B are run directories (their native twin, or `--arm NAME`), arm directories
 (RUN/arms/NAME; the gate replicate, RUN/arms/native_replicate, is compared at its gate bins) or
@@ -29,8 +29,6 @@ from twinrun.analysis.checks import arm_stores, close, load_run, scan_run
 from twinrun.analysis.estimands import SHIFT_VIEW
 from twinrun.analysis.reduction import registered
 from twinrun.analysis.references import cross_estimates, protocol_mismatch, reference_report
-from twinrun.analysis.train_reduce import arm_stores as train_arm_stores
-from twinrun.analysis.train_reduce import compare_stores
 from twinrun.config import STORE_IDENTITY_KEYS, ReduceConfig
 from twinrun.errors import (
     EXIT_OK,
@@ -41,12 +39,13 @@ from twinrun.errors import (
     fail,
     raise_on_signals,
 )
-from twinrun.provenance.fingerprint import kernel_path_diff
+from twinrun.measures.kind import Measure
+from twinrun.measures.registry import MEASURES, kind_of
+from twinrun.provenance.fingerprint import kernel_path_fields
 from twinrun.publish.render import pm
 from twinrun.storage.header import store_format
-from twinrun.storage.rundir import ARMS_DIR, RunDir, RunIndex
+from twinrun.storage.rundir import ARMS_DIR, RunDir
 from twinrun.storage.store import StoreReader
-from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
 
 
 def resolve(path: Path, arm: str) -> tuple[Path | None, dict]:
@@ -78,14 +77,35 @@ def common_bins(a: dict, b: dict, name_a, name_b) -> tuple[dict, dict]:
     return a, b
 
 
-def kernel_path_fields(a: dict, b: dict) -> list[str]:
-    ma, mb = next(iter(a.values())).meta, next(iter(b.values())).meta
-    sha_a = (ma.get("env") or {}).get("kernel_path_sha256")
-    sha_b = (mb.get("env") or {}).get("kernel_path_sha256")
-    if sha_a is not None and sha_a == sha_b and ma.get("kernel_path") == mb.get("kernel_path"):
-        return []
-    return (kernel_path_diff(ma.get("kernel_path") or {}, mb.get("kernel_path") or {})
-            or ["kernel_path_sha256"])
+def side_kind(path: Path) -> Measure | None:
+    """The kind of a run, one of its arm directories or a store (by the format it names); None for
+    anything else (resolve then says what is wrong with it)."""
+    path = Path(path)
+    if path.is_file():
+        fmt = store_format(path)
+        return next((m for m in MEASURES.values() if m.store_format == fmt), None)
+    run = path if RunDir(path).is_run() else path.parent.parent
+    if run != path and path.parent.name != ARMS_DIR or not RunDir(run).is_run():
+        return None
+    return kind_of(run)
+
+
+def comparable_kind(a: Path, b: Path) -> Measure | None:
+    """The kind both sides are (None: compared bin by bin as stores of the default format), or a one-line
+    refusal: sides of different kinds, or a kind whose arms cannot be compared here."""
+    ka, kb = side_kind(a), side_kind(b)
+    for path, kind in ((a, ka), (b, kb)):
+        if kind is not None and kind.not_comparable is not None:
+            raise TwinrunError(f"{path} is {_kind_words(kind)}: {kind.not_comparable}")
+    kind = ka or kb
+    names = {k.name if k is not None else None for k in (ka, kb)}
+    if len(names) > 1 and (None not in names or kind.comparison is not None):
+        raise TwinrunError(f"{a} is {_kind_words(ka)} and {b} is {_kind_words(kb)}: compare arms of one kind")
+    return kind
+
+
+def _kind_words(kind: Measure | None) -> str:
+    return "no twinrun run, arm or store" if kind is None else f"a measure={kind.name} run, arm or store"
 
 
 def measured_fields(a: dict, b: dict) -> list[str]:
@@ -133,51 +153,6 @@ def vouched(run_a: Path | None, run_b: Path | None) -> bool:
     return bool(verdict["alive"])
 
 
-def train_side(path: Path, arm: str) -> dict | None:
-    """{stored step: store} when `path` is a training run (its arm `arm`), one of its arm directories or a
-    training store; None for anything else (the probe's inputs)."""
-    path = Path(path)
-    if path.is_file():
-        if store_format(path) != TRAIN_STORE_FORMAT:
-            return None
-        store = read_train_store(path)
-        return {store.meta["to_step"]: store}
-    run, name = (path, arm) if RunDir(path).is_run() else (path.parent.parent, path.name)
-    if run != path and path.parent.name != ARMS_DIR:
-        return None
-    if not RunDir(run).is_run() or RunIndex.load(run).measure != "train":
-        return None
-    return train_arm_stores(run, name)
-
-
-def compare_training(args, a: dict | None, b: dict | None) -> int:
-    """Two training arms (runs, arm directories or stores) at every step both stored; refused across
-    kernel paths as the probe's comparison is."""
-    if a is None or b is None:
-        raise TwinrunError(f"{args.a if a is None else args.b} is not a training run, arm or store, and the "
-                           "other is: compare training with training (a probe with a probe)")
-    fields = kernel_path_fields(a, b)
-    if fields and not args.force:
-        print(f"twinrun: refused: {args.a} and {args.b} ran on different kernel paths (differs in "
-              f"{', '.join(fields)}); two training runs on different paths differ by that path's chaos, "
-              "not by anything they did: pass --force to see the numbers anyway", file=sys.stderr)
-        return EXIT_REFUSED
-    rows = compare_stores(a, b)
-    label = f"INVALID: kernel paths differ ({', '.join(fields)})" if fields else "valid: one kernel path"
-    mark = "  INVALID" if fields else ""
-    print(f"twinrun compare (training): {args.a} vs {args.b} [{label}]")
-    print(f"  {'step':>6} {'tensors differ':>15} {'first':<28} {'max |Δ|':>10} {'rel. dist':>10} "
-          f"{'cos upd':>9} {'held-out B − A ± paired se':>28}")
-    for r in rows:
-        held = "–" if r["heldout_diff"] is None else f"{r['heldout_diff']:+.3e} ± {r['heldout_diff_se']:.1e}"
-        dist = "–" if r["distance"] is None else f"{r['distance']:.3e}"
-        cos = "–" if r["cos"] is None else f"{r['cos']:.6f}"
-        count = f"{r['n_differ']} / {r['n_tensors']}"
-        print(f"  {r['step']:>6} {count:>15} {r['first_tensor'] or '–':<28} "
-              f"{r['max_abs_diff']:>10.3e} {dist:>10} {cos:>9} {held:>28}{mark}")
-    return EXIT_REFUSED if fields else EXIT_OK
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m twinrun.compare", description=__doc__.splitlines()[0],
@@ -194,9 +169,10 @@ def main(argv=None) -> int:
     raise_on_signals()
     a, b = {}, {}
     try:
-        ta, tb = train_side(args.a, args.arm), train_side(args.b, args.arm)
-        if ta is not None or tb is not None:
-            return compare_training(args, ta, tb)
+        kind = comparable_kind(args.a, args.b)
+        if kind is not None and kind.comparison is not None:
+            own = kind.comparison
+            return own.compare(args, own.side(args.a, args.arm), own.side(args.b, args.arm))
         run_a, a = resolve(args.a, args.arm)
         run_b, b = resolve(args.b, args.arm)
         a, b = common_bins(a, b, args.a, args.b)

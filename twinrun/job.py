@@ -119,7 +119,7 @@ def _measure(index: RunIndex, arms: list, units: list[int] | None, gpus: int | N
         todo = index.units[todo[0]["index"]:]
     with recorded_before_units(index, todo):
         # Judged here, on the node that measures (the planning host may have no GPU at all).
-        device = resolve_device(kind.device(config), gpus, f"{kind.settings_key}.device")
+        device = resolve_device(kind.device(config), gpus, key=f"{kind.settings_key}.device")
         print(f"twinrun: measuring on {describe_device(device)}", flush=True)
         pin = open_pin(index, config, kind.compiles(config), device)  # a replay's bundle: before any compile
         session = kind.open_session(config, arms, device)

@@ -19,10 +19,10 @@ from tqdm import tqdm
 
 from twinrun.data import heldout_indices, load_digits_images, sigma_data_of, train_indices
 from twinrun.errors import TwinrunError, fail
-from twinrun.measures.fold_sums import edm_weight
 from twinrun.measures.train_step import P_MEAN, P_STD
 from twinrun.model import DEFAULT_ARCH, DEFAULT_WEIGHTS_PATH, DiTDenoiser, save_pretrained
 from twinrun.model import TRAIN_COMMAND as TRAIN_PROG
+from twinrun.objectives import EDM
 
 DEFAULT_STEPS = 4000
 DEFAULT_SEED = 0
@@ -58,7 +58,7 @@ def edm_loss(model: DiTDenoiser, images: torch.Tensor, generator: torch.Generato
     noise = torch.randn(images.shape, generator=generator)
     # lambda(sigma) makes the effective target unit-variance; twin training runs use the same loss
     # (twinrun/measures/train_step.py), written per sample.
-    weight = edm_weight(sigma, model.sigma_data).reshape(batch, 1, 1, 1)
+    weight = EDM().weight(model, sigma).reshape(batch, 1, 1, 1)  # the edm objective's λ(σ)
     denoised = model(images + sigma.reshape(batch, 1, 1, 1) * noise, sigma)
     return (weight * (denoised - images) ** 2).mean()
 

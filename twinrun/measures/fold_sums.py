@@ -24,7 +24,7 @@ from torch.func import functional_call, vmap
 from twinrun import conditioning
 from twinrun.errors import EXIT_GATE, ConfigError, TwinrunError
 from twinrun.measures.modes import shared_stream, stream_seed
-from twinrun.objectives import EDM, Objective, edm_weight  # noqa: F401 (edm_weight: its old home)
+from twinrun.objectives import EDM, Objective
 
 # The functions' own default chunk, 40 images x 6 draws (chosen for bench_probe.py's first protocol of
 # 40 images x 12 draws): one vmapped call takes CHUNK_IMAGES images x CHUNK_DRAWS draws; -1 = no limit.

@@ -54,6 +54,14 @@ class Session(Protocol):
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """How `python -m twinrun.compare` compares two arms of a kind that has its own comparison."""
+
+    side: Callable[[Path, str], dict]  # (path, arm) -> {unit: store} of a run, arm directory or store
+    compare: Callable[[object, dict, dict], int]  # (args, side A, side B) -> exit code; prints the rows
+
+
+@dataclass(frozen=True)
 class Measure:
     """One measurement kind, as MEASURES lists it."""
 
@@ -110,6 +118,11 @@ class Measure:
     # (None: storage/store.py's verify_store); a resume and status judge its stores by it
     verify_store: Callable | None = None
     methods: tuple[str, ...] = ()  # the values its `method` may resolve to (`twinrun.env --method`)
+    # How `python -m twinrun.compare` compares two of its arms: None, bin by bin as stores of the default
+    # format (STORE_FORMAT) are; a Comparison, its own way. `not_comparable`: why its arms cannot be
+    # compared there and what to use instead (one line; the command refuses with exit 2).
+    comparison: Comparison | None = None
+    not_comparable: str | None = None
 
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
@@ -136,13 +149,14 @@ def parse_device(key: str, name) -> tuple[str, int | None]:
                       f"use {DEVICE_CHOICES}")
 
 
-def resolve_device(name: str, gpus: int | None = None, key: str = "probe.device") -> torch.device:
+def resolve_device(name: str, gpus: int | None = None, *, key: str) -> torch.device:
     """The device a job measures on, judged where it runs: `auto` is the GPU when this process has one
     (cuda:0 of the GPUs it sees, e.g. the one CUDA_VISIBLE_DEVICES gives it), else the CPU.
 
     `gpus`: how many GPUs the launcher requested for this job (None: in this process, whatever it
     sees). `auto` with none requested is the CPU; a GPU asked for (cuda[:N], or `auto` with GPUs
-    requested) that this process does not see is a DeviceError (exit 5), before any unit."""
+    requested) that this process does not see is a DeviceError (exit 5), before any unit. `key`: the
+    setting's name in messages (the kind's `<settings_key>.device`)."""
     kind, index = parse_device(key, name)
     if kind == "cpu" or (kind == "auto" and gpus == 0):
         return torch.device("cpu")

@@ -2,7 +2,9 @@
 intervention acting on the denoiser at every sampler step; a unit is a chunk of samples.
 
 Each arm's store holds its chunk of samples and each sample's held-out denoising loss (the native
-model's EDM loss on the sample at sample.loss_sigmas, on keyed noise the same in every arm). The twin's
+model's loss under the run's objective at sample.loss_sigmas, on keyed noise the same in every arm);
+sample i is conditioned on image i's conditioning (cycling when there are more samples than images),
+and under objective=flow the sampler integrates the flow ODE (samplers.py). The twin's
 replicate is an arm of every run: on a deterministic path it is bit-identical to the twin, and so must
 be the machinery arm (the intervention's code at its no-op setting) where the intervention declares one.
 The reading (analysis/sample_reduce.py) is paired over samples: each arm's distance to the twin's
@@ -18,14 +20,14 @@ from typing import TypedDict
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from twinrun import conditioning
 from twinrun.analysis.sample_reduce import reduce_sample
-from twinrun.config import DeterminismConfig, SampleConfig, build, typed
+from twinrun.config import DeterminismConfig, SampleConfig, build, objective_of, typed
 from twinrun.draws import keyed_normal
 from twinrun.errors import ConfigError, TwinrunError
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import samplers
 from twinrun.measures.failures import as_model_error, failing_frame, first_line
-from twinrun.measures.fold_sums import edm_weight
 from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
@@ -39,9 +41,9 @@ from twinrun.storage.sample_store import (
 )
 
 # What two sampling runs must share to have sampled the same thing (a comparison's check).
-SAMPLE_PROTOCOL_KEYS = ("seed", "sample.n_samples", "sample.sampler", "sample.steps", "sample.sigma_min",
-                        "sample.sigma_max", "sample.rho", "sample.s_churn", "sample.s_tmin", "sample.s_tmax",
-                        "sample.s_noise", "sample.loss_sigmas")
+SAMPLE_PROTOCOL_KEYS = ("data", "objective", "seed", "sample.n_samples", "sample.sampler", "sample.steps",
+                        "sample.sigma_min", "sample.sigma_max", "sample.rho", "sample.s_churn",
+                        "sample.s_tmin", "sample.s_tmax", "sample.s_noise", "sample.loss_sigmas")
 # Where an intervention can act while sampling; one that overrides neither acts nowhere.
 SAMPLING_HOOKS = ("sigma_cond", "attach")
 LOSS_STREAM = b"twinrun/sample-loss/v1"
@@ -94,17 +96,32 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if s.features is not None and not (isinstance(s.features, DictConfig) and "_target_" in s.features):
         raise ConfigError("sample.features", s.features, "must be null (random features) or a node with a "
                           "_target_ building a torch.nn.Module that maps [B, C, H, W] to [B, F]")
+    objective = objective_of(OmegaConf.to_container(cfg.objective, resolve=True) if "objective" in cfg
+                             else None)
+    if objective.name not in samplers.ODES:
+        raise ConfigError("objective", objective.name, f"twin sampling has samplers for objective "
+                          f"{', '.join(samplers.ODES)} only; choose one of them")
+    try:
+        objective.check("sample.loss_sigmas", sigmas)
+    except ConfigError as err:  # the objective's own fix, with this key's example instead of the grid's
+        fix = err.fix.split("; e.g.")[0]
+        raise ConfigError("sample.loss_sigmas", sigmas, f"{fix}; the held-out loss is taken at levels of "
+                          f"objective={objective.name} (under flow e.g. [0.2,0.5,0.8])") from None
+    if objective.name != "edm" and s.s_churn > 0:
+        raise ConfigError("sample.s_churn", s.s_churn, f"EDM's stochastic sampler needs objective=edm; "
+                          f"objective={objective.name} samples its ODE deterministically: set 0")
     parse_device("sample.device", s.device)  # its spelling only: the job judges the GPU where it runs
     if cfg.reference is not None:
         raise ConfigError("reference", cfg.reference, "a sampling run takes no reference: compare two "
                           "sampling runs by their tables (`python -m twinrun.table A B`)")
     check_sampling_intervention(intervention)
-    schedule = torch.tensor(samplers.edm_sigmas(s.steps, s.sigma_min, s.sigma_max, s.rho)[:-1])
+    schedule = torch.tensor(samplers.levels(objective.name, s.steps, s.sigma_min, s.sigma_max, s.rho)[:-1])
     fed = intervention.sigma_cond(schedule.float())
     if not bool(torch.isfinite(fed).all() and (fed > 0).all()):
         raise ConfigError(f"intervention({type(intervention).__name__})", str(intervention), "feeds a σ_cond "
                           "that is not a positive finite number at some step of the sampler's schedule")
-    images, _ = build(OmegaConf.to_container(cfg.data, resolve=True), "data")
+    images, _, cond = conditioning.split(build(OmegaConf.to_container(cfg.data, resolve=True), "data"))
+    conditioning.check(cond, images.shape[0])
     return tuple(images.shape[1:])
 
 
@@ -141,6 +158,11 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     s = typed(SampleConfig, arms[0].config["sample"], "sample")
     model = build(arms[0].config["model"], "model").eval()
     intervention.check_model(model)
+    objective = objective_of(arms[0].config.get("objective"))
+    objective.check_model(model)
+    images, _, cond = conditioning.split(build(arms[0].config["data"], "data"))
+    conditioning.check(cond, images.shape[0], model)
+    grid = samplers.levels(objective.name, 1, s.sigma_min, s.sigma_max, s.rho)
     tried = set()
     for arm in arms:
         code = str(arm.config["intervention"])
@@ -150,8 +172,9 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
         arm_intervention = build(arm.config["intervention"], "intervention")
         try:
             with torch.no_grad(), attached(arm_intervention, model):
-                samplers.sample(_denoiser(model, arm_intervention), torch.zeros(1, *shape),
-                                [s.sigma_max, 0.0], "euler", {**_churn(s), "s_churn": 0.0})
+                first = _denoiser(model, arm_intervention, conditioning.take(cond, [0]))
+                samplers.integrate(objective.name, first, torch.zeros(1, *shape), grid, "euler",
+                                   {**_churn(s), "s_churn": 0.0})
         except TwinrunError:
             raise
         except Exception as err:  # noqa: BLE001 — user code may raise anything: one line, exit 2
@@ -173,9 +196,10 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     return Plan(units=units, store_bytes=store_bytes)
 
 
-def _denoiser(model: torch.nn.Module, intervention: Intervention):
-    """D(x; σ) as the arm sees it: its σ_cond at every step (its hooks are attached by the caller)."""
-    return lambda x, sigma: model(x, sigma, intervention.sigma_cond(sigma))
+def _denoiser(model: torch.nn.Module, intervention: Intervention, cond: dict):
+    """The model as a function of (x, level) as the arm sees it: its level_cond at every step, and each
+    sample's own conditioning rows `cond` (its hooks are attached by the caller)."""
+    return lambda x, level: model(x, level, intervention.sigma_cond(level), **cond)
 
 
 def _churn(s: SampleConfig) -> dict:
@@ -197,12 +221,16 @@ class SampleSession:
         pinned = typed(DeterminismConfig, config["determinism"], "determinism").enabled
         with switches_kept(f"model._target_={config['model'].get('_target_')}", pinned):
             self.model = build(config["model"], "model").to(device).eval()
-        images, _ = build(config["data"], "data")
+        images, _, self.cond = conditioning.split(build(config["data"], "data"))
         self.shape = tuple(images.shape[1:])
+        self.objective = objective_of(config.get("objective"))
         self.interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
-        self.sigmas = samplers.edm_sigmas(self.s.steps, self.s.sigma_min, self.s.sigma_max, self.s.rho)
+        self.sigmas = samplers.levels(self.objective.name, self.s.steps, self.s.sigma_min, self.s.sigma_max,
+                                      self.s.rho)
+        # What was sampled: the loss levels and the conditioning (none: the digest as before it existed).
         self.identity = {"model_sha256": model_sha256(self.model),
-                         "data_sha256": tensors_sha256([("loss_sigmas", torch.tensor(self.s.loss_sigmas))])}
+                         "data_sha256": tensors_sha256([("loss_sigmas", torch.tensor(self.s.loss_sigmas)),
+                                                        *conditioning.digest_items(self.cond)])}
         if getattr(self.model, "adapter_sha256", None) is not None:  # a LoRA adapter's file content
             self.identity["adapter_sha256"] = self.model.adapter_sha256
         self.features = (build(config["sample"]["features"], "sample.features").to(device).eval()
@@ -213,18 +241,23 @@ class SampleSession:
             phase = keyed_normal(FEATURE_STREAM, FEATURE_SEED, (1,), (m,)).remainder(1.0) * 2 * math.pi
             self.w, self.b = w.to(device), phase.to(device)
         self.noise = self.step_noise = self.loss_noise = None
+        self.unit_cond: dict = {}
         self.noise_digest = ""
 
     def arithmetic(self) -> dict:
         return {"device": self.device.type}
 
     def sentinel(self) -> dict:
-        return read_sentinel(self.model, self.device, self.shape)
+        return read_sentinel(conditioning.with_first(self.model, conditioning.to(self.cond, self.device)),
+                             self.device, self.shape)
 
     def begin_unit(self, u: UnitEntry) -> None:
         # This chunk's noise, keyed by (seed, sample index[, step]): the same for every arm.
         ids = list(range(u["sample"]["first"], u["sample"]["first"] + u["sample"]["count"]))
         self.noise = samplers.initial_noise(self.seed, ids, self.shape)
+        # Sample i's conditioning is image i's (cycling through the images), sliced as the samples are.
+        rows = torch.tensor(ids, dtype=torch.long) % images_of(self.cond, len(ids))
+        self.unit_cond = conditioning.to(conditioning.take(self.cond, rows), self.device)
         churned = [k for k, s in enumerate(self.sigmas[:-1])
                    if samplers.gamma_of(s, self.s.steps, self.s.s_churn, self.s.s_tmin, self.s.s_tmax) > 0]
         self.step_noise = {k: samplers.step_noise(self.seed, ids, k, self.shape) for k in churned}
@@ -240,7 +273,8 @@ class SampleSession:
         intervention = self.interventions[arm]
         with torch.no_grad():
             with attached(intervention, self.model):
-                x = as_model_error(arm, u, samplers.sample, _denoiser(self.model, intervention),
+                x = as_model_error(arm, u, samplers.integrate, self.objective.name,
+                                   _denoiser(self.model, intervention, self.unit_cond),
                                    self.noise.to(self.device), self.sigmas, self.s.sampler, _churn(self.s),
                                    lambda k: self.step_noise[k])
             loss = as_model_error(arm, u, self.heldout_loss, x)
@@ -259,16 +293,23 @@ class SampleSession:
         return math.sqrt(2.0 / self.w.shape[1]) * torch.cos(x.flatten(1) @ self.w + self.b)
 
     def heldout_loss(self, x: torch.Tensor) -> torch.Tensor:
-        """[n, L]: the native model's EDM loss on each sample at each loss σ (no intervention: the same
-        yardstick for every arm), on the chunk's keyed noise."""
-        out = []
-        for j, sigma in enumerate(self.s.loss_sigmas):
-            sig = torch.full((x.shape[0],), float(sigma), device=self.device)
+        """[n, L]: the native model's loss under the run's objective on each sample at each loss level (no
+        intervention: the same yardstick for every arm), on the chunk's keyed noise and each sample's
+        own conditioning."""
+        out, obj = [], self.objective
+        for j, level in enumerate(self.s.loss_sigmas):
+            lev = torch.full((x.shape[0],), float(level), device=self.device)
             eps = self.loss_noise[:, j].to(self.device)
-            denoised = self.model(x + float(sigma) * eps, sig)
-            weight = float(edm_weight(torch.tensor(float(sigma), dtype=torch.float64), self.model.sigma_data))
-            out.append(weight * ((denoised - x) ** 2).flatten(1).mean(1))
+            output = self.model(obj.noisy(self.model, x, eps, lev), lev, **self.unit_cond)
+            # λ(level) in float64, applied as one number (the level is the same for every sample)
+            weight = float(obj.weight(self.model, torch.tensor(float(level), dtype=torch.float64)))
+            out.append(weight * ((output - obj.target(self.model, x, eps, lev)) ** 2).flatten(1).mean(1))
         return torch.stack(out, 1).float()
+
+
+def images_of(cond: dict, default: int) -> int:
+    """How many images the conditioning has rows for (`default` without conditioning: any row count)."""
+    return next(iter(cond.values())).shape[0] if cond else default
 
 
 SAMPLE = Measure(
@@ -295,4 +336,6 @@ SAMPLE = Measure(
     default_arithmetic=lambda method, device_type: {"device": device_type},  # as SampleSession's
     write_store=write_sample_store,
     verify_store=verify_sample_store,
+    not_comparable="twin sampling's arms are compared by their runs' tables (`python -m twinrun.table A B`) "
+                   "and bit for bit by `python -m twinrun.diff A B`",
 )

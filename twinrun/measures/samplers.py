@@ -1,14 +1,17 @@
-"""The samplers twin sampling runs (measure=sample): EDM's deterministic Heun and Euler samplers and
-their stochastic variant (Karras et al. 2022, Algorithms 1 and 2), on keyed noise.
+"""The samplers twin sampling runs (measure=sample), one ODE per objective: under `edm`, EDM's
+deterministic Heun and Euler samplers and their stochastic variant (Karras et al. 2022, Algorithms 1
+and 2); under `flow`, the rectified-flow ODE dx/dt = v(x, t) from t = 1 to 0 (Euler or Heun), all on
+keyed noise.
 
 Every random number a sample consumes is a pure function of (seed, sample index[, step]) — its initial
 noise and, with s_churn > 0, its noise at each step — drawn on the CPU (twinrun/draws.py) and only then
 moved to the device. So every arm, any chunking and a resume see the same noise for the same sample,
 and the arms differ only by what the intervention does to the denoiser.
 
-A sampler here takes `denoise(x, sigma) -> D(x; σ)` (the arm's model with its σ_cond and hooks) and
-the schedule; the flow-matching ODE of the `objective` config group is one more entry of SAMPLERS once
-that group exists (its velocity field replaces `denoise`), nothing else changes.
+A sampler here takes the arm's model as a function of (x, level) — with its level_cond, hooks and each
+sample's conditioning bound by the caller — and the objective's grid of levels (`levels`): D(x; σ)
+on EDM's σ schedule, the velocity v(x, t) on a uniform t grid for flow. ODES names the objectives a
+sampler exists for; another objective (vp) is refused before any compute.
 """
 
 import itertools
@@ -77,4 +80,38 @@ def _denoised(denoise: Callable, x: torch.Tensor, sigma: float) -> torch.Tensor:
     return denoise(x.float(), sig).to(torch.float64)
 
 
-SAMPLERS = ("heun", "euler")  # the flow ODE joins when the objectives exist (see the module's docstring)
+def flow_times(steps: int) -> list[float]:
+    """The flow ODE's grid: `steps` uniform steps of t from 1 (pure noise) to 0 (the sample), float64."""
+    return [1.0 - k / steps for k in range(steps)] + [0.0]
+
+
+def sample_flow(velocity: Callable, noise: torch.Tensor, times: list[float], sampler: str) -> torch.Tensor:
+    """The samples [B, *shape] of dx/dt = v(x, t) integrated from x(1) = `noise` (the keyed ε) to t = 0.
+
+    sampler: heun | euler. Heun's correction is skipped on the last step, as EDM's is: the model is never
+    evaluated at t = 0, outside the levels flow training draws (0, 1)."""
+    x = noise.to(torch.float64)
+    for t_cur, t_next in itertools.pairwise(times):
+        v = _denoised(velocity, x, t_cur)
+        x_next = x + (t_next - t_cur) * v
+        if sampler == "heun" and t_next > 0:
+            x_next = x + (t_next - t_cur) * 0.5 * (v + _denoised(velocity, x_next, t_next))
+        x = x_next
+    return x.float()
+
+
+SAMPLERS = ("heun", "euler")  # sample.sampler: each integrates whichever objective's ODE the run has
+ODES = ("edm", "flow")  # the objectives (by name) a sampler exists for
+
+
+def levels(objective: str, steps: int, sigma_min: float, sigma_max: float, rho: float) -> list[float]:
+    """The objective's grid of levels a sampler visits, ending at 0."""
+    return flow_times(steps) if objective == "flow" else edm_sigmas(steps, sigma_min, sigma_max, rho)
+
+
+def integrate(objective: str, model: Callable, noise: torch.Tensor, grid: list[float], sampler: str,
+              churn: dict, noise_at: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+    """The objective's sampler: `model(x, level)` is D(x; σ) under edm, v(x, t) under flow."""
+    if objective == "flow":
+        return sample_flow(model, noise, grid, sampler)
+    return sample(model, noise, grid, sampler, churn, noise_at)

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from twinrun import caches, conditioning, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
+from twinrun.analysis.train_compare import compare_training, train_side
 from twinrun.analysis.train_reduce import reduce_train, refuse_derived
 from twinrun.config import TrainConfig, build, objective_of, typed
 from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunError
@@ -31,7 +32,7 @@ from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
 from twinrun.measures.failures import as_model_error, failing_frame, first_line, is_out_of_memory
-from twinrun.measures.kind import Measure, Plan, parse_device
+from twinrun.measures.kind import Comparison, Measure, Plan, parse_device
 from twinrun.measures.train_offload import OFFLOADS, Parking, layout_line
 from twinrun.measures.train_override import arm_train, check_override, validate_arm_settings
 from twinrun.measures.train_state import (
@@ -498,4 +499,5 @@ TRAIN = Measure(
     tracker_rows=train_rows.tracker_rows,
     tracker_step="step",  # its curves line up with the researcher's own training logs
     sweep_point=train_rows.sweep_point,
+    comparison=Comparison(side=train_side, compare=compare_training),  # step by step, not bin by bin
 )

@@ -453,3 +453,15 @@ def _flatten(tree, prefix: str = "") -> dict:
     if not flat and prefix:  # an empty dict/list is a value of its own (e.g. no GPUs)
         flat[prefix] = tree
     return flat
+
+
+def kernel_path_fields(a: dict, b: dict) -> list[str]:
+    """The kernel-path fields in which two compared sides ({unit: store}) differ, by their first stores'
+    records (none: one kernel path)."""
+    ma, mb = next(iter(a.values())).meta, next(iter(b.values())).meta
+    sha_a = (ma.get("env") or {}).get("kernel_path_sha256")
+    sha_b = (mb.get("env") or {}).get("kernel_path_sha256")
+    if sha_a is not None and sha_a == sha_b and ma.get("kernel_path") == mb.get("kernel_path"):
+        return []
+    return (kernel_path_diff(ma.get("kernel_path") or {}, mb.get("kernel_path") or {})
+            or ["kernel_path_sha256"])

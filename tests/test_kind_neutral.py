@@ -17,7 +17,7 @@ NEUTRAL = ["twinrun/storage/records.py", "twinrun/storage/rundir.py", "twinrun/p
            "twinrun/pipeline.py", "twinrun/env.py", "twinrun/status.py", "twinrun/table.py",
            "twinrun/measures/registry.py", "twinrun/plugins.py", "twinrun/job.py", "twinrun/plan.py",
            "twinrun/resume.py", "twinrun/reduce.py", "twinrun/app.py", "twinrun/sweep.py",
-           "twinrun/analysis/reduction.py", "twinrun/measures/failures.py",
+           "twinrun/analysis/reduction.py", "twinrun/analysis/vouch.py", "twinrun/measures/failures.py",
            *(str(p.relative_to(REPO)) for p in sorted((REPO / "twinrun" / "launchers").glob("*.py")))]
 # Each may still name a kind where the built-in table is declared: the one registration.
 REGISTRATION = {("twinrun/measures/registry.py", "twinrun.measures.probe"),

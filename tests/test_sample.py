@@ -203,6 +203,13 @@ def test_twin_sampling_runs_end_to_end_and_resumes_bit_identically(tmp_path):
     refused = run_twinrun([str(run), str(run / "arms" / "pin_sigma")], cwd=tmp_path, module="twinrun.compare")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "python -m twinrun.table A B" in refused.stderr and "Traceback" not in refused.stderr
+    # Held to the one reader standard (analysis/vouch.py): an arm's config.yaml edited by hand is one
+    # line naming it, exit 2, never a reading.
+    config = run / "arms" / "pin_sigma" / "config.yaml"
+    config.write_text(config.read_text().replace("seed: 0", "seed: 1"))
+    edited = run_twinrun([str(run)], cwd=tmp_path, module="twinrun.reduce")
+    assert edited.returncode == 2 and len(edited.stderr.strip().splitlines()) == 1, edited.stderr
+    assert "config.yaml" in edited.stderr and "Traceback" not in edited.stderr
 
 
 LEAKY = textwrap.dedent("""

@@ -18,7 +18,7 @@ from twinrun import data as data_mod
 from twinrun.analysis.estimands import check_estimands, check_groups
 from twinrun.analysis.reduction import check, provenance_checks
 from twinrun.analysis.scan import Scan, scan
-from twinrun.analysis.vouch import Voucher
+from twinrun.analysis.vouch import StoreRules, Voucher
 from twinrun.config import (
     STORE_IDENTITY_KEYS,
     STORE_PROTOCOL_KEYS,
@@ -44,6 +44,15 @@ class Bin(NamedTuple):
     sigma: float
     gate: bool
     stores: dict  # arm -> its run.json store entry
+
+
+# What each of the probe's stores must agree with (analysis/vouch.py): its bin's σ, its arm's seed and
+# protocol, the first store's image ids and fold sizes, and twinrun's own data set's ids.
+PROBE_STORE_RULES = StoreRules("bin_index", {"sigma": "sigma"},
+                               {"seed": "seed", "n_images": "probe.n_images", "n_draws": "probe.n_draws"},
+                               ("image_ids", "fold_sizes"),
+                               {"image_ids": "probe.n_images", "fold_sizes": "probe.n_folds"},
+                               ("image_ids", "probe.n_images"))
 
 
 def bins_of(index: RunIndex) -> list[Bin]:
@@ -87,7 +96,7 @@ def load_run(run_dir: Path) -> tuple[RunIndex, dict]:
         check_groups(index.registered.get("groups") or {})
     except TwinrunError as err:
         raise StoreError(run_json, f"field registered.groups: {err}") from None
-    voucher = Voucher(index)  # every config.yaml held to run.json's hash, every store to the probe's rules
+    voucher = Voucher(index, PROBE_STORE_RULES)  # every config.yaml held to its hash, every store to these
     configs = voucher.configs
     wanted = _wanted(index)
     ensure_descriptors(len(wanted), f"reading the {len(wanted)} stores of {index.run_dir.path}")

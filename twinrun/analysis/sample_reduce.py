@@ -29,6 +29,7 @@ from twinrun.analysis.reduction import (
     used_settings,
     view_name,
 )
+from twinrun.analysis.vouch import StoreRules, Voucher
 from twinrun.errors import StoreError
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.sample_store import read_sample_store
@@ -36,19 +37,26 @@ from twinrun.storage.sample_store import read_sample_store
 SAMPLE_METRICS = ("distance", "loss", "mmd")
 
 
+# What each sampling store must agree with (analysis/vouch.py): its chunk's samples, its arm's seed and
+# sampler settings, the first store's held-out loss levels.
+SAMPLE_STORE_RULES = StoreRules("unit_index", {"first": "first", "count": "count"},
+                                {"seed": "seed", "sampler": "sample.sampler", "steps": "sample.steps"},
+                                ("loss_sigmas",))
+
+
 def read_stores(index: RunIndex) -> dict:
-    """{(arm, unit index): (tensors, meta)} of every arm's store in every unit, each checked whole."""
+    """{(arm, unit index): (tensors, meta)} of every arm's store in every unit, each checked whole and
+    held to the run (its config.yaml to run.json's hash, its chunk, seed, sampler and kernel path)."""
+    voucher = Voucher(index, SAMPLE_STORE_RULES)
     out = {}
     for u in index.units:
         for arm, entry in u["stores"].items():
             if entry["status"] != "done":
                 raise StoreError(index.run_dir.run_json, f"{u['label']} of arm {arm} is not measured: resume "
                                  f"it first (`python -m twinrun.resume {index.run_dir.path}`)")
-            tensors, meta = read_sample_store(index.store_path(u, arm), entry["sha256"])
-            if (meta["arm"], meta["unit_index"], meta["first"], meta["count"]) != (
-                    arm, u["index"], u[index.measure]["first"], u[index.measure]["count"]):
-                raise StoreError(index.store_path(u, arm), "belongs to another arm or chunk than run.json "
-                                 "says")
+            path = index.store_path(u, arm)
+            tensors, meta = read_sample_store(path, entry["sha256"])
+            voucher.store(u, arm, path, meta)
             out[arm, u["index"]] = (tensors, meta)
     return out
 
@@ -56,8 +64,8 @@ def read_stores(index: RunIndex) -> dict:
 def validity_checks(index: RunIndex, stores: dict) -> list[dict]:
     """The arms' configs differ only in `intervention`; every arm consumed the same noise in every
     chunk; one sampler and loss protocol in every store; then the provenance every kind is held to."""
-    rd, names = index.run_dir, index.arm_names
-    configs = {a: {k: v for k, v in rd.read_arm_config(a).items() if k != "intervention"} for a in names}
+    names = index.arm_names
+    configs = {a: {k: v for k, v in index.arm_config(a).items() if k != "intervention"} for a in names}
     differ = [a for a in names if configs[a] != configs[names[0]]]
     out = [check("configs_differ_only_in_intervention", not differ,
                  "ok" if not differ else f"arms {differ} differ outside `intervention`")]

@@ -27,7 +27,7 @@ from twinrun.analysis.reduction import (
     used_settings,
     view_name,
 )
-from twinrun.analysis.vouch import Voucher, check_step_digests
+from twinrun.analysis.vouch import StoreRules, Voucher, check_step_digests
 from twinrun.config import TrainConfig, typed
 from twinrun.errors import ConfigError, StoreError, TwinrunError
 from twinrun.storage.rundir import RunIndex
@@ -52,6 +52,13 @@ class Run:
 
     def all_of(self, role: str) -> list[str]:
         return self.by_role.get(role) or ([self.roles[role]] if role in self.roles else [])
+
+
+# What each training store must agree with (analysis/vouch.py): its segment's steps, its arm's seed, the
+# first store's held-out ids (as many as train.heldout_images), twinrun's own data set's ids.
+TRAIN_STORE_RULES = StoreRules("unit_index", {"from_step": "from_step", "to_step": "to_step"},
+                               {"seed": "seed"}, ("heldout_ids",), {"heldout_ids": "train.heldout_images"},
+                               ("heldout_ids", "train.heldout_images"))
 
 
 def _store(index: RunIndex, u: dict, arm: str, voucher: Voucher) -> TrainStore:
@@ -125,7 +132,7 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
     for a in index.arms:
         by_role.setdefault(a["role"], []).append(a["name"])
     roles = {role: names[0] for role, names in by_role.items()}
-    voucher = Voucher(index)  # every config.yaml held to run.json's hash before anything is read from it
+    voucher = Voucher(index, TRAIN_STORE_RULES)  # every config.yaml held to its hash before it is read
     t = typed(TrainConfig, voucher.configs[TWIN]["train"], index.run_dir.arm_config(TWIN))
     chaos, moved = roles.get("chaos"), {}
     groups = index.registered.get("groups") or {}
@@ -494,7 +501,7 @@ def arm_stores(run_dir: Path, arm: str) -> dict[int, TrainStore]:
         raise StoreError(index.run_dir.run_json, f"measures {index.measure}, not training")
     if arm not in index.arm_names:
         raise StoreError(run_dir, f"has no arm {arm!r} (its arms: {', '.join(index.arm_names)})")
-    voucher = Voucher(index)
+    voucher = Voucher(index, TRAIN_STORE_RULES)
     return {u["train"]["to_step"]: _store(index, u, arm, voucher) for u in index.units}
 
 

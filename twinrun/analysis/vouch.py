@@ -1,7 +1,7 @@
 """One reader standard for every measurement kind: what each store of a run must agree with before any
 number is computed from it.
 
-A kind declares its stores' fields (StoreRules, in STORE_RULES under the kind's name): the metadata field
+A kind declares its stores' fields (a StoreRules its own reducer hands to Voucher): the metadata field
 naming its unit, the fields that equal its unit's own in run.json, those that equal a key of its arm's
 config.yaml, those that equal the first store's, and list fields whose length a config key gives.
 `Voucher` holds every store of a run to them, and to what every kind shares: its arm and unit, the
@@ -33,19 +33,6 @@ class StoreRules:
     own_ids: tuple | None = None  # (ids field, config key of their count): twinrun's own data set's ids
 
 
-# Each kind's declaration (a new kind adds its entry; nothing else is copied).
-STORE_RULES: dict[str, StoreRules] = {
-    "probe": StoreRules("bin_index", {"sigma": "sigma"},
-                        {"seed": "seed", "n_images": "probe.n_images", "n_draws": "probe.n_draws"},
-                        ("image_ids", "fold_sizes"),
-                        {"image_ids": "probe.n_images", "fold_sizes": "probe.n_folds"},
-                        ("image_ids", "probe.n_images")),
-    "train": StoreRules("unit_index", {"from_step": "from_step", "to_step": "to_step"}, {"seed": "seed"},
-                        ("heldout_ids",), {"heldout_ids": "train.heldout_images"},
-                        ("heldout_ids", "train.heldout_images")),
-}
-
-
 def at(config: dict, dotted: str):
     node = config
     for part in dotted.split("."):
@@ -68,8 +55,8 @@ class Voucher:
     """Every store of one run held to its kind's StoreRules and to the run: `store(u, arm, path, meta)`
     as each is read, before any number is computed from it."""
 
-    def __init__(self, index: RunIndex):
-        self.index, self.rules = index, STORE_RULES[index.measure]
+    def __init__(self, index: RunIndex, rules: StoreRules):
+        self.index, self.rules = index, rules
         self.configs = {a["name"]: index.arm_config(a["name"]) for a in index.arms}
         self.hashes = {a["name"]: a["config_hash"] for a in index.arms}
         self.first: dict | None = None

@@ -34,6 +34,7 @@ from twinrun.analysis.reduction import (
     used_settings,
     view_name,
 )
+from twinrun.analysis.vouch import StoreRules, Voucher
 from twinrun.config import build
 from twinrun.errors import ConfigError, StoreError
 from twinrun.files import atomic_write, open_regular
@@ -134,7 +135,8 @@ class ActivationSession:
                                intervention.sigma_cond(sig))
         finally:
             hook.remove()
-        meta = {"arm": arm, "sigma": sigma, "draws_digest": self.digest, "module": self.s["module"],
+        meta = {"arm": arm, "unit_index": u["index"], "sigma": sigma, "draws_digest": self.digest,
+                "module": self.s["module"],
                 "config_hash": stamp["config_hash"], "env": stamp["env"]}
         return {"activation": seen[0].float().cpu()}, meta
 
@@ -202,10 +204,20 @@ def analyse(index: RunIndex, stores: dict, used: dict) -> dict:
             "effects": effects if passed else []}
 
 
+# What each store must agree with, held by twinrun's one reader standard (analysis/vouch.py) beside
+# its arm, unit, config hash and kernel path: its bin's σ, and the first store's module.
+RULES = StoreRules("unit_index", {"sigma": "sigma"}, {}, ("module",))
+
+
 def reduce_run(run_dir: Path, estimands=None, gate_rule=None, signal_alpha=None, family_alpha=None):
     index = RunIndex.load(run_dir)
-    stores = {(arm, u["index"]): read_store(index.store_path(u, arm), e["sha256"])
-              for u in index.units for arm, e in u["stores"].items()}
+    voucher = Voucher(index, RULES)
+    stores = {}
+    for u in index.units:
+        for arm, e in u["stores"].items():
+            path = index.store_path(u, arm)
+            stores[arm, u["index"]] = read_store(path, e["sha256"])
+            voucher.store(u, arm, path, stores[arm, u["index"]][1])
     reg = registered(index)
     used = used_settings(reg, estimands, gate_rule, signal_alpha, family_alpha)
     summary = analyse(index, stores, reg)

@@ -1,10 +1,14 @@
 """`python -m twinrun` end to end in a subprocess: results, exit codes, one-line errors."""
 
 import json
+import subprocess
+import sys
 import textwrap
 
 import pytest
+import torch
 from conftest import TINY, measured, run_twinrun
+from safetensors.torch import save_file
 
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.store import read_store
@@ -200,3 +204,22 @@ def test_a_family_wise_level_is_chosen_at_reduce_time_as_a_post_hoc_view(tmp_pat
     bad = run_twinrun([str(run_dir), "--family-alpha", "0.7"], cwd=tmp_path, module="twinrun.reduce")
     assert (bad.returncode == 2 and bad.stderr.strip() == "twinrun: error: --family-alpha=0.7: must be in "
             "(0, 0.5), e.g. 0.05")
+
+
+def _reader_leaves_early(args, cwd):
+    # `python -m twinrun.diff A B | head`: the reader closes the pipe before the command writes. The read
+    # end is closed before the child has even imported torch, so its every write meets a closed pipe.
+    child = subprocess.Popen([sys.executable, "-m", *args], cwd=cwd, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    child.stdout.close()
+    err = child.stderr.read()
+    return child.wait(timeout=300), err
+def test_a_reader_that_leaves_early_ends_a_read_only_command_quietly(tmp_path):
+    save_file({"w": torch.zeros(3)}, tmp_path / "a.safetensors")
+    save_file({"w": torch.ones(3)}, tmp_path / "b.safetensors")
+    code, err = _reader_leaves_early(["twinrun.diff", "a.safetensors", "b.safetensors"], tmp_path)
+    assert code == 141 and "Traceback" not in err and "BrokenPipeError" not in err, err
+    _, run_dir = tiny_run(tmp_path)
+    for module in ("twinrun.status", "twinrun.reduce"):
+        code, err = _reader_leaves_early([module, str(run_dir)], tmp_path)
+        assert code == 141 and "Traceback" not in err, (module, err)

@@ -16,7 +16,7 @@ from the stores now, today's twin reproduces it), it refuses with exit 3 and lis
 fingerprint fields; `--force` prints the numbers anyway, every one marked INVALID, and exits 3.
 """
 
-from twinrun.errors import exit_on_signals
+from twinrun.errors import exit_as_command, exit_on_signals
 
 if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
     exit_on_signals()
@@ -215,4 +215,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as_command(main)

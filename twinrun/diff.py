@@ -7,14 +7,13 @@ winner, from their compile bundles' records) that differ. Exit 0 when bit-identi
 1 when they differ, 2 for bad input (missing path, not safetensors, mismatched names or shapes).
 """
 
-from twinrun.errors import exit_on_signals
+from twinrun.errors import exit_as_command, exit_on_signals
 
 if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
     exit_on_signals()
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,4 +146,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as_command(main)

@@ -17,6 +17,7 @@ EXIT_DEVICE_MEMORY = 6  # the run does not fit the device's memory (estimated be
 FAILURE_EXIT_CODES = {"device": EXIT_DEVICE, "device_memory": EXIT_DEVICE_MEMORY, "determinism": EXIT_USAGE}
 EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): recorded in run.json as "interrupted"; resume continues
 EXIT_TERMINATED = 143  # SIGTERM (scancel, kill): recorded as "interrupted"; resume continues
+EXIT_PIPE_CLOSED = 141  # stdout's reader left early (`| head`): 128 + SIGPIPE, as coreutils' commands end
 
 
 class TwinrunError(Exception):
@@ -160,6 +161,23 @@ def exit_on_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         for signum in SIGNAL_EXIT:
             signal.signal(signum, _exit)
+
+
+def exit_as_command(main) -> None:
+    """Run a read-only command's `main` as the process. A reader that closes the pipe early
+    (`python -m twinrun.compare A B | head`) ends the command quietly with 141, as `cat` and `ls` end,
+    not in a BrokenPipeError traceback: what was printed reached the reader that wanted it, and these
+    commands write nothing a run reads, so nothing is left half-done."""
+    try:
+        try:
+            code = main()
+        finally:  # argparse's --help ends in SystemExit: its buffered text still has to reach the pipe
+            sys.stdout.flush()  # the last lines may still be buffered: their write is where the pipe breaks
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit; pointed at /dev/null that flush cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(EXIT_PIPE_CLOSED)
+    sys.exit(code)
 
 
 class ConfigError(TwinrunError):

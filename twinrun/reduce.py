@@ -8,13 +8,12 @@ effects withheld; a post-hoc view never turns a registered failure into 0); 2 ba
 (missing, damaged or foreign stores).
 """
 
-from twinrun.errors import exit_on_signals
+from twinrun.errors import exit_as_command, exit_on_signals
 
 if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
     exit_on_signals()
 
 import argparse
-import sys
 from pathlib import Path
 
 from twinrun.analysis.estimands import ESTIMANDS
@@ -63,4 +62,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as_command(main)

@@ -5,13 +5,12 @@ even on a cluster without accounting; the scheduler's state of the job named in 
 (written at submission) is added when the launcher's scheduler answers (twinrun.launchers.record).
 """
 
-from twinrun.errors import exit_on_signals
+from twinrun.errors import exit_as_command, exit_on_signals
 
 if __name__ == "__main__":  # as a command: a signal while the imports below load is one line too
     exit_on_signals()
 
 import argparse
-import sys
 from pathlib import Path
 
 from twinrun.errors import EXIT_OK, EXIT_USAGE, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
@@ -124,4 +123,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as_command(main)

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinrun.errors import EXIT_OK, TwinrunError, fail
+from twinrun.errors import EXIT_OK, TwinrunError, exit_as_command, fail
 from twinrun.files import refuse_unsafe_target
 from twinrun.measures.registry import load_index
 from twinrun.publish.table import frame, write
@@ -46,4 +46,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as_command(main)

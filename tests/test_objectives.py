@@ -14,6 +14,7 @@ from twinrun.errors import ConfigError
 from twinrun.measures import train_step as ts
 from twinrun.model import DiTDenoiser
 from twinrun.objectives import EDM, OBJECTIVES, VP, Flow, Objective
+from twinrun.plan import plan_run
 
 
 class Schedule:
@@ -131,11 +132,10 @@ VP_MODEL = ["objective=vp", "model._target_=cond_models.tiny", "data._target_=co
 SMALL = TINY[:3]  # TINY's images, draws and folds; the grid is the experiment's (edm6) or vp6
 
 
-def test_pin_sigma_under_vp_on_the_edm_grid_names_the_vp_grid(tmp_path):
-    proc = run_twinrun(["+experiment=pin_sigma", *VP_MODEL, *SMALL, f"hydra.run.dir={tmp_path}/run"],
-                       cwd=TESTS)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "sigma_grid.sigmas" in proc.stderr and "e.g. sigma_grid=vp6" in proc.stderr
+def test_pin_sigma_under_vp_on_the_edm_grid_names_the_vp_grid(compose_cfg):
+    with pytest.raises(ConfigError) as err:
+        plan_run(compose_cfg(["+experiment=pin_sigma", *VP_MODEL, *SMALL]), None, dry_run=True)
+    assert err.value.key == "sigma_grid.sigmas" and "e.g. sigma_grid=vp6" in str(err.value)
 
 
 @pytest.mark.slow

@@ -19,8 +19,10 @@ from safetensors.torch import load
 
 from twinrun import conditioning
 from twinrun.analysis.sample_reduce import mmd2
+from twinrun.errors import ConfigError
 from twinrun.measures import samplers
 from twinrun.measures.sample import SampleSession
+from twinrun.plan import plan_run
 
 SMALL = ["+experiment=sample_pin_sigma", "sample.n_samples=4", "sample.chunk_samples=2", "sample.steps=3",
          "sample.device=cpu"]
@@ -120,10 +122,22 @@ def test_the_flow_samplers_converge_to_the_exact_ode_solution_at_their_order(sam
 
 REFUSED = [(["objective=flow", "sample.s_churn=5", "sample.loss_sigmas=[0.5]"],
             "sample.s_churn=5.0: EDM's stochastic sampler needs objective=edm"),
-           (["sample.eta=0.5"], "sample.eta=0.5: DDIM's stochastic sampler needs objective=vp"),
-           (["objective=vp", "sample.loss_sigmas=[0.5]"], "under vp timesteps e.g. [100,300,600]"),
-           (["objective=vp", "sample.loss_sigmas=[100]", "sample.eta=1"],  # heun: not DDIM's own step
-            "sample.eta=1.0: DDIM's stochastic sampler needs")]
+           (["sample.eta=0.5"], "sample.eta=0.5: DDIM's stochastic sampler needs objective=vp")]
+# The same refusals in process (planning, dry): vp's own settings, each one line naming its key.
+REFUSED_VP = [(["sample.loss_sigmas=[0.5]"], "sample.loss_sigmas", "under vp timesteps e.g. [100,300,600]"),
+              (["sample.eta=1"], "sample.eta", "sampler=euler (DDIM itself; not vp, heun)"),
+              (["sample.s_churn=5"], "sample.s_churn", "sample.eta > 0 is DDIM's stochastic sampler"),
+              (["sample.steps=1001"], "sample.steps", "the model's schedule has 1000 timesteps"),
+              (["sample.loss_sigmas=[1000]"], "sample.loss_sigmas", "1000 timesteps"),
+              (["intervention.sigma_pin=0.5"], "intervention(PinSigma)", "an integer ≥ 0 (objective=vp)")]
+
+
+@pytest.mark.parametrize("overrides,key,said", REFUSED_VP)
+def test_vp_sampling_settings_it_cannot_run_are_refused_before_compute(compose_cfg, overrides, key, said):
+    cfg = compose_cfg([*SMALL, *VP, *overrides])
+    with pytest.raises(ConfigError) as err:
+        plan_run(cfg, None, dry_run=True)
+    assert err.value.key == key and said in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("overrides,said", REFUSED)

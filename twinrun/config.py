@@ -349,8 +349,9 @@ class SampleConfig:
     # DDIM's η (objective=vp, sampler=euler): 0 the deterministic DDIM, 1 DDPM's posterior variance; the
     # noise it adds is drawn per sample and step from the same keyed streams as EDM's s_churn.
     eta: float = 0.0
-    # The held-out denoising loss of each sample: the native model's EDM loss on it at these σ, on keyed
-    # noise (the same for every arm): how far a sample sits from what the twin's model calls data.
+    # The held-out denoising loss of each sample: the native model's loss under the run's objective on it
+    # at these levels (σ; t under flow; timesteps under vp), on keyed noise (the same for every arm): how
+    # far a sample sits from what the twin's model calls data.
     loss_sigmas: list[float] = field(default_factory=lambda: [0.2, 0.5, 1.2])
     # The distribution distance (MMD² between the arms' samples, paired over samples) reads features:
     # null = a fixed random-feature map of this many cosines (seeded), or a `_target_` feature net

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TINY, run_twinrun
 
-from twinrun.interventions import ScaleInput, ScaleModule, attached
+from twinrun.interventions import PinSigma, ScaleInput, ScaleModule, attached
 from twinrun.measures import fold_sums as probe
 from twinrun.model import DiTDenoiser
 
@@ -166,3 +166,17 @@ def test_compiling_a_hook_intervention_is_refused():
         refuse_compiled_hooks("default", {"scale_module": ScaleModule("blocks.1.attn", 0.5)})
     refuse_compiled_hooks(None, {"scale_module": ScaleModule("blocks.1.attn", 0.5)})
     refuse_compiled_hooks("default", {"pin_sigma": PinSigma(0.5)})
+
+
+def test_pin_sigma_at_its_level_noop_is_the_pin_filled_with_each_calls_own_level():
+    # Its machinery setting (sampling's: no sampler step is its gate bin) follows every level bit for bit,
+    # through the pin's own fill; the probe and training keep noop() None (a gate bin, or no no-op).
+    follow = PinSigma(**PinSigma(0.5).level_noop())
+    assert PinSigma(0.5).noop() is None and follow.sigma_pin == 0
+    edm = [80.0, 3.7, 0.5, 0.0123, 0.002]  # σ, t and timesteps as samplers feed them: one level a call
+    for level in [*edm, 0.37, 0.999, 999.0, 499.0, 1.0]:
+        sigma = torch.full((3,), level, dtype=torch.float32)
+        assert torch.equal(follow.sigma_cond(sigma), sigma), level
+        assert torch.equal(PinSigma(0.5).sigma_cond(sigma), torch.full((3,), 0.5))  # the pin itself
+    with pytest.raises(ValueError, match="one level per call"):  # a training batch has no such setting
+        follow.sigma_cond(torch.tensor([0.5, 1.0]))

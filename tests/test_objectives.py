@@ -1,15 +1,20 @@
-"""Each objective's formulas against hand-written ones, and `edm` as the arithmetic twinrun always ran."""
+"""Each objective's formulas against hand-written ones, `edm` as the arithmetic twinrun always ran, and the
+probe under objective=vp end to end (its grid and pin in the model's timesteps: sigma_grid=vp6)."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, run_twinrun
 
 from twinrun.config import objective_of as from_config
 from twinrun.errors import ConfigError
 from twinrun.measures import train_step as ts
 from twinrun.model import DiTDenoiser
 from twinrun.objectives import EDM, OBJECTIVES, VP, Flow, Objective
+from twinrun.plan import plan_run
 
 
 class Schedule:
@@ -119,3 +124,29 @@ class Scaled(EDM):
 
     def weight(self, model, level):
         return self.factor * super().weight(model, level)
+
+
+TESTS = Path(__file__).resolve().parent
+# The tests' conditional model declares ᾱ (the default model is an EDM denoiser: objective=vp refuses it).
+VP_MODEL = ["objective=vp", "model._target_=cond_models.tiny", "data._target_=cond_models.cond_data"]
+SMALL = TINY[:3]  # TINY's images, draws and folds; the grid is the experiment's (edm6) or vp6
+
+
+def test_pin_sigma_under_vp_on_the_edm_grid_names_the_vp_grid(compose_cfg):
+    with pytest.raises(ConfigError) as err:
+        plan_run(compose_cfg(["+experiment=pin_sigma", *VP_MODEL, *SMALL]), None, dry_run=True)
+    assert err.value.key == "sigma_grid.sigmas" and "e.g. sigma_grid=vp6" in str(err.value)
+
+
+@pytest.mark.slow
+def test_the_probe_runs_pin_sigma_under_vp_end_to_end_with_a_bit_identical_gate(tmp_path):
+    run = tmp_path / "run"
+    proc = run_twinrun(["+experiment=pin_sigma", *VP_MODEL, "sigma_grid=vp6", "intervention.sigma_pin=500",
+                        *SMALL, f"hydra.run.dir={run}"], cwd=TESTS)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["checks_passed"] and summary["passed"], summary["checks"]
+    assert {g["sigma"] for g in summary["gates"]} == {500.0}  # the pin's bin, one gate per estimand
+    assert all(g["bit_identical"] for g in summary["gates"])
+    units = json.loads((run / "run.json").read_text())["units"]
+    assert [u["probe"]["sigma"] for u in units] == [50.0, 150.0, 300.0, 500.0, 700.0, 900.0]  # vp6

@@ -332,8 +332,10 @@ class SampleConfig:
     # bit-identically at the first chunk not stored.
     n_samples: int = 32  # samples per arm; the paired SEs are over these
     chunk_samples: int = 8  # samples per unit (one store per arm and chunk); must divide n_samples
-    sampler: str = "heun"  # heun (EDM's 2nd order) | euler; s_churn > 0 makes either stochastic
-    steps: int = 18  # sampler steps (EDM's schedule: σ_max … σ_min, then 0)
+    # heun (2nd order) | euler; s_churn > 0 (edm) makes either stochastic. Under objective=vp euler is DDIM
+    # (eta > 0: its stochastic variant) and heun DDIM with Heun's correction.
+    sampler: str = "heun"
+    steps: int = 18  # sampler steps (EDM's schedule: σ_max … σ_min, then 0; vp: timesteps from T − 1 down)
     sigma_min: float = 0.002
     sigma_max: float = 80.0
     rho: float = 7.0  # the schedule's curvature (EDM: 7)
@@ -344,8 +346,12 @@ class SampleConfig:
     s_tmin: float = 0.0
     s_tmax: float = 1.0e9
     s_noise: float = 1.0
-    # The held-out denoising loss of each sample: the native model's EDM loss on it at these σ, on keyed
-    # noise (the same for every arm): how far a sample sits from what the twin's model calls data.
+    # DDIM's η (objective=vp, sampler=euler): 0 the deterministic DDIM, 1 DDPM's posterior variance; the
+    # noise it adds is drawn per sample and step from the same keyed streams as EDM's s_churn.
+    eta: float = 0.0
+    # The held-out denoising loss of each sample: the native model's loss under the run's objective on it
+    # at these levels (σ; t under flow; timesteps under vp), on keyed noise (the same for every arm): how
+    # far a sample sits from what the twin's model calls data.
     loss_sigmas: list[float] = field(default_factory=lambda: [0.2, 0.5, 1.2])
     # The distribution distance (MMD² between the arms' samples, paired over samples) reads features:
     # null = a fixed random-feature map of this many cosines (seeded), or a `_target_` feature net

@@ -16,6 +16,9 @@ and it declares how it can be checked against its twin:
   noop()               its no-op setting (overrides of its own config keys), or None: twinrun runs
                        the intervention's own code at that setting as the *machinery arm*, which must
                        be bit-identical to the twin in every bin,
+  level_noop()         a no-op setting at every level, where noop() is None because its gate is a
+                       level (a bin of the grid): a kind whose units visit levels no grid fixes (a
+                       sampler's steps) has no such gate and runs this setting as its machinery arm,
   sweep_axis           the config key a sweep over this intervention varies,
   check(grid), check_model(model), check_train()   raise ConfigError for settings it cannot run with
                        (check_train: in a training run, which has no σ grid).
@@ -56,6 +59,9 @@ class Intervention:
     def noop(self) -> dict | None:
         return None
 
+    def level_noop(self) -> dict | None:
+        return None
+
     def check(self, grid: list[float]) -> None:
         pass
 
@@ -85,10 +91,15 @@ class Native(Intervention):
         return list(grid)
 
 
+FOLLOW = 0.0  # pin_sigma's sigma_pin that pins each call to the level it is fed (never a level it may pin)
+
+
 @dataclass
 class PinSigma(Intervention):
-    """Pin σ_cond at sigma_pin in every bin; a no-op in the bin σ = sigma_pin (its gate). It has no
-    no-op setting of its own: a pin that follows σ is no longer a pin."""
+    """Pin σ_cond at sigma_pin in every bin; a no-op in the bin σ = sigma_pin (its gate). Its noop() is
+    None: the probe has that gate bin, and a machinery arm would cost it an arm in every bin. A sampler's
+    steps have no such bin, so it declares level_noop(): sigma_pin = FOLLOW, the same pin (one fill of
+    σ's dtype and device) at the level each call is fed, which is the twin's σ_cond bit for bit."""
 
     # σ fed to the conditioning pathway in every bin; must be a bin of the grid (its no-op gate).
     sigma_pin: float = 0.5
@@ -100,7 +111,22 @@ class PinSigma(Intervention):
 
     def sigma_cond(self, sigma: torch.Tensor) -> torch.Tensor:
         # Same dtype and device as σ so that at the gate bin both arms feed bit-identical inputs.
-        return torch.full_like(sigma, self.sigma_pin)
+        return torch.full_like(sigma, self.pinned(sigma))
+
+    def pinned(self, sigma: torch.Tensor) -> float:
+        """The level the pin fills σ_cond with: sigma_pin, or at FOLLOW the one level this call is fed
+        (a sampler step and a probe bin feed one level to the whole batch; a float32 σ read as a Python
+        float and filled back as float32 is the same number)."""
+        if self.sigma_pin != FOLLOW:
+            return self.sigma_pin
+        level = float(sigma.reshape(-1)[0])
+        if not bool((sigma == level).all()):
+            raise ValueError("pin_sigma at sigma_pin=0 (follow) needs one level per call; this call was fed "
+                             "several (a training batch): it has no no-op setting there")
+        return level
+
+    def level_noop(self) -> dict:
+        return {"sigma_pin": FOLLOW}
 
     def gate_sigmas(self, grid: list[float]) -> list[float]:
         return [s for s in grid if s == self.sigma_pin]

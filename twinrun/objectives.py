@@ -199,7 +199,8 @@ class VP(Objective):
     def check(self, key, levels, model=None):
         _finite(key, levels)
         if not all(float(v).is_integer() and v >= 0 for v in levels):
-            raise ConfigError(key, levels, "every level must be a timestep, an integer ≥ 0 (objective=vp)")
+            raise ConfigError(key, levels, "every level must be a timestep, an integer ≥ 0 (objective=vp); "
+                              "e.g. sigma_grid=vp6 intervention.sigma_pin=500")
         if model is not None:
             n_steps = len(self.schedule(model))
             if any(v >= n_steps for v in levels):

@@ -192,7 +192,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     validated = kind.validate(cfg, intervention)
     validate_common(cfg)
     replicate = bool(cfg.arms.replicate) or kind.replicate_always
-    arms, diff = derive_arms(cfg, intervention.name, replicate=replicate, noop=intervention.noop(),
+    arms, diff = derive_arms(cfg, intervention.name, replicate=replicate, noop=kind.noop(intervention),
                              replicates=replicate_count(cfg),
                              chaos=kind.chaos_arm, exclude=foreign_keys(kind))
     check_paths(cfg, run_dir)

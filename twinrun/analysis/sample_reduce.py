@@ -4,14 +4,15 @@ everything passed). Writes nothing.
 Every reading is paired over samples: sample i of every arm started from the same noise. Per chunk and
 over all samples it reads, for the intervention against the twin,
   distance  each sample's RMS pixel distance to the twin's sample (mean ± SE over samples);
-  loss      the held-out denoising loss of the arm's samples minus the twin's (the native model's EDM
-            loss at sample.loss_sigmas; mean ± paired SE);
+  loss      the held-out denoising loss of the arm's samples minus the twin's (the native model's loss
+            under the run's objective at sample.loss_sigmas; mean ± paired SE);
   mmd       MMD² between the arms' sample distributions in the stored features: the unbiased U-statistic
             of the paired feature differences, ± its jackknife SE over samples,
 and the same for the twin's replicate (0 on a deterministic path: the floor the reading stands on).
-The machinery arm (the intervention at its no-op setting) is a gate, read as the probe's gates are
-(analysis/gates.py: decide): bit-identical to the twin, or — only where the replicate proves the path
-nondeterministic — within the bound of the replicates' spread (arms.replicates of them).
+The machinery arm (the intervention at its no-op setting; pin_sigma's follows each step's level) is a
+gate, read as the probe's gates are (analysis/gates.py: decide): bit-identical to the twin, or — only
+where the replicate proves the path nondeterministic — within the bound of the replicates' spread
+(arms.replicates of them).
 """
 
 import math

@@ -87,6 +87,9 @@ class Measure:
     sequential_units: bool = False
     replicate_always: bool = False  # the twin's replicate is an arm of every run (not only arms.replicate)
     chaos_arm: bool = False  # the twin with a one-ulp perturbation, as an arm of every run
+    # intervention -> the no-op setting its machinery arm runs in this kind (None: no machinery arm):
+    # its noop(), unless the kind's units lack the gate bins that let an intervention declare none.
+    noop: Callable[[object], dict | None] = lambda intervention: intervention.noop()
     store_format: str = STORE_FORMAT  # the format its stores name (twinrun/storage/store.py)
     # Whether the config's job runs torch.compile: its compile caches are then the run's own.
     compiles: Callable[[dict], bool] = lambda config: False

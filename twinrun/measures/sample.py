@@ -4,9 +4,10 @@ intervention acting on the denoiser at every sampler step; a unit is a chunk of 
 Each arm's store holds its chunk of samples and each sample's held-out denoising loss (the native
 model's loss under the run's objective at sample.loss_sigmas, on keyed noise the same in every arm);
 sample i is conditioned on image i's conditioning (cycling when there are more samples than images),
-and under objective=flow the sampler integrates the flow ODE (samplers.py). The twin's
-replicate is an arm of every run: on a deterministic path it is bit-identical to the twin, and so must
-be the machinery arm (the intervention's code at its no-op setting) where the intervention declares one.
+and the sampler integrates the run's objective (samplers.py: EDM's, the flow ODE, DDIM under vp). The
+twin's replicate is an arm of every run: on a deterministic path it is bit-identical to the twin, and so
+must be the machinery arm (the intervention's code at its no-op setting) where the intervention declares
+one: its noop(), or else its level_noop(), since no sampler step is a gate bin (`sampling_noop`).
 The reading (analysis/sample_reduce.py) is paired over samples: each arm's distance to the twin's
 sample, the loss difference and an MMD² between the arms' sample distributions, each ± its SE.
 """
@@ -43,7 +44,8 @@ from twinrun.storage.sample_store import (
 # What two sampling runs must share to have sampled the same thing (a comparison's check).
 SAMPLE_PROTOCOL_KEYS = ("data", "objective", "seed", "sample.n_samples", "sample.sampler", "sample.steps",
                         "sample.sigma_min", "sample.sigma_max", "sample.rho", "sample.s_churn",
-                        "sample.s_tmin", "sample.s_tmax", "sample.s_noise", "sample.loss_sigmas")
+                        "sample.s_tmin", "sample.s_tmax", "sample.s_noise", "sample.eta",
+                        "sample.loss_sigmas")
 # Where an intervention can act while sampling; one that overrides neither acts nowhere.
 SAMPLING_HOOKS = ("sigma_cond", "attach")
 LOSS_STREAM = b"twinrun/sample-loss/v1"
@@ -101,28 +103,61 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if objective.name not in samplers.ODES:
         raise ConfigError("objective", objective.name, f"twin sampling has samplers for objective "
                           f"{', '.join(samplers.ODES)} only; choose one of them")
-    try:
-        objective.check("sample.loss_sigmas", sigmas)
-    except ConfigError as err:  # the objective's own fix, with this key's example instead of the grid's
-        fix = err.fix.split("; e.g.")[0]
-        raise ConfigError("sample.loss_sigmas", sigmas, f"{fix}; the held-out loss is taken at levels of "
-                          f"objective={objective.name} (under flow e.g. [0.2,0.5,0.8])") from None
+    check_loss_levels(objective, sigmas)
     if objective.name != "edm" and s.s_churn > 0:
+        stochastic = "sample.eta > 0 is DDIM's stochastic sampler" if objective.name == "vp" else \
+            f"objective={objective.name} samples its ODE deterministically"
         raise ConfigError("sample.s_churn", s.s_churn, f"EDM's stochastic sampler needs objective=edm; "
-                          f"objective={objective.name} samples its ODE deterministically: set 0")
+                          f"{stochastic}: set 0")
+    if not (isinstance(s.eta, int | float) and math.isfinite(s.eta) and s.eta >= 0):
+        raise ConfigError("sample.eta", s.eta, "must be ≥ 0 (0: the deterministic DDIM)")
+    if s.eta > 0 and (objective.name != "vp" or s.sampler != "euler"):
+        raise ConfigError("sample.eta", s.eta, f"DDIM's stochastic sampler needs objective=vp and "
+                          f"sample.sampler=euler (DDIM itself; not {objective.name}, {s.sampler}); "
+                          f"{'under edm use sample.s_churn, or ' if objective.name == 'edm' else ''}set 0")
     parse_device("sample.device", s.device)  # its spelling only: the job judges the GPU where it runs
     if cfg.reference is not None:
         raise ConfigError("reference", cfg.reference, "a sampling run takes no reference: compare two "
                           "sampling runs by their tables (`python -m twinrun.table A B`)")
     check_sampling_intervention(intervention)
-    schedule = torch.tensor(samplers.levels(objective.name, s.steps, s.sigma_min, s.sigma_max, s.rho)[:-1])
-    fed = intervention.sigma_cond(schedule.float())
-    if not bool(torch.isfinite(fed).all() and (fed > 0).all()):
-        raise ConfigError(f"intervention({type(intervention).__name__})", str(intervention), "feeds a σ_cond "
-                          "that is not a positive finite number at some step of the sampler's schedule")
+    if objective.name != "vp":  # vp's grid is the model's timesteps: checked in `plan`, with the model
+        check_fed(intervention, objective, samplers.levels(objective.name, s.steps, s.sigma_min, s.sigma_max,
+                                                           s.rho))
     images, _, cond = conditioning.split(build(OmegaConf.to_container(cfg.data, resolve=True), "data"))
     conditioning.check(cond, images.shape[0])
     return tuple(images.shape[1:])
+
+
+def check_loss_levels(objective, levels: list, model=None) -> None:
+    """sample.loss_sigmas are levels of the run's objective (with the model: within its schedule)."""
+    try:
+        objective.check("sample.loss_sigmas", levels, model)
+    except ConfigError as err:  # the objective's own fix, with this key's example instead of the grid's
+        fix = err.fix.split("; e.g.")[0]
+        raise ConfigError("sample.loss_sigmas", levels, f"{fix}; the held-out loss is taken at levels of "
+                          f"objective={objective.name} (under flow e.g. [0.2,0.5,0.8], under vp timesteps "
+                          "e.g. [100,300,600])") from None
+
+
+def check_fed(intervention: Intervention, objective, grid: list[float], model=None) -> None:
+    """What the intervention feeds the conditioning at every step of the sampler's grid must be a level of
+    the objective (σ > 0 under edm, t in (0, 1) under flow, one of the model's timesteps under vp)."""
+    fed = intervention.sigma_cond(torch.tensor(grid[:-1]).float())
+    try:
+        objective.check("σ_cond", [float(v) for v in fed], model)
+    except ConfigError as err:
+        raise ConfigError(f"intervention({type(intervention).__name__})", str(intervention), f"feeds the "
+                          f"conditioning a value that is not a level at some step of the sampler's "
+                          f"schedule: {err.fix.split('; e.g.')[0]}") from None
+
+
+def sampling_noop(intervention: Intervention) -> dict | None:
+    """The no-op setting a sampling run's machinery arm runs: the intervention's noop(), or else its
+    level_noop() (a sampler's steps visit levels no grid fixes, so no step is the gate bin an intervention
+    like pin_sigma leaves noop() to; its own code at a setting that follows every level is the gate)."""
+    noop = intervention.noop()
+    level_noop = getattr(intervention, "level_noop", None)  # a duck-typed plugin may not define it
+    return noop if noop is not None or level_noop is None else level_noop()
 
 
 def check_sampling_intervention(intervention: Intervention) -> None:
@@ -132,7 +167,7 @@ def check_sampling_intervention(intervention: Intervention) -> None:
     if not any(getattr(type(intervention), h) is not getattr(Intervention, h) for h in SAMPLING_HOOKS):
         raise ConfigError(key, settings, f"acts nowhere while sampling (it overrides none of "
                           f"{', '.join(SAMPLING_HOOKS)}): nothing to measure")
-    noop = intervention.noop()
+    noop = sampling_noop(intervention)
     if noop is not None and all(settings.get(k) == v for k, v in noop.items()):
         raise ConfigError(key, settings, f"is at its no-op setting {noop}: nothing to measure; choose "
                           "settings that change something")
@@ -162,7 +197,15 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     objective.check_model(model)
     images, _, cond = conditioning.split(build(arms[0].config["data"], "data"))
     conditioning.check(cond, images.shape[0], model)
-    grid = samplers.levels(objective.name, 1, s.sigma_min, s.sigma_max, s.rho)
+    abar = schedule_of(objective, model)
+    if abar is not None:  # vp: the grid is the model's timesteps, known now
+        if s.steps > len(abar):
+            raise ConfigError("sample.steps", s.steps, f"the model's schedule has {len(abar)} timesteps; "
+                              f"DDIM visits at most that many: use ≤ {len(abar)}")
+        check_loss_levels(objective, list(s.loss_sigmas), model)
+        check_fed(intervention, objective, samplers.levels("vp", s.steps, 0, 0, 0, len(abar)), model)
+    n_timesteps = None if abar is None else len(abar)
+    grid = samplers.levels(objective.name, 1, s.sigma_min, s.sigma_max, s.rho, n_timesteps)
     tried = set()
     for arm in arms:
         code = str(arm.config["intervention"])
@@ -174,7 +217,7 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
             with torch.no_grad(), attached(arm_intervention, model):
                 first = _denoiser(model, arm_intervention, conditioning.take(cond, [0]))
                 samplers.integrate(objective.name, first, torch.zeros(1, *shape), grid, "euler",
-                                   {**_churn(s), "s_churn": 0.0})
+                                   {**_churn(s), "s_churn": 0.0, "eta": 0.0}, abar=abar)
         except TwinrunError:
             raise
         except Exception as err:  # noqa: BLE001 — user code may raise anything: one line, exit 2
@@ -203,7 +246,14 @@ def _denoiser(model: torch.nn.Module, intervention: Intervention, cond: dict):
 
 
 def _churn(s: SampleConfig) -> dict:
-    return {"s_churn": s.s_churn, "s_tmin": s.s_tmin, "s_tmax": s.s_tmax, "s_noise": s.s_noise}
+    return {"s_churn": s.s_churn, "s_tmin": s.s_tmin, "s_tmax": s.s_tmax, "s_noise": s.s_noise, "eta": s.eta}
+
+
+def schedule_of(objective, model: torch.nn.Module) -> torch.Tensor | None:
+    """The model's ᾱ over its timesteps (float64, CPU) where the objective's sampler reads it (vp)."""
+    if objective.name != "vp":
+        return None
+    return objective.schedule(model).detach().to("cpu", torch.float64)
 
 
 # ----------------------------------------------------------------------------- the job's session
@@ -225,8 +275,9 @@ class SampleSession:
         self.shape = tuple(images.shape[1:])
         self.objective = objective_of(config.get("objective"))
         self.interventions = {a.name: build(a.config["intervention"], "intervention") for a in arms}
+        self.abar = schedule_of(self.objective, self.model)
         self.sigmas = samplers.levels(self.objective.name, self.s.steps, self.s.sigma_min, self.s.sigma_max,
-                                      self.s.rho)
+                                      self.s.rho, None if self.abar is None else len(self.abar))
         # What was sampled: the loss levels and the conditioning (none: the digest as before it existed).
         self.identity = {"model_sha256": model_sha256(self.model),
                          "data_sha256": tensors_sha256([("loss_sigmas", torch.tensor(self.s.loss_sigmas)),
@@ -258,9 +309,8 @@ class SampleSession:
         # Sample i's conditioning is image i's (cycling through the images), sliced as the samples are.
         rows = torch.tensor(ids, dtype=torch.long) % images_of(self.cond, len(ids))
         self.unit_cond = conditioning.to(conditioning.take(self.cond, rows), self.device)
-        churned = [k for k, s in enumerate(self.sigmas[:-1])
-                   if samplers.gamma_of(s, self.s.steps, self.s.s_churn, self.s.s_tmin, self.s.s_tmax) > 0]
-        self.step_noise = {k: samplers.step_noise(self.seed, ids, k, self.shape) for k in churned}
+        noised = samplers.noised_steps(self.objective.name, self.sigmas, _churn(self.s))
+        self.step_noise = {k: samplers.step_noise(self.seed, ids, k, self.shape) for k in noised}
         self.loss_noise = torch.stack([torch.stack([keyed_normal(LOSS_STREAM, self.seed, (i, j), self.shape)
                                                     for j in range(len(self.s.loss_sigmas))]) for i in ids])
         h = hashlib.sha256()
@@ -276,7 +326,7 @@ class SampleSession:
                 x = as_model_error(arm, u, samplers.integrate, self.objective.name,
                                    _denoiser(self.model, intervention, self.unit_cond),
                                    self.noise.to(self.device), self.sigmas, self.s.sampler, _churn(self.s),
-                                   lambda k: self.step_noise[k])
+                                   lambda k: self.step_noise[k], self.abar)
             loss = as_model_error(arm, u, self.heldout_loss, x)
             features = as_model_error(arm, u, self.feature_map, x)
         meta = {"arm": arm, "unit_index": u["index"], "first": u["sample"]["first"],
@@ -326,6 +376,7 @@ SAMPLE = Measure(
     render=sample_report.render,
     config_keys=("sample",),
     replicate_always=True,  # the determinism control every gate reads
+    noop=sampling_noop,
     store_format=SAMPLE_STORE_FORMAT,
     unit_fields=SampleUnit,
     summary_type=SampleSummary,

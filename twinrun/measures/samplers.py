@@ -1,17 +1,19 @@
 """The samplers twin sampling runs (measure=sample), one ODE per objective: under `edm`, EDM's
 deterministic Heun and Euler samplers and their stochastic variant (Karras et al. 2022, Algorithms 1
-and 2); under `flow`, the rectified-flow ODE dx/dt = v(x, t) from t = 1 to 0 (Euler or Heun), all on
+and 2); under `flow`, the rectified-flow ODE dx/dt = v(x, t) from t = 1 to 0 (Euler or Heun); under `vp`,
+DDIM on the model's ᾱ (Song et al. 2021): `euler` is DDIM itself (η = 0 deterministic, η > 0 its
+stochastic variant), `heun` adds Heun's second-order correction to the deterministic DDIM step. All on
 keyed noise.
 
 Every random number a sample consumes is a pure function of (seed, sample index[, step]) — its initial
-noise and, with s_churn > 0, its noise at each step — drawn on the CPU (twinrun/draws.py) and only then
-moved to the device. So every arm, any chunking and a resume see the same noise for the same sample,
-and the arms differ only by what the intervention does to the denoiser.
+noise and, with s_churn > 0 (edm) or eta > 0 (vp), its noise at each step that adds noise — drawn on the
+CPU (twinrun/draws.py) and only then moved to the device. So every arm, any chunking and a resume see the
+same noise for the same sample, and the arms differ only by what the intervention does to the denoiser.
 
 A sampler here takes the arm's model as a function of (x, level) — with its level_cond, hooks and each
 sample's conditioning bound by the caller — and the objective's grid of levels (`levels`): D(x; σ)
-on EDM's σ schedule, the velocity v(x, t) on a uniform t grid for flow. ODES names the objectives a
-sampler exists for; another objective (vp) is refused before any compute.
+on EDM's σ schedule, the velocity v(x, t) on a uniform t grid for flow, the noise ε(x_t, t) on a grid of
+the model's timesteps for vp. ODES names the objectives a sampler exists for.
 """
 
 import itertools
@@ -100,18 +102,80 @@ def sample_flow(velocity: Callable, noise: torch.Tensor, times: list[float], sam
     return x.float()
 
 
+def vp_timesteps(steps: int, n_timesteps: int) -> list[float]:
+    """DDIM's grid for a model of `n_timesteps` training timesteps: `steps` timesteps from T − 1 down,
+    evenly spaced ("trailing", Lin et al. 2024: the first step starts at the last training timestep), then
+    the clean end, written 0 as every grid ends (ᾱ = 1 there: the sampler never feeds it to the model)."""
+    out = [float(round(n_timesteps * (1 - k / steps)) - 1) for k in range(steps)]
+    return [*out, 0.0]
+
+
+def ddim_step(x: torch.Tensor, eps: torch.Tensor, abar: float, abar_next: float, eta: float = 0.0,
+              z: torch.Tensor | None = None) -> torch.Tensor:
+    """One DDIM step (Song et al. 2021, eq. 12) from x_t with ᾱ_t = abar to ᾱ_next, given the predicted
+    noise `eps`: x̂_0 = (x_t − √(1−ᾱ_t)·ε̂)/√ᾱ_t, then √ᾱ_next·x̂_0 + √(1 − ᾱ_next − s²)·ε̂ + s·z with
+    s = η·√((1 − ᾱ_next)/(1 − ᾱ_t))·√(1 − ᾱ_t/ᾱ_next) (0 at η = 0, and at the clean end ᾱ_next = 1)."""
+    x0 = (x - math.sqrt(1 - abar) * eps) / math.sqrt(abar)
+    noisy = eta > 0 and abar < abar_next < 1  # a step that adds no noise is exactly the deterministic one
+    s = eta * math.sqrt((1 - abar_next) / (1 - abar)) * math.sqrt(1 - abar / abar_next) if noisy else 0.0
+    out = math.sqrt(abar_next) * x0 + math.sqrt(max(1 - abar_next - s * s, 0.0)) * eps
+    return out + s * z if s > 0 else out
+
+
+def noised_steps(objective: str, grid: list[float], churn: dict) -> list[int]:
+    """The steps k at which the objective's sampler adds keyed noise (step_noise(…, k, …)): EDM's churned
+    steps; under vp with η > 0 every step but the last (it lands on the clean end, where DDIM adds none)."""
+    steps = len(grid) - 1
+    if objective == "vp":
+        return list(range(steps - 1)) if churn.get("eta", 0.0) > 0 else []
+    if objective == "flow":
+        return []
+    return [k for k, s in enumerate(grid[:-1])
+            if gamma_of(s, steps, churn["s_churn"], churn["s_tmin"], churn["s_tmax"]) > 0]
+
+
+def sample_vp(eps_model: Callable, noise: torch.Tensor, timesteps: list[float], abar: torch.Tensor,
+              sampler: str, eta: float = 0.0, noise_at: Callable[[int], torch.Tensor] | None = None
+              ) -> torch.Tensor:
+    """The samples [B, *shape] DDIM reaches from x_T = `noise` (the keyed ε) over `timesteps` (the grid:
+    its last entry is the clean end, ᾱ = 1); `abar` the model's ᾱ over its timesteps.
+
+    euler: DDIM (η = `eta`; noise_at(k) the batch's keyed noise at step k, drawn only when η > 0).
+    heun: the deterministic DDIM step with Heun's correction: DDIM is Euler's method on the probability-
+    flow ODE written in y = x/√ᾱ and s = √(1−ᾱ)/√ᾱ (dy/ds = ε̂), so the corrector averages ε̂ at both ends
+    of the step; skipped on the last step, as EDM's is (the model is never fed the clean end)."""
+    abars = [float(v) for v in abar.double()[[int(t) for t in timesteps[:-1]]]] + [1.0]
+    x = noise.to(torch.float64)
+    for k, (t_cur, a_cur, a_next) in enumerate(zip(timesteps[:-1], abars[:-1], abars[1:], strict=True)):
+        eps = _denoised(eps_model, x, t_cur)
+        z = noise_at(k).to(x.device, torch.float64) if eta > 0 and a_next < 1 else None
+        x_next = ddim_step(x, eps, a_cur, a_next, eta, z)
+        if sampler == "heun" and a_next < 1:
+            eps_next = _denoised(eps_model, x_next, timesteps[k + 1])
+            x_next = ddim_step(x, 0.5 * (eps + eps_next), a_cur, a_next)
+        x = x_next
+    return x.float()
+
+
 SAMPLERS = ("heun", "euler")  # sample.sampler: each integrates whichever objective's ODE the run has
-ODES = ("edm", "flow")  # the objectives (by name) a sampler exists for
+ODES = ("edm", "flow", "vp")  # the objectives (by name) a sampler exists for
 
 
-def levels(objective: str, steps: int, sigma_min: float, sigma_max: float, rho: float) -> list[float]:
-    """The objective's grid of levels a sampler visits, ending at 0."""
+def levels(objective: str, steps: int, sigma_min: float, sigma_max: float, rho: float,
+           n_timesteps: int | None = None) -> list[float]:
+    """The objective's grid of levels a sampler visits, ending at 0 (vp: the model's `n_timesteps`)."""
+    if objective == "vp":
+        return vp_timesteps(steps, n_timesteps)
     return flow_times(steps) if objective == "flow" else edm_sigmas(steps, sigma_min, sigma_max, rho)
 
 
 def integrate(objective: str, model: Callable, noise: torch.Tensor, grid: list[float], sampler: str,
-              churn: dict, noise_at: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
-    """The objective's sampler: `model(x, level)` is D(x; σ) under edm, v(x, t) under flow."""
+              churn: dict, noise_at: Callable[[int], torch.Tensor] | None = None,
+              abar: torch.Tensor | None = None) -> torch.Tensor:
+    """The objective's sampler: `model(x, level)` is D(x; σ) under edm, v(x, t) under flow, ε(x_t, t)
+    under vp (whose ᾱ is `abar`, the model's schedule)."""
     if objective == "flow":
         return sample_flow(model, noise, grid, sampler)
+    if objective == "vp":
+        return sample_vp(model, noise, grid, abar, sampler, churn.get("eta", 0.0), noise_at)
     return sample(model, noise, grid, sampler, churn, noise_at)

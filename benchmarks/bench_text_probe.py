@@ -7,7 +7,10 @@ sequence and pooled text embeddings) at the worked example's size, side by side 
 Prints, for one bin and arm of N images x D draws: twinrun's probe (fold sums, each sample with its own
 image's conditioning) with probe.method=vmap and =folds, against the plain batched backward over the
 same N·D samples (the floor: one forward and backward giving only the mean gradient), and their ratio
-(target ≤ 1.5x on the CPU, eager). Then the peak RSS of one probe call at 12 and 48 draws per image,
+(target ≤ 1.5x on the CPU, eager). vmap runs twice: with the adapter's default attention, batched
+under vmap (twinrun.models.attention), and with diffusers' own (model.vmap_attention=false: torch
+loops over the fold groups in every attention, the figure before the batched one), and the two are
+checked bit for bit. Then the peak RSS of one probe call at 12 and 48 draws per image,
 each in a fresh process: the conditioning is repeated per draw only within a chunk, so 48 draws must
 cost no more memory than 12 beyond noise.
 
@@ -22,12 +25,14 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import yaml
 
 from twinrun import draws
+from twinrun.job import SDPA_UNDER_VMAP
 from twinrun.measures import fold_sums as probe
 from twinrun.measures.probe import fold_sizes
 from twinrun.models.sd3 import sd3
@@ -50,10 +55,10 @@ def example_kwargs() -> dict:
                                                                                  "subfolder")}
 
 
-def setup(n_draws: int):
+def setup(n_draws: int, vmap_attention: bool = True):
     """The network, N latents with their own text embeddings, the bin's draws and the folds."""
     kw = example_kwargs()
-    model = sd3(**kw)
+    model = sd3(**kw, vmap_attention=vmap_attention)
     gen = torch.Generator().manual_seed(SEED)
     shape = (kw["channels"], kw["resolution"], kw["resolution"])
     latents = torch.randn(N_IMAGES, *shape, generator=gen)
@@ -119,6 +124,7 @@ def main() -> None:
     ap.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=SDPA_UNDER_VMAP)  # the "before" arm's loop: measured, not news
     if args.smoke:
         N_IMAGES, N_DRAWS, N_FOLDS, RSS_DRAWS = (SMOKE[k] for k in ("N_IMAGES", "N_DRAWS", "N_FOLDS",
                                                                     "RSS_DRAWS"))
@@ -128,22 +134,26 @@ def main() -> None:
 
     inputs = setup(N_DRAWS)
     model, latents = inputs[0], inputs[2]
+    looped = (sd3(**example_kwargs(), vmap_attention=False), *inputs[1:])  # the same weights (same seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"bench_text_probe: torch {torch.__version__}, {args.threads} threads; SD3 MMDiT {n_params:,} "
           f"parameters, latents {tuple(latents.shape[1:])}, text {TEXT_TOKENS} tokens; {N_IMAGES} images x "
           f"{N_DRAWS} draws, {N_FOLDS} folds, objective=flow")
     fns = {"vmap": lambda: twinrun_probe("vmap", *inputs), "folds": lambda: twinrun_probe("folds", *inputs),
-           "floor": lambda: batched_backward(*inputs)}
-    for f in fns.values():  # warm-up: first calls pay for allocation and dispatch caches
-        f()
+           "vmap_loop": lambda: twinrun_probe("vmap", *looped), "floor": lambda: batched_backward(*inputs)}
+    warm = {k: f() for k, f in fns.items()}  # warm-up: first calls pay for allocation and dispatch caches
+    same = torch.equal(warm["vmap"], warm["vmap_loop"])
     times = interleaved(fns, args.reps)
     floor = statistics.median(times["floor"])
     print("speed, one bin and arm (median of reps; ratio = median of per-rep ratios to the floor):")
-    print(f"  plain batched backward   {floor * 1e3:8.1f} ms   (floor: mean gradient only)")
-    for method in ("vmap", "folds"):
+    print(f"  {'plain batched backward':<50} {floor * 1e3:8.1f} ms   (floor: mean gradient only)")
+    labels = {"vmap": "probe, method=vmap", "folds": "probe, method=folds",
+              "vmap_loop": "probe, method=vmap, diffusers' attention (before)"}
+    for method in ("vmap", "folds", "vmap_loop"):
         ratio = statistics.median(a / b for a, b in zip(times[method], times["floor"]))
-        print(f"  probe, method={method:<6}    {statistics.median(times[method]) * 1e3:8.1f} ms   "
+        print(f"  {labels[method]:<50} {statistics.median(times[method]) * 1e3:8.1f} ms   "
               f"{ratio:.2f}x the floor   (target ≤ 1.50x)")
+    print(f"  vmap with batched attention vs torch's loop: fold sums bit-identical: {same}")
 
     print("peak RSS, one probe call in a fresh process (setup = after imports, model, data and draws):")
     rows = []

@@ -26,6 +26,7 @@ SECTIONS = {
     "bench_train.py": ["per step: plain", "whole run:", "peak RSS growth", "per step with schedule",
                        "whole run offloaded", "memory offloaded"],
     "bench_text_probe.py": ["plain batched backward", "probe, method=vmap", "probe, method=folds",
+                            "diffusers' attention (before)", "fold sums bit-identical: True",
                             "draws/image: peak"],
     "train_floor.py": ["train_floor: torch", "median chaos floor at the last step"],
 }

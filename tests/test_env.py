@@ -223,3 +223,17 @@ def test_kernel_path_names_the_versions_of_packages_that_move_numbers():
     assert packages["torch"] == importlib.metadata.version("torch") and torch.__version__.startswith(
         packages["torch"].split("+")[0])
     assert "pytest" not in packages  # test tools move no numbers
+
+
+def test_kernel_path_names_every_installed_package_that_chooses_a_models_kernels():
+    """diffusers builds the networks and peft a LoRA adapter's layers (their forward and scaling
+    arithmetic): another release of either moves the numbers, so each is named on the kernel path."""
+    import importlib.metadata
+
+    packages = fingerprint()["kernel_path"]["torch"]["packages"]
+    for name in ("diffusers", "peft", "transformers", "accelerate", "safetensors"):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an optional extra not installed here: nothing of it can run
+        assert packages.get(name) == version, name

@@ -91,7 +91,8 @@ def warn_once() -> None:
 
     One warning is kept off altogether: under vmap, attention through SDPA (a diffusers DiT's) has no
     batching rule and runs a per-sample loop, which torch calls a "performance drop". The numbers are the
-    same; planning's estimate times that very path, so the warning tells the user nothing to act on."""
+    same; planning's estimate times that very path, so the warning tells the user nothing to act on
+    (twinrun's own adapters, twinrun.models, batch their attention and never raise it)."""
     warnings.filterwarnings("ignore", message=SDPA_UNDER_VMAP, category=UserWarning)
     show = warnings.showwarning
     if getattr(show, "twinrun_once", False):

@@ -8,6 +8,7 @@ from torch import nn
 
 from twinrun import lora
 from twinrun.errors import ConfigError
+from twinrun.models.attention import batch_attention
 
 
 def network(cls: type, config: dict, seed: int, pretrained: str | None, subfolder: str | None) -> nn.Module:
@@ -28,13 +29,15 @@ def network(cls: type, config: dict, seed: int, pretrained: str | None, subfolde
 
 class Adapted(nn.Module):
     """The base of every adapter: the network as `net`, and the LoRA adapter's digest when one is loaded
-    (the probe and training runs record it in their identity: `adapter_sha256`)."""
+    (the probe and training runs record it in their identity: `adapter_sha256`). `vmap_attention`:
+    the network's attention is batched under the probe's vmap (twinrun.models.attention; the same bits
+    on the CPU); False leaves diffusers' processors alone, so vmap loops over fold groups there."""
 
     adapter_sha256: str | None = None
 
-    def __init__(self, net: nn.Module, adapter: str | None):
+    def __init__(self, net: nn.Module, adapter: str | None, vmap_attention: bool = True):
         super().__init__()
-        self.net = net
+        self.net = batch_attention(net) if vmap_attention else net
         if adapter is not None:
             self.adapter_sha256 = lora.load_adapter(net, adapter)
 

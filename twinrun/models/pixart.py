@@ -27,8 +27,8 @@ class PixArtVP(Adapted):
 
     COND_PARAM_PATTERNS = COND_PARAM_PATTERNS
 
-    def __init__(self, net, adapter, alphas_cumprod: torch.Tensor):
-        super().__init__(net, adapter)
+    def __init__(self, net, adapter, alphas_cumprod: torch.Tensor, vmap_attention: bool = True):
+        super().__init__(net, adapter, vmap_attention)
         # ᾱ_t of the schedule the network was trained with (objective=vp reads it); float64, never probed.
         self.register_buffer("alphas_cumprod", alphas_cumprod.to(torch.float64), persistent=False)
         self.in_channels = net.config.in_channels
@@ -49,10 +49,10 @@ def pixart(resolution: int = 8, channels: int = 4, patch_size: int = 2, depth: i
            head_dim: int = 8, text_dim: int = 16, seed: int = 0, beta_start: float = 0.0001,
            beta_end: float = 0.02, beta_schedule: str = "linear", timesteps: int = 1000,
            pretrained: str | None = None, subfolder: str | None = None,
-           adapter: str | None = None) -> PixArtVP:
+           adapter: str | None = None, vmap_attention: bool = True) -> PixArtVP:
     """A small PixArtTransformer2DModel drawn under `seed`, or `pretrained` (a local directory, e.g. a
     PixArt-α checkpoint's with subfolder=transformer); the betas are PixArt-α's (its scheduler_config).
-    `adapter`: a LoRA adapter directory (peft's layout) loaded onto it."""
+    `adapter`: a LoRA adapter directory (peft's layout) loaded onto it. `vmap_attention`: see Adapted."""
     assert resolution % patch_size == 0, f"patch_size={patch_size} must divide resolution={resolution}"
     config = {"num_attention_heads": heads, "attention_head_dim": head_dim, "in_channels": channels,
               "out_channels": channels, "num_layers": depth, "cross_attention_dim": heads * head_dim,
@@ -61,4 +61,4 @@ def pixart(resolution: int = 8, channels: int = 4, patch_size: int = 2, depth: i
     net = network(PixArtTransformer2DModel, config, seed, pretrained, subfolder)
     schedule = DDPMScheduler(num_train_timesteps=timesteps, beta_start=beta_start, beta_end=beta_end,
                              beta_schedule=beta_schedule)
-    return PixArtVP(net, adapter, schedule.alphas_cumprod).eval()
+    return PixArtVP(net, adapter, schedule.alphas_cumprod, vmap_attention).eval()

@@ -46,10 +46,11 @@ class SD3Flow(Adapted):
 
 def sd3(resolution: int = 8, channels: int = 4, patch_size: int = 2, depth: int = 2, heads: int = 2,
         head_dim: int = 8, text_dim: int = 16, pooled_dim: int = 16, seed: int = 0,
-        pretrained: str | None = None, subfolder: str | None = None, adapter: str | None = None) -> SD3Flow:
+        pretrained: str | None = None, subfolder: str | None = None, adapter: str | None = None,
+        vmap_attention: bool = True) -> SD3Flow:
     """A small SD3Transformer2DModel (MMDiT: joint attention over image and text tokens, adaLN-Zero), drawn
     under `seed`; or `pretrained`, a local directory (e.g. an SD3 checkpoint's, subfolder=transformer).
-    `adapter`: a LoRA adapter directory (peft's layout) loaded onto it."""
+    `adapter`: a LoRA adapter directory (peft's layout) loaded onto it. `vmap_attention`: see Adapted."""
     assert resolution % patch_size == 0, f"patch_size={patch_size} must divide resolution={resolution}"
     config = {"sample_size": resolution, "patch_size": patch_size, "in_channels": channels,
               "out_channels": channels, "num_layers": depth, "attention_head_dim": head_dim,
@@ -57,4 +58,4 @@ def sd3(resolution: int = 8, channels: int = 4, patch_size: int = 2, depth: int 
               "caption_projection_dim": heads * head_dim, "pooled_projection_dim": pooled_dim,
               "pos_embed_max_size": resolution // patch_size}
     net = network(SD3Transformer2DModel, config, seed, pretrained, subfolder)
-    return SD3Flow(net, adapter).eval()
+    return SD3Flow(net, adapter, vmap_attention).eval()

@@ -63,8 +63,9 @@ NUMERICS_ENV = (
 # cuDNN (TORCH_CUDNN_* heuristics mode and plan cache, CUDNN_* the library's own).
 NUMERICS_ENV_PREFIXES = ("TORCHINDUCTOR_", "TRITON_", "PYTORCH_TUNABLEOP_", "CUBLAS_", "CUBLASLT_", "CUDNN_",
                          "TORCH_CUDNN_")
-# Installed packages (normalised names, prefixes) that choose the kernels a probe runs.
-NUMERICS_PACKAGES = ("torch", "triton", "pytorch-triton", "nvidia-", "cuda-", "diffusers", "xformers",
+# Installed packages (normalised names, prefixes) that choose the kernels a probe runs. peft: a LoRA
+# adapter's layers are peft's (its forward, merge and scaling arithmetic), as a network's are diffusers'.
+NUMERICS_PACKAGES = ("torch", "triton", "pytorch-triton", "nvidia-", "cuda-", "diffusers", "peft", "xformers",
                      "flash-attn", "transformers", "accelerate", "numpy", "safetensors", "intel-openmp",
                      "mkl")
 # Inductor exports these itself on first compile; their resolved paths are read separately.

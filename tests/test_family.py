@@ -12,7 +12,7 @@ from stores import meta, write_sums
 
 from twinrun.analysis.checks import Bin
 from twinrun.analysis.family import family_verdict, holm_adjusted
-from twinrun.analysis.reduce import effect_estimates, effect_rows, family_reading
+from twinrun.analysis.probe_reduce import effect_estimates, effect_rows, family_reading
 from twinrun.analysis.reduction import registered
 from twinrun.analysis.scan import scan
 from twinrun.errors import ConfigError, StoreError

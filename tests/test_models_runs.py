@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 from safetensors.torch import load_file
 
 from twinrun import lora
-from twinrun.analysis.reduce import reduce_run
+from twinrun.analysis.probe_reduce import reduce_run
 from twinrun.analysis.train_reduce import reduce_train
 from twinrun.app import CONF_DIR
 from twinrun.config import register_configs

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from matplotlib.collections import LineCollection
 
-from twinrun.publish.plots import effect_caption, effect_figure, plot_effect
+from twinrun.publish.probe_plots import effect_caption, effect_figure, plot_effect
 
 BINS = [0.1, 0.2, 0.5, 1.2, 3.0]
 ABLATION = {"_target_": "twinrun.interventions.ScaleModule", "module": "blocks.1.attn", "factor": 0.0}

@@ -2,8 +2,8 @@
 make its stronger wording false (no seed pair to pool, rejected rows that print below noise, an interval
 bounded on neither side) and must say what it can."""
 
+from twinrun.publish.probe_report import effect_table, family_line
 from twinrun.publish.render import family_text, interval_text, render
-from twinrun.publish.report import effect_table, family_line
 from twinrun.publish.sweep import agreement_sentence
 
 

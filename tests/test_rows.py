@@ -8,11 +8,11 @@ import pytest
 from sim import sample_grams, truth_means
 
 from twinrun.analysis.estimator import estimate
-from twinrun.analysis.reduce import family_reading
+from twinrun.analysis.probe_reduce import family_reading
 from twinrun.analysis.references import json_interval, pair_row
-from twinrun.publish.plots import _bar_ends
+from twinrun.publish.probe_plots import _bar_ends
+from twinrun.publish.probe_report import effect_table, family_line
 from twinrun.publish.render import interval_text, render
-from twinrun.publish.report import effect_table, family_line
 
 SIZES = [8] * 5
 

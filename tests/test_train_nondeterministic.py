@@ -105,7 +105,7 @@ def test_a_true_no_op_passes_the_probes_gate_on_a_nondeterministic_path(tmp_path
     from conftest import TINY, pin_device
     from test_train import compose_cfg
 
-    from twinrun.analysis.reduce import reduce_run
+    from twinrun.analysis.probe_reduce import reduce_run
     from twinrun.job import run_job
     from twinrun.plan import plan_run, trusted_targets
 

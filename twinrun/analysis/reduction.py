@@ -1,6 +1,6 @@
 """What every kind's reduction shares: the Reduction it returns (the registered summary and a post-hoc
 view), the settings it registered and uses, a check row, the provenance checks every kind's units are
-held to, and the name of a view's directory. The kinds' own analyses (analysis/reduce.py for the σ
+held to, and the name of a view's directory. The kinds' own analyses (analysis/probe_reduce.py for the σ
 probe, analysis/train_reduce.py for training) build on it."""
 
 import re

@@ -9,8 +9,8 @@ import shlex
 from pathlib import Path
 
 from twinrun.files import atomic_write
+from twinrun.publish.probe_report import env_summary
 from twinrun.publish.render import analysis_head
-from twinrun.publish.report import env_summary
 from twinrun.publish.train_plots import plot_distance, plot_losses
 from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, REPORT_MD, RunIndex
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from twinrun.errors import StoreError
 from twinrun.files import atomic_write, read_json
 from twinrun.provenance.version import version_text
-from twinrun.publish.plots import effect_caption, plot_effect
+from twinrun.publish.probe_plots import effect_caption, plot_effect
 from twinrun.publish.render import family_text, interval_text, noise_note, pm
 from twinrun.storage.rundir import EFFECT_PNG, REPORT_MD, RunIndex
 

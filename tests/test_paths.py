@@ -8,7 +8,7 @@ from matplotlib.figure import Figure
 
 from twinrun.errors import ConfigError, StoreError
 from twinrun.plan import check_paths
-from twinrun.publish.probe_plots import save_figure
+from twinrun.publish.figures import save_figure
 from twinrun.storage.rundir import RunDir
 
 matplotlib.use("Agg")  # tests only: twinrun itself never switches a backend at import

@@ -1,7 +1,8 @@
 """The plot of one run a researcher reads: effect.png (a sweep's heatmap is twinrun.publish.sweep_plots).
 
 Self-contained: each function takes plain arguments (a summary dict, and keywords for what the
-summary does not carry) and reads no files; the only write is save_figure's atomic PNG.
+summary does not carry) and reads no files; the only write is save_figure's atomic PNG
+(twinrun.publish.figures).
 
 What it promises (issue 21; tests/test_plots.py reads the artists to hold it to it): a bin without
 a number (below noise, or withheld) is never drawn on the no-effect value; titles name the
@@ -10,7 +11,6 @@ log axis; the norm ratio is on a log axis with a line at 1; a no-op gate bin is 
 an effect of zero; nothing warns, whatever is drawn.
 """
 
-import io
 from itertools import pairwise
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
-from twinrun.files import atomic_write
+from twinrun.publish.figures import save_figure
 
 # ----------------------------------------------------------------------------- effect.png (one run)
 # One column per estimand; three rows: the change of direction (1 − debiased cos), the change of
@@ -316,11 +316,3 @@ def _effect_legend(fig: Figure, measured: bool, below_noise: bool, gates: bool) 
         handles.append(Patch(fc=GATE_FILL, hatch=GATE_HATCH, ec=GATE_EDGE, lw=0,
                              label="no-op gate bin: equal by construction, no value"))
     fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7.5, frameon=False)
-
-
-def save_figure(fig, path: Path) -> None:
-    """PNG bytes written atomically: a full disk or a read-only directory is one StoreError line
-    naming the file (exit 2), and a half-written plot never replaces a whole one."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    atomic_write(Path(path), buf.getvalue())

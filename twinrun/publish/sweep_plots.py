@@ -17,7 +17,8 @@ from matplotlib.figure import Figure
 from matplotlib.legend_handler import HandlerTuple
 from matplotlib.patches import Rectangle
 
-from twinrun.publish.probe_plots import describe_protocol, save_figure
+from twinrun.publish.figures import save_figure
+from twinrun.publish.probe_plots import describe_protocol
 
 # One panel per estimand; in each, one row per sweep point, labelled by the variables the sweep
 # changed (whatever they are: an intervention knob, the grid, the experiment), one column per

@@ -11,7 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator
 
-from twinrun.publish.probe_plots import save_figure
+from twinrun.publish.figures import save_figure
 
 # One colour and style per role, the same in both plots.
 ROLE_STYLE = {"intervention": ("C3", "-", "o"), "twin": ("k", "-", ""), "replicate": ("0.6", ":", "x"),

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 
 from twinrun.files import atomic_write
-from twinrun.publish.probe_report import env_summary
+from twinrun.publish.environment import env_summary
 from twinrun.publish.render import analysis_head
 from twinrun.publish.train_plots import plot_distance, plot_losses
 from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, REPORT_MD, RunIndex

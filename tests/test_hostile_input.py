@@ -20,9 +20,10 @@ from twinrun.launchers.record import read_launch
 from twinrun.measures.probe import PROBE
 from twinrun.provenance.record import kernel_path_sha256
 from twinrun.storage.lock import read_holder
-from twinrun.storage.records import validate_run, validate_store_meta, validate_units
+from twinrun.storage.records import validate_run, validate_units
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.store import STORE_FORMAT, TENSOR_SHA256, StoreReader, verify_store
+from twinrun.storage.store_meta import validate_store_meta
 
 LAYOUT = [{"name": "w", "offset": 0, "numel": 8, "shape": [8], "cond": False}]
 META = {"arm": "native", "bin_index": 0, "sigma": 0.5, "sigma_cond": 0.5, "n_images": 6, "n_draws": 2,

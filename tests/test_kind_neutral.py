@@ -14,7 +14,7 @@ KINDS = ("probe", "train", "sample")
 NEUTRAL = ["twinrun/storage/records.py", "twinrun/storage/rundir.py", "twinrun/publish/__init__.py",
            "twinrun/compare.py", "twinrun/publish/trackers/__init__.py", "twinrun/publish/table.py",
            "twinrun/publish/sweep.py",
-           "twinrun/storage/store_meta.py",
+           "twinrun/storage/store_meta.py", "twinrun/storage/run_paths.py",
            "twinrun/pipeline.py", "twinrun/env.py", "twinrun/status.py", "twinrun/table.py",
            "twinrun/measures/registry.py", "twinrun/plugins.py", "twinrun/job.py", "twinrun/plan.py",
            "twinrun/resume.py", "twinrun/reduce.py", "twinrun/app.py", "twinrun/sweep.py",

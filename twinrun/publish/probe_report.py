@@ -13,7 +13,8 @@ from twinrun.provenance.version import version_text
 from twinrun.publish.environment import env_summary
 from twinrun.publish.probe_plots import effect_caption, plot_effect
 from twinrun.publish.render import family_text, interval_text, noise_note, pm
-from twinrun.storage.rundir import EFFECT_PNG, REPORT_MD, RunIndex
+from twinrun.storage.run_paths import EFFECT_PNG, REPORT_MD
+from twinrun.storage.rundir import RunIndex
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:

@@ -12,7 +12,8 @@ from twinrun.files import atomic_write
 from twinrun.publish.environment import env_summary
 from twinrun.publish.render import analysis_head
 from twinrun.publish.train_plots import plot_distance, plot_losses
-from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, REPORT_MD, RunIndex
+from twinrun.storage.run_paths import DISTANCE_PNG, LOSS_PNG, REPORT_MD
+from twinrun.storage.rundir import RunIndex
 
 
 def table(header: list[str], rows: list[list]) -> list[str]:

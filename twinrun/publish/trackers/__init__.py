@@ -27,7 +27,8 @@ from twinrun.arms import flatten
 from twinrun.errors import ConfigError, StoreError
 from twinrun.files import refuse_links_under
 from twinrun.provenance.version import twinrun_version
-from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, RunIndex
+from twinrun.storage.run_paths import DISTANCE_PNG, LOSS_PNG
+from twinrun.storage.rundir import RunIndex
 
 
 class Sink(NamedTuple):

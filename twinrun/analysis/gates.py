@@ -79,6 +79,9 @@ def gate_row(sigma: float, name: str, est, identical: bool, shift: float, replic
     where = f"σ={sigma:g}, estimand {name}"
     rep_max = max(replicate_shifts) if replicate_shifts else None
     bound = wobble_bound(replicate_shifts, n_rows) if replicate_shifts else None
+    # The detail names the evidence the verdict rests on: bit-identity; no replicate to prove the path
+    # nondeterministic; a deterministic path, where any difference fails; or the shift against the replicates'
+    # wobble.
     if identical:
         detail = f"{where}: bit-identical to the twin"
     elif not replicate_shifts:
@@ -94,6 +97,8 @@ def gate_row(sigma: float, name: str, est, identical: bool, shift: float, replic
                   f"relative difference {', '.join(f'{r:.3e}' for r in replicate_shifts)}); intervention vs "
                   f"twin: {_size(est, shift)}; " + _against(shift, bound, len(replicate_shifts), n_rows)
                   + ("" if rule == "replicate" else "; gate_rule=bit_identical accepts no difference"))
+    # The replicates' shifts and the bound are kept where they decided the gate, so a reader can redo the
+    # comparison from summary.json.
     spread = {} if identical or not replicate_shifts else {"replicate_shifts": list(replicate_shifts),
                                                             "wobble_bound": bound}
     return {"sigma": sigma, "estimand": name, "passed": passed, "rule": decided_by,

@@ -58,12 +58,16 @@ def receipts_of(readers: dict, found, estimates: dict, bins: list, inter: str, n
 def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
     """The summary of one analysis (registered or post-hoc) of the same stores, from the run's one scan."""
     twin_meta = readers[TWIN, 0].meta
+    # Checks, then gates, then effects: a reading is only as good as the instrument, so every effect waits on
+    # both.
     checks = validity_checks(index, readers)
     inter = index.arm("intervention")["name"]
     sizes = np.asarray(twin_meta["fold_sizes"], dtype=np.float64)
     estimates = effect_estimates(found, [b.index for b in bins_of(index)], sizes, inter, used["estimands"],
                                  used["signal_alpha"])
     gate_rows = gates(index, found, estimates, inter, used["estimands"], used["gate_rule"])
+    # Something must vouch that the intervention's code is harmless where it claims to do nothing: a gate bin
+    # or a machinery arm. With neither, nothing does, and the run fails a check.
     machinery = index.arms_with_role("machinery")
     if machinery:
         checks.append(machinery_check(index, found, machinery[0]))
@@ -72,6 +76,8 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
                             "arm: nothing vouches for the instrument"))
     checks_passed = all(c["passed"] for c in checks)
     ok = checks_passed and all(g["passed"] for g in gate_rows)
+    # Receipts, effects and their family-wise reading only for a run that passed: a broken instrument's
+    # numbers are withheld, not shown with a warning.
     receipts = receipts_of(readers, found, estimates, bins_of(index), inter, used["estimands"],
                            used.get("groups")) if ok else None
     effects = effect_rows(estimates, bins_of(index), used["estimands"], receipts)
@@ -82,6 +88,8 @@ def analyse(index: RunIndex, readers: dict, found, used: dict) -> Summary:
                "replicate": replicate_report(index, found)}
     if twin_meta.get("data_files"):  # the caches the data were read from (twinrun.caches), each file's sha256
         summary["data_files"] = twin_meta["data_files"]
+    # The reference is read even for a run that failed: whether it is alive is the environment's question, not
+    # this run's verdict.
     if index.reference:
         summary["reference"] = reference_report(index, readers, found, inter, Path(index.reference),
                                                 used["signal_alpha"], ok)

@@ -93,10 +93,14 @@ def effect_figure(summary: dict, *, intervention: dict | None = None, protocol: 
     title = f"{describe_intervention(intervention, arm)}\nvs native twin — {describe_protocol(protocol)}"
     effects = _shown_effects(summary)
     names = _estimand_names(effects)
+    # A run without effects to show still gets a figure that says why: a missing effect.png is never the
+    # message.
     if not names:
         return _no_effects_figure(title, summary)
     fig = Figure(figsize=(max(6.4, 1.0 + 3.4 * len(names)), 8.6), dpi=110, layout="constrained")
     fig.suptitle(title, fontsize=10)
+    # The σ ticks are every bin of the run, not only those with effects, so a bin without a number is seen to
+    # be absent.
     bins = sorted(set(sigmas or ()) | {e["sigma"] for e in effects})
     gate_sigmas = sorted({g["sigma"] for g in summary.get("gates") or []})
     axes = fig.subplots(3, len(names), sharex=True, sharey="row", squeeze=False)
@@ -104,11 +108,14 @@ def effect_figure(summary: dict, *, intervention: dict | None = None, protocol: 
         rows = sorted((e for e in effects if e["estimand"] == name), key=lambda e: e["sigma"])
         _effect_column(axes[:, col], rows, bins, gate_sigmas)
         axes[0, col].set_title(f"estimand `{name}`", fontsize=10)
+    # Limits from every column at once: with shared rows, the estimands compare by eye.
     _fit_rows(axes, effects)
     for ax, label in zip(axes[:, 0], EFFECT_ROWS):
         ax.set_ylabel(label)
     for ax in axes[-1]:
         ax.set_xlabel("noising σ (the run's bins)")
+    # The legend explains only what is drawn: the below-noise band and the gate band appear only when some bin
+    # is one.
     _effect_legend(fig, measured=any(has_number(e) for e in effects),
                    below_noise=not all(has_number(e) for e in effects), gates=bool(gate_sigmas))
     return fig

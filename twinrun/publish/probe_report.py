@@ -144,10 +144,13 @@ def write_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
     lines = _header(out_dir, summary) + ["", "## Validity checks", ""] + _table(
         ["check", "passed", "detail"], [[c["name"], "yes" if c["passed"] else "**NO**", c["detail"]]
                                         for c in summary["checks"]])
+    # Order is the contract: the checks and gates come before any effect, so a reader meets the instrument's
+    # state first.
     lines += ["", f"## No-op gates (rule: {summary['used']['gate_rule']})", ""] + gate_table(summary["gates"])
     rep = summary.get("replicate")
     if rep:
         lines += ["", "## Replicate (determinism control)", "", rep["detail"]]
+    # Effects and their plot only for a passed run: a broken instrument's numbers are withheld, not flagged.
     if summary["passed"]:
         png = plot_effect(summary, out_dir / EFFECT_PNG, **plot_context(index))
         lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", "", effect_caption(summary), ""]
@@ -159,6 +162,8 @@ def write_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
     if summary.get("data_files"):
         lines += ["", "## Data caches", ""] + [f"- `{path}`: sha256 `{sha}`"
                                                for path, sha in sorted(summary["data_files"].items())]
+    # Where it ran and how to run it again: what a reader needs to reproduce a number or explain a reference
+    # that died.
     env_lines = env_summary(index)
     if env_lines:
         lines += (["", "## Environment", "", "Full fingerprints: `env/job*.json`.", ""]

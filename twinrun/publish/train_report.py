@@ -125,7 +125,9 @@ def write_train_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
     lines += gate_lines(summary)
     if summary.get("replicate"):
         lines += ["", "## Replicate (determinism control)", ""] + replicate_lines(summary["replicate"])
+    # Where the bits first differ is shown whatever the verdict: it is how a failed gate is debugged.
     lines += ["", "## Where each arm's bits leave the twin's", ""] + first_lines(summary)
+    # Plots and effects only for a passed run, as for every kind: a broken instrument's numbers are withheld.
     if summary["passed"]:
         plot_distance(summary, out_dir / DISTANCE_PNG, summary["used"]["estimands"][0])
         plot_losses(summary, out_dir / LOSS_PNG)

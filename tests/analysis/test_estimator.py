@@ -1,4 +1,5 @@
-"""The estimator against synthetic data with a known truth (calibration: tests/test_calibration.py)."""
+"""The estimator against synthetic data with a known truth (calibration:
+tests/analysis/test_estimator_calibration.py)."""
 
 import itertools
 import json

@@ -4,8 +4,8 @@ Two arms' per-fold sums S_f = n_f·μ + noise (tests/sim.py: isotropic, in a few
 heavy-tailed, or with the signal along the dominant noise), the arms' noise correlated by rho as shared
 draws make it. SNR = |μ_twin|² / (P / N). A printed interval must cover the truth in 93-97% of the cases
 that print, at the detection boundary (where only some print) as where the signal is clear.
-`python tests/test_calibration.py REGIME` prints the tables quoted in docs/estimator.md (one regime per
-command: each takes a few minutes of CPU).
+`PYTHONPATH=tests python tests/analysis/test_estimator_calibration.py REGIME` prints the tables quoted in
+docs/estimator.md (one regime per command: each takes a few minutes of CPU).
 """
 
 import sys
@@ -188,7 +188,8 @@ def table(noise: str, layouts=("F=3", "F=5", "F=10", "F=20", "F=5u", "F=10u", "F
 
 
 if __name__ == "__main__":
-    # python tests/test_calibration.py REGIME [LAYOUT ...]   e.g.  isotropic F=10 F=10u
+    # PYTHONPATH=tests python tests/analysis/test_estimator_calibration.py REGIME [LAYOUT ...]
+    #   e.g.  isotropic F=10 F=10u
     regime, layouts = sys.argv[1], sys.argv[2:]
     print(f"| {regime} | " + " | ".join(f"SNR {s:g}" for s in TABLE_SNR[regime]) + " |")
     table(regime, *([layouts] if layouts else []))

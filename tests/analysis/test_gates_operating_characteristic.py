@@ -4,7 +4,8 @@ apart from the rule): the twin, the no-op arm and K replicates each carry their 
 maximum relative difference (the probe's shift) or the norm of the difference (training's distance).
 
 A true no-op must pass every gate row of a run together in ≥ 95 % of runs; a leak a few times the path's
-own wobble must fail. `python tests/test_gate_oc.py` prints the table docs/estimator.md quotes.
+own wobble must fail. `python tests/analysis/test_gates_operating_characteristic.py` prints the table
+docs/estimator.md quotes.
 """
 
 import numpy as np

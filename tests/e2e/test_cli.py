@@ -97,7 +97,8 @@ def test_broken_intervention_fails_its_gate_and_withholds_effects(tmp_path):
         ("reduce.estimands=[all,curvature]", "reduce.estimands"),
         ("intervention._target_=twinrun.interventions.NoSuchThing", "intervention._target_"),
         ("probe.params=[nothing.matches]", "probe.params"),
-        ("probe.device=cuda:x", "probe.device"),  # its spelling; a GPU is judged in the job (test_device.py)
+        # its spelling only; a GPU is judged in the job (test_job_device.py)
+        ("probe.device=cuda:x", "probe.device"),
         ("determinism.float32_matmul_precision=fast", "determinism.float32_matmul_precision"),
         ("probe.device=meta", "probe.device"),
         ("seed=99999999999999999999", "seed"),

@@ -168,7 +168,7 @@ def test_null_gpus_and_cpus_are_read_from_the_partition(tmp_path, monkeypatch):
     """launcher=slurm's defaults: no GPU asked for where the partition has none, CPUs within its nodes;
     a pack asks for a GPU per run and shares the node's CPUs between its runs."""
     monkeypatch.setenv("PATH", fake_scheduler(tmp_path / "bin", SINFO))
-    slurm_yaml = OmegaConf.load(Path(__file__).parents[1] / "conf" / "launcher" / "slurm.yaml")
+    slurm_yaml = OmegaConf.load(Path(__file__).parents[2] / "conf" / "launcher" / "slurm.yaml")
     assert slurm_yaml.gpus_per_node is None and slurm_yaml.cpus_per_task is None  # what users get
     for knobs, gpus, cpus in (({}, 0, 2), ({"partition": "gpu"}, 1, 4),
                               ({"partition": "gpu", "pack": 2}, 2, 4), ({"pack": 2}, 0, 1),

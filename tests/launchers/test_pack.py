@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import TINY, run_twinrun
 from rundirs import planned_run
-from test_launch import launcher, store_sums
+from test_launch_local import launcher, store_sums
 from test_slurm import final_state, launch_json, local_reference, run_json, slurm_args  # noqa: F401
 
 from twinrun.errors import ConfigError

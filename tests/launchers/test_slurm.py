@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import submitit
 from conftest import TINY, run_twinrun
-from test_launch import launcher, store_sums, write_failing_module
+from test_launch_local import launcher, store_sums, write_failing_module
 
 from twinrun.errors import ConfigError, StoreError
 from twinrun.files import read_json

@@ -25,7 +25,7 @@ TERMINAL = {
 }
 
 
-# pytest imports this file as the top-level module "test_slurm_cluster" (tests/ goes on sys.path),
+# pytest imports this file as the top-level module "test_slurm_cluster" (its folder goes on sys.path),
 # which the job's interpreter cannot import: ship this module's functions by value instead of by reference.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

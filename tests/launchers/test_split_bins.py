@@ -11,7 +11,7 @@ import os
 import pytest
 from conftest import TINY
 from rundirs import job_lock, planned_run, refuse
-from test_launch import store_sums
+from test_launch_local import store_sums
 
 from twinrun.errors import KernelPathRefused, StoreError
 from twinrun.job import run_job

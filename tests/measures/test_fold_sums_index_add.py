@@ -1,6 +1,6 @@
 """The vmap method's other branch: when a call's fold groups are not one per fold in a row (a fold split
 into several groups), their gradients are added with index_add_. Equal folds never reach it; unequal
-ones do (4 images in 3 folds: [2, 1, 1], one image per group). tests/test_gpu.py runs it on CUDA."""
+ones do (4 images in 3 folds: [2, 1, 1], one image per group). tests/e2e/test_gpu.py runs it on CUDA."""
 
 import pytest
 import torch

@@ -18,7 +18,7 @@ from twinrun.measures import fold_sums as probe
 from twinrun.measures.probe import arithmetic
 from twinrun.provenance.record import kernel_path_sha256
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 IMAGES = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
 ARMS = {"pin_sigma": torch.tensor(1.2), "native": torch.tensor(0.5)}
 

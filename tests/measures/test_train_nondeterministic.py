@@ -3,8 +3,8 @@ adds atomic-add-like noise (each element of the gradient at the model's output t
 the arm's own generator), so no two arms repeat each other's bits, as on a GPU whose backward adds with
 atomics. With determinism off the run measures arms.replicates' default (four) replicates: a true no-op's
 machinery arm passes the gate within the bound of their spread, and one whose no-op setting leaks a
-learning rate 5 % off fails it; the probe on such a path passes a true no-op. tests/test_gate_oc.py measures
-the rule's rates by simulation.
+learning rate 5 % off fails it; the probe on such a path passes a true no-op.
+tests/analysis/test_gates_operating_characteristic.py measures the rule's rates by simulation.
 """
 
 import itertools
@@ -64,7 +64,7 @@ LEAKY = textwrap.dedent("""
 
 def test_a_true_no_op_passes_and_a_leak_fails_on_a_nondeterministic_path(tmp_path, monkeypatch,
                                                                         atomic_backward):
-    from test_train import train_run
+    from train_runs import train_run
 
     red = train_run(tmp_path / "noop", ["determinism.enabled=false"])
     s = red.summary
@@ -103,7 +103,7 @@ def atomic_probe_backward(monkeypatch):
 
 def test_a_true_no_op_passes_the_probes_gate_on_a_nondeterministic_path(tmp_path, atomic_probe_backward):
     from conftest import TINY, pin_device
-    from test_train import compose_cfg
+    from train_runs import compose_cfg
 
     from twinrun.analysis.probe_reduce import reduce_run
     from twinrun.job import run_job

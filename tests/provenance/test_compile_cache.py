@@ -20,7 +20,7 @@ from twinrun.measures import trial
 from twinrun.provenance import record as provenance
 
 pytestmark = pytest.mark.slow
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 NO_GPU = not torch.cuda.is_available()
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(NO_GPU, reason="needs CUDA (no GPU)")])
 

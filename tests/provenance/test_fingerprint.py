@@ -15,7 +15,7 @@ import pytest
 from twinrun.provenance.fingerprint import fingerprint, kernel_path_diff
 from twinrun.provenance.sentinel import sentinel, sentinel_changed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Prints {"fingerprint": ..., "sentinel": ...} after pinning the intra-op thread count.
 PROBE = textwrap.dedent(

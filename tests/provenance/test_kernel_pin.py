@@ -24,7 +24,7 @@ from twinrun.errors import EXIT_OK, KernelPathRefused, StoreError
 from twinrun.job import open_pin, record_pin
 from twinrun.provenance import kernel_pin
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 GEMM = "bmm"
 
 

@@ -242,7 +242,7 @@ ALTERNATIVES = {
     "determinism.enabled": "false", "determinism.float32_matmul_precision": "medium",
     "determinism.compile_cache_dir": "{tmp}/compile_cache",
     # It names a compiled run whose bundle to replay: an eager probe has none to take (refused, exit 2);
-    # tests/test_kernel_pin.py shows a replay moves no bit of what it pins.
+    # tests/provenance/test_kernel_pin.py shows a replay moves no bit of what it pins.
     "determinism.kernel_path_from": None,
 }
 

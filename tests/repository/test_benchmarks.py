@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ SECTIONS = {
                             "draws/image: peak"],
     "train_floor.py": ["train_floor: torch", "median chaos floor at the last step"],
 }
-# Not benchmarks: gpu_check.sh's judge (tests/test_gpu_check.py holds it to failing loudly).
+# Not benchmarks: gpu_check.sh's judge (tests/repository/test_gpu_check.py holds it to failing loudly).
 HELPERS = {"gpu_check_judge.py"}
 
 

@@ -41,7 +41,7 @@ def test_the_judge_fails_loudly_naming_what_failed(tmp_path):
         (tmp_path / f"{name}.log").write_text("")
         (tmp_path / f"{name}.json").write_text(json.dumps({**sentinel, "ops": ops}))
     (tmp_path / "pytest_gpu.rc").write_text("124 240")  # killed at its timeout
-    (tmp_path / "pytest_gpu.log").write_text("tests/test_gpu.py ....")
+    (tmp_path / "pytest_gpu.log").write_text("tests/e2e/test_gpu.py ....")
     done = judge(tmp_path)
     assert done.returncode == 1, done.stdout
     lines = done.stdout.splitlines()

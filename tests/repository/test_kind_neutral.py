@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KINDS = ("probe", "train", "sample")
 # The rooms that serve every kind: neither a kind's name in their code (a string, an attribute) nor an
 # import of a kind's own module (one named for it: measures/probe.py, storage/train_store.py, ...).

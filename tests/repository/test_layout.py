@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "twinrun"
 
 # Top to bottom: a module may import modules of its own floor (without a circle) or of any floor below.
@@ -55,7 +55,7 @@ def floor(module: str) -> int:
         for p in prefixes:
             if (module == p or module.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
                 best = (i, p)
-    assert best is not None, f"{module} is on no floor of tests/test_layout.py: give it one"
+    assert best is not None, f"{module} is on no floor of tests/repository/test_layout.py: give it one"
     return best[0]
 
 

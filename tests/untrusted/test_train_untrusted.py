@@ -18,7 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from conftest import cli
-from test_train import train_run
+from train_runs import train_run
 
 from twinrun import reduce
 from twinrun import table as table_cli
@@ -332,7 +332,7 @@ def _weights(run: Path) -> dict:
 
 def test_a_full_disk_during_a_training_segment_is_one_line_and_the_run_completes_later(made, tmp_path,
                                                                                        monkeypatch):
-    from test_train import tiny_cfg
+    from train_runs import tiny_cfg
 
     from twinrun.job import run_job
     from twinrun.plan import plan_run, trusted_targets
@@ -432,7 +432,7 @@ def _recorded_not_indexed(run: Path, prefix: str) -> bool:
 def test_kill_9_as_a_segment_is_recorded_and_in_the_last_segment_then_resume_is_bit_identical(made,
                                                                                               tmp_path):
     from conftest import slow_fsync_env, start_twinrun
-    from test_train import TINY
+    from train_runs import TINY
 
     env = slow_fsync_env(tmp_path / "inject", 0.15)
     run = tmp_path / "killed"

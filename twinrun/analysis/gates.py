@@ -11,8 +11,9 @@ distances are independent draws of one distribution. One replicate cannot say ho
 reaches (a no-op beats it half the time), so the rule is a prediction bound from K replicates: on the log
 scale, mean + t · sd · √(1 + 1/K), t the one-sided Student quantile with K − 1 degrees of freedom at
 GATE_ALPHA / G, G the run's gate rows (Bonferroni, so all rows together). Exact for log-normal
-distances (GATE_ALPHA per run); tests/test_gate_oc.py measures it on norms and maxima of atomic-add
-noise, where the tails differ, at ≤ 5 % per run (docs/estimator.md, "The gate on a nondeterministic path").
+distances (GATE_ALPHA per run); tests/analysis/test_gates_operating_characteristic.py measures it on norms
+and maxima of atomic-add noise, where the tails differ, at ≤ 5 % per run (docs/estimator.md, "The gate on a
+nondeterministic path").
 """
 
 import functools

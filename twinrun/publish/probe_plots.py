@@ -4,8 +4,8 @@ Self-contained: each function takes plain arguments (a summary dict, and keyword
 summary does not carry) and reads no files; the only write is save_figure's atomic PNG
 (twinrun.publish.figures).
 
-What it promises (issue 21; tests/test_plots.py reads the artists to hold it to it): a bin without
-a number (below noise, or withheld) is never drawn on the no-effect value; titles name the
+What it promises (issue 21; tests/publish/test_probe_plots.py reads the artists to hold it to it): a bin
+without a number (below noise, or withheld) is never drawn on the no-effect value; titles name the
 intervention with its setting, the protocol and the estimand; the σ ticks are the run's bins on a
 log axis; the norm ratio is on a log axis with a line at 1; a no-op gate bin is a labelled band, never
 an effect of zero; nothing warns, whatever is drawn.

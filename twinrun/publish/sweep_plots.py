@@ -1,7 +1,7 @@
 """sweep_effect.png: a sweep's heatmap, one panel per estimand, rows the swept points, columns the σ
 bins, on a fixed, documented colour scale (EFFECT_SCALE) with value ± SE in each cell that has a number;
 below-noise, failed and unmeasured cells each their own mark; legend swatches coloured as the cells they
-name (tests/test_sweep_report.py reads the artists to hold it to that); a gate bin's cell is marked
+name (tests/publish/test_sweep.py reads the artists to hold it to that); a gate bin's cell is marked
 "gate", never coloured as an effect of 0. Reads no files; the only write
 is save_figure's atomic PNG.
 """

@@ -6,7 +6,10 @@ import pytest
 from conftest import REPO
 
 DOCS = sorted((REPO / "docs").glob("*.md"))
-PAGES = [REPO / "README.md", REPO / "launch" / "README.md", REPO / "examples" / "byo" / "README.md", *DOCS]
+# Every page a reader opens: the docs and every README (launch/, benchmarks/, tests/, each example, ...).
+READMES = sorted(p for p in [*REPO.glob("*/README.md"), *REPO.glob("*/*/README.md")]
+                 if not p.relative_to(REPO).parts[0].startswith("."))  # not a tool's cache
+PAGES = [REPO / "README.md", *READMES, *DOCS]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 

@@ -8,7 +8,7 @@ arm configs and the provenance are genuine; then rewrites every store with write
 sums as fold_tensors lays them out) as a synthetic F x P store (a shared direction per bin, an arm
 effect off the gate, fold noise; the gate bin's arms and the gate replicate identical), recorded in
 run.json through RunIndex.mark_done, evicts the stores from the page cache, and reduces and publishes
-the run (twinrun.analysis.reduce.reduce_run, twinrun.publish.publish) in a fresh process. Reports that
+the run (twinrun.analysis.probe_reduce.reduce_run, twinrun.publish.publish) in a fresh process. Reports that
 process's peak RSS and its bytes read (/proc/self/io: rchar, and read_bytes from storage) against the
 bytes of the stores on disk, the time of the reduce and of its one pass, and the streaming pass against
 a whole-matrix numpy reduction of a small run (the same scan code) as a self-check.
@@ -124,7 +124,7 @@ def evict(paths) -> None:
 def reduce_in_child(run_dir: Path) -> dict:
     """Runs in a fresh process (`--reduce-only`): its peak RSS and reads are the reducer's alone."""
     from twinrun.analysis import checks
-    from twinrun.analysis.reduce import reduce_run
+    from twinrun.analysis.probe_reduce import reduce_run
     from twinrun.publish import publish
 
     spent = {}

@@ -44,7 +44,8 @@ from twinrun.measures.registry import MEASURES, kind_of
 from twinrun.provenance.fingerprint import kernel_path_fields
 from twinrun.publish.render import pm
 from twinrun.storage.header import store_format
-from twinrun.storage.rundir import ARMS_DIR, RunDir
+from twinrun.storage.run_paths import ARMS_DIR
+from twinrun.storage.rundir import RunDir
 from twinrun.storage.store import StoreReader
 
 

@@ -86,12 +86,17 @@ def load_run(run_dir: Path) -> tuple[RunIndex, dict]:
     """
     index = RunIndex.load(run_dir)  # validates run.json field by field
     run_json = index.run_dir.run_json
+    # A run of another kind lists stores this reader would misread as fold sums: refused by name before any is
+    # opened.
     if index.measure != "probe":
         raise StoreError(run_json, f"measures {index.measure}, not the σ probe this reducer reads")
     index.check_units(ProbeUnit, "sigma")  # its bins' own fields: each σ positive, strictly increasing
+    # A reference is an earlier, independent measurement: a run naming itself would vouch for its own numbers.
     if index.reference is not None and Path(index.reference).resolve() == index.run_dir.path.resolve():
         raise StoreError(run_json, f"field reference: {index.reference!r} is this run itself, which cannot "
                          "vouch for itself; the file is damaged or was edited by hand")
+    # run.json may have been edited by anyone, and the groups it registers steer which parameters are read:
+    # they meet the plan-time rules again.
     try:
         check_groups(index.registered.get("groups") or {})
     except TwinrunError as err:
@@ -99,7 +104,11 @@ def load_run(run_dir: Path) -> tuple[RunIndex, dict]:
     voucher = Voucher(index, PROBE_STORE_RULES)  # every config.yaml held to its hash, every store to these
     configs = voucher.configs
     wanted = _wanted(index)
+    # Every store stays open until the one scan reads it: a run with more stores than this process may open
+    # fails here in one line, not halfway through.
     ensure_descriptors(len(wanted), f"reading the {len(wanted)} stores of {index.run_dir.path}")
+    # Headers only here (the scan reads each payload once). Whatever fails, the readers opened so far are
+    # closed before the error leaves, so a caller that reports it and goes on leaks no file.
     readers = {}
     try:
         for key, (path, sha, _, payload) in wanted.items():
@@ -133,15 +142,21 @@ def cross_check(index: RunIndex, configs: dict, readers: dict, voucher: Voucher)
     What every kind's stores are held to (their arm, unit, config hash, kernel path, and the fields the
     probe declares in vouch.STORE_RULES) is the voucher's."""
     twin_cfg, run_json = configs[TWIN], index.run_dir.run_json
+    # The configs are hash-checked and run.json's bin labels are not: a σ grid that disagrees with the configs
+    # means run.json was edited.
     grid = [float(s) for s in twin_cfg["sigma_grid"]["sigmas"]]
     sigmas = [b.sigma for b in bins_of(index)]
     if sigmas != grid:
         raise StoreError(run_json, f"field units[].probe.sigma: {sigmas} is not the σ grid {grid} of "
                          "arms/native/config.yaml; the file is damaged or was edited by hand")
+    # Rebuilt from the hash-checked configs, the interventions say what run.json and the stores can only claim
+    # (gate flags, σ_cond); the gate replicate is the twin measured again, so it shares the twin's.
     interventions = {name: _intervention(index, name, cfg) for name, cfg in configs.items()}
     interventions.setdefault(REPLICATE, interventions[TWIN])
     inter = interventions[index.arm("intervention")["name"]]
     if inter is not None:
+        # A gate flag decides whether a bin is read as a no-op gate or as an effect: a flipped flag would turn
+        # one into the other.
         gates = set(inter.gate_sigmas(grid))
         for b in bins_of(index):
             if b.gate != (b.sigma in gates):
@@ -149,6 +164,8 @@ def cross_check(index: RunIndex, configs: dict, readers: dict, voucher: Voucher)
                 raise StoreError(run_json, f"field units[{b.index}].gate: {b.gate}, but the intervention of "
                                  f"its config is {noop} at σ={b.sigma:g}; the file is damaged or was edited "
                                  "by hand")
+    # Recomputing the probed images' ids and digest from twinrun's own data set catches a store measured on
+    # other images under the right labels.
     probed = _probed_data(twin_cfg)
     for (arm, i), reader in readers.items():
         voucher.store(index.units[i], arm, reader.path, reader.meta)
@@ -234,29 +251,40 @@ def arm_stores(run_dir: Path, arm: str) -> tuple[RunIndex, dict]:
 def validity_checks(index: RunIndex, stores: dict) -> list[dict]:
     names = index.arm_names
     bins = bins_of(index)
+    # The twin's claim is that the arms differ only in the intervention: any other difference would be read as
+    # its effect.
     configs = {n: index.run_dir.read_arm_config(n) for n in names}
     diffs = {n: arms_mod.outside_intervention(arms_mod.config_diff(configs[names[0]], configs[n]))
              for n in names}
     bad = {n: d for n, d in diffs.items() if d}
     out = [check("configs_differ_only_in_intervention", not bad,
                  "ok" if not bad else f"arms differ outside `intervention` at {bad}")]
+    # The shared draws are what cancel the noise between the arms: a bin whose draws differ is not paired, and
+    # its SEs would not hold.
     unequal = sorted({i for (n, i), s in stores.items()
                       if s.meta["draws_digest"] != stores[TWIN, i].meta["draws_digest"]})
     out.append(check("identical_draws", not unequal,
                      f"draw digests equal in all {len(bins)} bins" if not unequal
                      else f"draw digests differ between arms in bins {unequal}"))
+    # The estimator compares fold sums across stores: that needs the same images, draws, folds and parameter
+    # layout in every one.
     ref = next(iter(stores.values())).meta
     mismatched = sorted({str(s.path) for s in stores.values() for k in STORE_PROTOCOL_KEYS
                          if s.meta[k] != ref[k]})
     out.append(check("same_protocol", not mismatched,
                      "images, draws, folds and parameter layout equal in every store" if not mismatched
                      else f"protocol differs in {mismatched}"))
+    # A run's jobs may run hours apart on other nodes: a model or data file replaced between them splits the
+    # run into two measurements.
     changed = sorted({k for s in stores.values() for k in STORE_IDENTITY_KEYS if s.meta.get(k) != ref.get(k)})
     out.append(check("same_model_and_data", not changed,
                      "every store measured one model (as built, weights loaded) on the same images"
                      if not changed
                      else f"stores measured different {' and '.join(changed)}: the model or the data changed "
                      "between the jobs of this run"))
+    # A store filed under the wrong bin would put one σ's effect in another's row. An intervention this
+    # reducer cannot rebuild is named, since its σ_cond and gate bins were only compared across stores, not
+    # recomputed.
     wrong_sigma = [s.path.name for (n, i), s in stores.items() if s.meta["sigma"] != bins[i].sigma]
     unchecked = unverified_interventions(index)
     matched = "every store's σ, σ_cond, seed, images, draws and folds match its bin and its arm's config"

@@ -111,6 +111,8 @@ def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduc
 
     layout None: the names only (the parameters are not known yet). params_key: the setting that chose
     the parameters (None: every parameter of the model, as a training run compares them)."""
+    # Names are checked even before the parameters are known (plan time), so a typo fails before any compute;
+    # the checks against the layout follow once the stores name their parameters.
     check_groups(groups)
     known = registry(groups)
     unknown = [n for n in names if n not in known]
@@ -119,12 +121,16 @@ def check_estimands(names, groups, layout: list[dict] | None, what: str = "reduc
                           'one is a group: reduce.groups={NAME:["PATTERN", ...]})')
     if layout is None:
         return
+    # A group that selects nothing would be registered and read as an estimand over no parameters: every
+    # declared group, listed or not, must select one.
     for name in groups:
         if not any(known[name].selects(entry) for entry in layout):
             raise ConfigError(f"{groups_what}.{name}", list(groups[name]), f"matches no "
                               f"{'probed ' if params_key else ''}parameter "
                               f"(parameters look like {', '.join(e['name'] for e in layout[:3])}); fix the "
                               f"pattern{f' or {params_key}' if params_key else ''}")
+    # `cond` reads the conditioning pathway: on a model that declares none it would be an estimand over
+    # nothing.
     if "cond" in names and not any(known["cond"].selects(entry) for entry in layout):
         among, them = (f" among {params_key}", " among them") if params_key else ("", "")
         raise ConfigError(what, list(names), f"`cond` needs conditioning parameters{among} (the model "

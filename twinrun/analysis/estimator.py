@@ -133,22 +133,29 @@ def _printed_fields(means, x, norm_se, printed, f: int, alpha: float) -> dict:
     names = ("cos", "se", "norm_ratio", "norm_ratio_se", "cos_lo", "cos_hi", "ratio_lo", "ratio_hi")
     out = {k: np.full(printed.shape, np.nan) for k in names}
     out["near_boundary"] = np.zeros(printed.shape, dtype=bool)
+    # Rows that did not print keep NaN: an effect below noise has no cos or ratio, never a made-up 0.
     if not printed.any():
         return out
     m = [mm[printed] for mm in means]
     xp, se_p = x[printed], norm_se[printed]
     ab, aa, bb = xp[:, 0], xp[:, 1], xp[:, 2]
     cos, ratio = cosine(ab, aa, bb), np.sqrt(aa / bb)
+    # The SEs of cos and ratio come from the same jackknife moments as the norms', through each one's
+    # delta-method weights in (ab, aa, bb).
     jack, zeta2 = kernel_moments(m)
     cos_w = np.stack([1 / np.sqrt(aa * bb), -cos / (2 * aa), -cos / (2 * bb)], axis=-1)
     ratio_w = np.stack([np.zeros_like(aa), ratio / (2 * aa), -ratio / (2 * bb)], axis=-1)
     cos_se, ratio_se = (np.sqrt(corrected_variance(jack, zeta2, w, f)) for w in (cos_w, ratio_w))
+    # The intervals are conditional on the row having printed (the test of signal selected it); with too few
+    # folds there are no replicates to read that selection from.
     reps = replicates(m, signal_threshold(f, alpha)) if f >= REPLICATE_MIN_FOLDS else None
     threshold = signal_threshold(f, alpha)
     ends = selective_intervals(xp, jack, zeta2, se_p, threshold, cos, ratio, cos_se, ratio_se, f, reps)
     exact = (cos_se == 0) | (ratio_se == 0)  # identical arms, or folds that agree exactly: nothing to bound
     ends[:2] = np.where(exact, cos, ends[:2])
     ends[2:] = np.where(exact, ratio, ends[2:])
+    # How far, in SEs, the weaker arm's |μ|² clears the signal threshold: near it the cosine reads towards the
+    # arms' noise correlation, and the report says so.
     margin = (xp[:, 1:] / np.where(se_p > 0, se_p, np.nan)).min(-1) - signal_threshold(f, alpha)
     values = {"cos": cos, "se": cos_se, "norm_ratio": ratio, "norm_ratio_se": ratio_se, "cos_lo": ends[0],
               "cos_hi": ends[1], "ratio_lo": ends[2], "ratio_hi": ends[3],
@@ -173,6 +180,7 @@ def estimate(g_ab: np.ndarray, g_aa: np.ndarray, g_bb: np.ndarray, n_a, n_b, alp
                    float(v["norm2_b"]), float(v["norm2_b_se"]), t_quantile(f),
                    diff_norm2=float(v["diff_norm2"]), diff_norm2_se=float(v["diff_norm2_se"]),
                    effect_p=float(v["effect_p"]))
+    # Below noise: the norms and the test of no effect stand, cos and ratio stay None (not 0).
     if not b.printed[0]:
         return out
     out.cos, out.se = float(v["cos"]), float(v["se"])

@@ -11,8 +11,9 @@ distances are independent draws of one distribution. One replicate cannot say ho
 reaches (a no-op beats it half the time), so the rule is a prediction bound from K replicates: on the log
 scale, mean + t · sd · √(1 + 1/K), t the one-sided Student quantile with K − 1 degrees of freedom at
 GATE_ALPHA / G, G the run's gate rows (Bonferroni, so all rows together). Exact for log-normal
-distances (GATE_ALPHA per run); tests/test_gate_oc.py measures it on norms and maxima of atomic-add
-noise, where the tails differ, at ≤ 5 % per run (docs/estimator.md, "The gate on a nondeterministic path").
+distances (GATE_ALPHA per run); tests/analysis/test_gates_operating_characteristic.py measures it on norms
+and maxima of atomic-add noise, where the tails differ, at ≤ 5 % per run (docs/estimator.md, "The gate on a
+nondeterministic path").
 """
 
 import functools
@@ -79,6 +80,9 @@ def gate_row(sigma: float, name: str, est, identical: bool, shift: float, replic
     where = f"σ={sigma:g}, estimand {name}"
     rep_max = max(replicate_shifts) if replicate_shifts else None
     bound = wobble_bound(replicate_shifts, n_rows) if replicate_shifts else None
+    # The detail names the evidence the verdict rests on: bit-identity; no replicate to prove the path
+    # nondeterministic; a deterministic path, where any difference fails; or the shift against the replicates'
+    # wobble.
     if identical:
         detail = f"{where}: bit-identical to the twin"
     elif not replicate_shifts:
@@ -94,6 +98,8 @@ def gate_row(sigma: float, name: str, est, identical: bool, shift: float, replic
                   f"relative difference {', '.join(f'{r:.3e}' for r in replicate_shifts)}); intervention vs "
                   f"twin: {_size(est, shift)}; " + _against(shift, bound, len(replicate_shifts), n_rows)
                   + ("" if rule == "replicate" else "; gate_rule=bit_identical accepts no difference"))
+    # The replicates' shifts and the bound are kept where they decided the gate, so a reader can redo the
+    # comparison from summary.json.
     spread = {} if identical or not replicate_shifts else {"replicate_shifts": list(replicate_shifts),
                                                             "wobble_bound": bound}
     return {"sigma": sigma, "estimand": name, "passed": passed, "rule": decided_by,

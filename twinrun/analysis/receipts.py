@@ -28,6 +28,8 @@ def decode_blocks(reader, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
     naming the store and the field (exit 2), never a number."""
     pairing = reader.meta.get("pairing")
     n_tensors, f = len(reader.meta["layout"]), len(reader.meta["fold_sizes"])
+    # The blocks are base64 text in a store's metadata, which anyone may edit: each is decoded, sized and
+    # checked finite before a receipt reads it.
     out = {}
     for key in keys:
         field = f"metadata.pairing.{key}"

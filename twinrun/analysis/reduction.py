@@ -1,6 +1,6 @@
 """What every kind's reduction shares: the Reduction it returns (the registered summary and a post-hoc
 view), the settings it registered and uses, a check row, the provenance checks every kind's units are
-held to, and the name of a view's directory. The kinds' own analyses (analysis/reduce.py for the σ
+held to, and the name of a view's directory. The kinds' own analyses (analysis/probe_reduce.py for the σ
 probe, analysis/train_reduce.py for training) build on it."""
 
 import re
@@ -63,6 +63,8 @@ def provenance_checks(index: RunIndex, stores: dict, unit: str = "bin") -> list[
     and the kernel-path sentinel read around the jobs never moved. `unit`: what the kind calls its units
     (bin, segment, chunk), the word the check's detail uses."""
     out = []
+    # A unit's arms are twins only if they ran back to back in one process: a job, node, boot or GPU between
+    # them is a difference the intervention did not make.
     split = {}
     for u in index.units:  # any kind's units (a probe's bins, a training run's segments)
         records = [s.meta.get("env") or {} for (n, i), s in stores.items() if i == u["index"]]
@@ -73,10 +75,14 @@ def provenance_checks(index: RunIndex, stores: dict, unit: str = "bin") -> list[
                      f"every {unit}'s arms ran back to back in one process (same job, node, boot, GPU)"
                      if not split else f"arms of a {unit} ran apart: "
                      + "; ".join(f"{unit} {i}: {', '.join(f)}" for i, f in split.items())))
+    # Two kernel paths differ by a bias no averaging removes (docs/concepts.md): every store of a run on one.
     paths = {(s.meta.get("env") or {}).get("kernel_path_sha256") for s in stores.values()}
     out.append(check("one_kernel_path", len(paths) == 1 and None not in paths,
                      "every store was measured on one kernel path" if len(paths) == 1
                      else f"stores come from {len(paths)} kernel paths"))
+    # The sentinel re-reads the kernel path around each job: a change during the run (a driver, an autotune
+    # winner) would otherwise go unseen between the stores' own readings, and a job killed before its closing
+    # reading has not shown it.
     jobs = index.jobs
     readings = ({j["sentinel_start"] for j in jobs}
                 | {j["sentinel_end"] for j in jobs if j.get("sentinel_end")})

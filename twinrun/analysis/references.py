@@ -143,6 +143,8 @@ def _dead_detail(measured: list[str], kp: list[str], cfg: list[str], rows: list[
     worst = max(r["max_shift"] for r in rows)
     text = (f"reference DEAD in this environment: today's native twin does not reproduce it (max relative "
             f"difference of the sums {worst:.3e}; per bin and estimand below). ")
+    # The measured thing first: a changed model or data set explains the gap before any environment field
+    # could, so no one chases a driver when the weights changed.
     model = [k for k in cfg if k.split(".")[0] == "model"]
     what = [{"model_sha256": "the model as built (its parameters and buffers)",
              "data_sha256": "the probed images (with their conditioning, if any)",
@@ -158,9 +160,11 @@ def _dead_detail(measured: list[str], kp: list[str], cfg: list[str], rows: list[
     if kp:
         blame = ". " if what or model else ": this gap is the environment's. "
         text += f"Kernel-path fields that differ: {', '.join(kp)}{blame}"
+    # Autotune winners are not in the kernel-path fingerprint: when they moved, they are a cause to name.
     moved = winners.startswith("autotune winners differ")
     if moved:
         text += f"{winners[0].upper()}{winners[1:]}. "
+    # Say so when nothing recorded explains the gap, rather than leave the reader to infer it.
     if not kp and not cfg and not what and not moved:
         text += "No recorded kernel-path, config, model or data field differs: the cause is unrecorded. "
     return text + "Nothing is read against it; read effects against the twin only."
@@ -178,6 +182,8 @@ def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alp
     run_dir = index.run_dir.path
     mine = {b.sigma: readers[TWIN, b.index] for b in bins_of(index)}
     ref = {}
+    # The reference is another run directory, read as untrusted as this one: unreadable or of another
+    # protocol, it is reported unusable, and the run's own verdict (against its twin) stands.
     try:
         _, ref = arm_stores(ref_dir, TWIN)
         bad = protocol_mismatch(mine, ref)
@@ -190,11 +196,14 @@ def reference_report(index, readers: dict, found, inter: str, ref_dir: Path, alp
     if bad:
         return {"path": str(ref_dir), "alive": False, "status": "unusable",
                 "detail": f"reference UNUSABLE: {'; '.join(bad)}. Read effects against the twin only."}
+    # Alive means today's twin reproduces the reference within the kernel path's own wobble, judged by the
+    # replicates as the gates are.
     alive, rule = reproduced(rows, replicate_shifts(index, found))
     measured, kp, cfg = cause_fields(run_dir, ref_dir, mine, ref)
     out = {"path": str(ref_dir), "alive": alive, "status": "alive" if alive else "dead", "rule": rule,
            "measured_differs_in": measured, "kernel_path_differs_in": kp, "config_differs_in": cfg,
            "native_vs_reference": rows, "autotune_winners": winners_line(ref_dir, run_dir)}
+    # Only a reference alive here may be read against, and the intervention only when the run passed.
     if alive:
         n_identical = len({r["sigma"] for r in rows if r["bit_identical"]})
         out["detail"] = (f"reference ALIVE in this environment ({rule}: {n_identical} / {len(mine)} bins "

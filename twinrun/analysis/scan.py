@@ -91,10 +91,13 @@ def scan(readers: dict[tuple[str, int], StoreReader], gram_arms: list[str], n_bi
     first = readers[gram_arms[0], 0]
     n_folds, entry_of = first.n_folds, {g["name"]: g for g in first.layout}
     keys = list(readers)
+    # A chunk of parameters is sized so that every store's columns of it fit BUFFER_BYTES together: memory
+    # stays bounded whatever the model's size.
     chunk = max(1, min(chunk_params, BUFFER_BYTES // (len(keys) * n_folds * 8)))
     n_samples = float(sum(first.meta["fold_sizes"]))  # residual views scale by the base's plain norm
     acc = _Grams(gram_arms, n_bins, n_folds, chunk, names, groups, bases, n_samples)
     pair_names = list(dict.fromkeys([*names, SHIFT_VIEW]))  # always: the replicate and references read it
+    # Pairs only where both arms have a store at the bin: the gate replicate is measured at gate bins only.
     found = {(x, y, b): Pair() for x, y in pairs for b in range(n_bins)
              if (x, b) in readers and (y, b) in readers}
     # reads and sha256 release the GIL
@@ -111,6 +114,8 @@ def scan(readers: dict[tuple[str, int], StoreReader], gram_arms: list[str], n_bi
                 for (x, y, b), pair in found.items():
                     pair.add(chunks[x, b], chunks[y, b], compared)
                 acc.add(chunks, hi - lo, these)
+    # Each store's sha256 is finished after its last byte, so the one pass also proves every file is the one
+    # run.json names.
     digests = {k: r.finish() for k, r in readers.items()}
     return Scan(list(gram_arms), acc.result(), found, digests)
 

@@ -155,6 +155,8 @@ def selective_intervals(x, jack, zeta2, norm_se, threshold, cos, ratio, cos_se, 
     is_cos = np.repeat([True, True, False, False], n)
     four = lambda a: None if a is None else np.concatenate([a] * 4)
     target = np.repeat([1 - tail, tail, 1 - tail, tail], n)
+    # All four ends of every row in one vector: one vectorised search instead of 4n scalar ones. The ratio is
+    # searched on log r, so that its unbounded sides, 0 and inf, are finite limits.
     start = np.concatenate([np.clip(cos, -1, 1)] * 2 + [np.log(ratio)] * 2)
     step = np.concatenate([cos_se] * 2 + [ratio_se / ratio] * 2)
     lo = np.where(is_cos, -1.0, -LOG_RATIO_LIMIT)
@@ -169,5 +171,7 @@ def selective_intervals(x, jack, zeta2, norm_se, threshold, cos, ratio, cos_se, 
         return selective_cdf(xs, js, zs, ses, threshold, w, n_folds, rs)
 
     roots = _decreasing_root(fun, start, np.where(step > 0, step, 1.0), lo, hi, target).reshape(4, n)
+    # A side that reached the limit is unbounded: reported as 0 or inf, never as the number the search stopped
+    # at.
     roots[2:] = np.exp(np.where(np.abs(roots[2:]) >= LOG_RATIO_LIMIT, np.sign(roots[2:]) * np.inf, roots[2:]))
     return roots

@@ -10,7 +10,8 @@ from twinrun.analysis.train_reduce import compare_stores
 from twinrun.errors import EXIT_OK, EXIT_REFUSED
 from twinrun.provenance.fingerprint import kernel_path_fields
 from twinrun.storage.header import store_format
-from twinrun.storage.rundir import ARMS_DIR, RunDir, RunIndex
+from twinrun.storage.run_paths import ARMS_DIR
+from twinrun.storage.rundir import RunDir, RunIndex
 from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store
 
 

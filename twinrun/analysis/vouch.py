@@ -65,6 +65,8 @@ class Voucher:
     def store(self, u: dict, arm: str, path: Path, meta: dict) -> None:
         index, rules = self.index, self.rules
         config = self.configs.get(arm, self.configs[TWIN])  # the gate replicate: the twin measured again
+        # Identity first (run, arm, unit, kernel path): a store copied in from another run or arm is refused
+        # before its fields are compared.
         if meta["config_hash"] != self.hashes.get(arm, self.hashes[TWIN]):
             raise StoreError(path, "config hash differs from run.json's: a store from another run")
         if meta["arm"] != arm or meta[rules.unit_index] != u["index"]:
@@ -74,6 +76,8 @@ class Voucher:
         if recorded != (meta.get("env") or {}).get("kernel_path_sha256"):
             raise StoreError(path, "metadata field env.kernel_path_sha256 is not the kernel path run.json "
                              f"records for it ({recorded}): damaged or forged")
+        # The kind's declared fields, each held to what its unit, its config or the first store read says, so
+        # one forged field is caught wherever it sits.
         own = index.params(u)
         expected = {k: own.get(v) for k, v in rules.unit_fields.items()}
         expected.update({k: at(config, v) for k, v in rules.config_fields.items()})
@@ -86,6 +90,8 @@ class Voucher:
                 raise StoreError(path, f"metadata field {key}: {str(meta.get(key))[:60]} is not "
                                  f"{str(value)[:60]}, what its run measured (its config, its unit, the "
                                  "twin's first store): damaged or forged")
+        # Lists whose entries the config does not spell (the images' ids) are held at least to the count it
+        # gives.
         for key, dotted in rules.lengths.items():
             if key in meta and len(meta[key] or []) != at(config, dotted):
                 raise StoreError(path, f"metadata field {key}: {len(meta[key] or [])} entries, not the "

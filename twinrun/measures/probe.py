@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from twinrun import caches, conditioning, draws, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
-from twinrun.analysis.reduce import reduce_run
+from twinrun.analysis.probe_reduce import reduce_run
 from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build, objective_of, typed
 from twinrun.errors import ConfigError
 from twinrun.files import memory_bytes
@@ -33,8 +33,8 @@ from twinrun.measures.probe_cost import check_device_memory, estimate_cost, esti
 from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.publish import probe_rows
+from twinrun.publish.probe_report import write_report
 from twinrun.publish.render import render
-from twinrun.publish.report import write_report
 from twinrun.storage.header import MAX_HEADER_BYTES
 from twinrun.storage.records import ProbeUnit, Summary, UnitEntry
 from twinrun.storage.store import header_size, store_size

@@ -148,7 +148,7 @@ def _size(n_bytes: int) -> str:
 # A call's peak over its gradients and saved activations: the backward also holds the gradients of the
 # activations it is working through. Measured on the CPU (peak RSS growth of one probe call against
 # gradients + saved activations, both methods): 1.43-1.51 for vmap. With 1.6 the whole estimate was
-# 0.92-1.26 of the measured peak over four shapes and several runs (tests/test_device_memory.py).
+# 0.92-1.26 of the measured peak over four shapes and several runs (tests/measures/test_probe_cost.py).
 BACKWARD_WORKSPACE = 1.6
 # Named in every refusal for memory, in the order they usually help most.
 MEMORY_KNOBS = ("lower probe.n_folds or set probe.accumulator_dtype=float32 (the fold sums), lower "

@@ -29,7 +29,7 @@ def _identity(path: Path) -> tuple | None:
 
 
 def publish(reduction, kind, tracker: dict | None = None) -> None:
-    """Write a Reduction (twinrun.analysis.reduce): the registered summary, or the post-hoc view; every
+    """Write a Reduction (twinrun.analysis.reduction): the registered summary, or the post-hoc view; every
     summary carries the twinrun that wrote it. `kind`: the run's measurement kind (its `report` writer
     (out_dir, summary, index) and its tracker rows). `tracker`: checked settings (check_tracker), or None."""
     report = kind.report

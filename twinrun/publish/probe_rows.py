@@ -15,6 +15,8 @@ def tracker_rows(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]
     for u in index.units:
         sigma = index.params(u).get("sigma")
         row, mine, twin = {"sigma": sigma}, {"sigma": sigma}, {"sigma": sigma}
+        # Each arm's |μ|² under one key in its own rows, so a tracker overlays the twin and the intervention
+        # on one chart; the comparison has numbers only where the summary has them.
         for n in names:
             e = effects.get((sigma, n))
             if e is None:
@@ -22,6 +24,7 @@ def tracker_rows(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]
             row[f"below_noise/{n}"] = float(e["below_noise"])
             mine[f"norm2/{n}"], mine[f"norm2_se/{n}"] = e["norm2"], e["norm2_se"]
             twin[f"norm2/{n}"], twin[f"norm2_se/{n}"] = e["norm2_base"], e["norm2_base_se"]
+            # Below noise logs no cos or ratio: a tracker would draw a 0 there, which reads as no effect.
             if e["cos"] is not None:
                 row[f"effect/{n}"], row[f"effect_se/{n}"] = 1 - e["cos"], e["se"]
                 row[f"cos/{n}"] = e["cos"]

@@ -76,6 +76,7 @@ def render(summary: dict) -> str:
         lines += ["", f"replicate: {summary['replicate']['detail']}"]
     if summary.get("reference"):
         lines += ["", summary["reference"]["detail"]]
+    # A failed run prints why and stops: a broken instrument's effects are never printed.
     if not summary["passed"]:
         lines += ["", ("INSTRUMENT BROKEN: a validity check or no-op gate failed. Effects are withheld; "
                        "nothing else from this run should be read.")]
@@ -85,6 +86,7 @@ def render(summary: dict) -> str:
                    "direction, the ratio the change of size):"),
               (f"  {'σ':>6}  {'estimand':<9} {'cos ± se':>22} {'interval':>18} {'norm ratio ± se':>22} "
                f"{'interval':>18}")]
+    # A row below noise prints the arms' |μ|² in place of a cos, so the reader sees why it has no number.
     for x in summary["effects"]:
         if x["below_noise"]:
             lines.append(f"  {x['sigma']:>6g}  {x['estimand']:<9} {'below noise':>22} ({noise_note(x)})")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from twinrun.files import atomic_write
 from twinrun.publish.render import analysis_head, pm
-from twinrun.storage.rundir import REPORT_MD, RunIndex
+from twinrun.storage.run_paths import REPORT_MD
+from twinrun.storage.rundir import RunIndex
 
 WHAT = {"distance": "RMS pixel distance of each sample to the twin's",
         "loss": "held-out denoising loss of the arm's samples − the twin's",

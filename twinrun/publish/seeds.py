@@ -7,7 +7,8 @@ and for the norm ratio: the mean over seeds, its between-seed SE (sd / √K), th
 imply (√Σse² / K), and Welch's (1951) test of equal means with estimated variances: do the seeds
 disagree by more than their within-seed SEs allow? Welch's, not Cochran's Q, because each SE is
 itself estimated from F − 1 degrees of freedom: Q treats it as known and rejects too often when
-folds are few (docs/estimator.md, "Seeds as an axis", has the simulation; tests/test_seeds.py holds it).
+folds are few (docs/estimator.md, "Seeds as an axis", has the simulation; tests/publish/test_seeds.py holds
+it).
 """
 
 import numpy as np

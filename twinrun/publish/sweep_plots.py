@@ -1,7 +1,7 @@
 """sweep_effect.png: a sweep's heatmap, one panel per estimand, rows the swept points, columns the σ
 bins, on a fixed, documented colour scale (EFFECT_SCALE) with value ± SE in each cell that has a number;
 below-noise, failed and unmeasured cells each their own mark; legend swatches coloured as the cells they
-name (tests/test_sweep_report.py reads the artists to hold it to that); a gate bin's cell is marked
+name (tests/publish/test_sweep.py reads the artists to hold it to that); a gate bin's cell is marked
 "gate", never coloured as an effect of 0. Reads no files; the only write
 is save_figure's atomic PNG.
 """
@@ -17,7 +17,8 @@ from matplotlib.figure import Figure
 from matplotlib.legend_handler import HandlerTuple
 from matplotlib.patches import Rectangle
 
-from twinrun.publish.plots import describe_protocol, save_figure
+from twinrun.publish.figures import save_figure
+from twinrun.publish.probe_plots import describe_protocol
 
 # One panel per estimand; in each, one row per sweep point, labelled by the variables the sweep
 # changed (whatever they are: an intervention knob, the grid, the experiment), one column per
@@ -121,16 +122,21 @@ def sweep_grid(sweep_summary: dict, estimand: str = "all") -> dict:
     else:
         order = list(range(len(points)))
     effects = [{e["sigma"]: e for e in points[i]["effects"] if e["estimand"] == estimand} for i in order]
+    # Columns are the union of every point's σ bins (points may differ in their grid), so a missing cell shows
+    # as missing.
     sigmas = sorted({s for row in effects for s in row})
     shape = (len(order), len(sigmas))
     states, grid, se = [], np.full(shape, np.nan), np.full(shape, np.nan)
     for r, i in enumerate(order):
+        # A gate cell is a no-op check, not an effect: drawn as a gate whatever its value, so a passed gate
+        # never reads as no effect.
         gate_sigmas = set(points[i].get("gate_sigmas", []))
         cells = [_gate_cell(effects[r].get(s), _point_state(points[i])) if s in gate_sigmas
                  else _cell(effects[r].get(s), _point_state(points[i])) for s in sigmas]
         states.append([state for state, _, _ in cells])
         grid[r] = [value for _, value, _ in cells]
         se[r] = [err for _, _, err in cells]
+    # The signal each arm carried, for cells below noise: the heatmap tells too little signal from no effect.
     noise = [[noise_text(effects[r].get(s)) if states[r][c] == "below_noise" else None
               for c, s in enumerate(sigmas)] for r in range(len(order))]
     gates = {(r, sigmas.index(s)) for r, i in enumerate(order) for s in points[i].get("gate_sigmas", [])
@@ -240,6 +246,7 @@ def sweep_figure(sweep_summary: dict, estimands: list[str] | None = None,
     setting = f"({g['setting']})" if g["setting"] else ""
     fig.suptitle(f"{g['intervention']}{setting} vs native twin, rows: {g['row_axis']} — "
                  f"{describe_protocol(protocol)}", fontsize=10)
+    # One fixed colour scale for every panel and every sweep: a colour means the same effect in every heatmap.
     bar = fig.colorbar(ScalarMappable(norm, cmap), ax=list(axes), extend="both")
     bar.set_ticks(SCALE_TICKS, labels=[SCALE_WORDS.get(v, f"{v:g}") for v in SCALE_TICKS], fontsize=8)
     bar.set_label("1 − debiased cos to twin (fixed scale)", fontsize=8)

@@ -149,11 +149,14 @@ def run_rows(run_dir: Path, load, sweep_dir: Path | None = None) -> list[dict]:
               "sweep_dir": None if sweep_dir is None else str(sweep_dir), "verdict": VERDICTS[passed],
               "checks_passed": None if summary is None else summary["checks_passed"], "passed": passed,
               "measure": index.measure, "seed": config.get("seed"), **_version(summary)}
+    # Every setting and override of the run becomes a column, so rows of different runs and sweeps line up in
+    # one table; a name that is one of twinrun's own columns never overwrites it.
     overrides = {k: v for k, v in {**settings(config), **_overrides(run_dir, config)}.items()
                  if k not in COLUMNS}
     rows = []
     for u in index.units:
         own = index.params(u)
+        # The unit's kernel path, so a table of many runs shows which numbers share an environment.
         paths = {e.get("kernel_path_sha256") for e in u["stores"].values()} - {None}
         for name in estimands:
             key = (own.get(kind.unit_own), name)

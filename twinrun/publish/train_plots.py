@@ -11,7 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator
 
-from twinrun.publish.plots import save_figure
+from twinrun.publish.figures import save_figure
 
 # One colour and style per role, the same in both plots.
 ROLE_STYLE = {"intervention": ("C3", "-", "o"), "twin": ("k", "-", ""), "replicate": ("0.6", ":", "x"),
@@ -42,6 +42,8 @@ def plot_losses(summary: dict, path: Path) -> Path:
             ax_train.plot(steps, own, ":", color=color, lw=1, label=f"{arm}: its own objective")
         ax_held.plot([r["step"] for r in mine], [r["heldout_loss"] for r in mine], ls, color=color,
                      marker=marker, ms=5, lw=width, label=label)
+    # The intervention's paired interval drawn around the twin: whether the held-out difference is within
+    # noise shows here, which two unpaired bands would hide.
     inter = [r for r in rows if r["role"] == "intervention"]
     if inter:
         half = np.array([r["t_crit"] * r["heldout_diff_se"] for r in inter])
@@ -90,6 +92,7 @@ def distance_figure(summary: dict, estimand: str) -> Figure:
     effects = [e for e in summary["effects"] if e["estimand"] == estimand]
     steps = [e["step"] for e in effects]
     margin = effects[0]["margin"] if effects else 1.0
+    # Only positive distances set the log axis's limits; exact zeros go to the strip below it.
     positive = [v for e in effects for v in (e["distance"], e["floor"], e.get("machinery_distance"),
                                               e.get("replicate_distance")) if v]
     series = [("intervention", "distance"), ("chaos", "floor"), ("machinery", "machinery_distance"),
@@ -107,6 +110,7 @@ def distance_figure(summary: dict, estimand: str) -> Figure:
             ax.plot(zeros, [EXACT_BAND * (0.2 + 0.2 * rank)] * len(zeros), marker or "v", color=color,
                     ls="none", ms=7, transform=ax.get_xaxis_transform(), clip_on=False,
                     label=f"{role}: bit-identical to the twin (exactly 0)")
+    # The floor times the margin is the line an effect must clear to be read as the intervention's, not chaos.
     floor = [e["floor"] * margin if e["floor"] else np.nan for e in effects]
     if any(np.isfinite(floor)):
         ax.plot(steps, floor, ":", color="C0", label=f"floor × {margin:g} (above it: above the floor)")

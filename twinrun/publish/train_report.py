@@ -9,10 +9,11 @@ import shlex
 from pathlib import Path
 
 from twinrun.files import atomic_write
+from twinrun.publish.environment import env_summary
 from twinrun.publish.render import analysis_head
-from twinrun.publish.report import env_summary
 from twinrun.publish.train_plots import plot_distance, plot_losses
-from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, REPORT_MD, RunIndex
+from twinrun.storage.run_paths import DISTANCE_PNG, LOSS_PNG, REPORT_MD
+from twinrun.storage.rundir import RunIndex
 
 
 def table(header: list[str], rows: list[list]) -> list[str]:
@@ -124,7 +125,9 @@ def write_train_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
     lines += gate_lines(summary)
     if summary.get("replicate"):
         lines += ["", "## Replicate (determinism control)", ""] + replicate_lines(summary["replicate"])
+    # Where the bits first differ is shown whatever the verdict: it is how a failed gate is debugged.
     lines += ["", "## Where each arm's bits leave the twin's", ""] + first_lines(summary)
+    # Plots and effects only for a passed run, as for every kind: a broken instrument's numbers are withheld.
     if summary["passed"]:
         plot_distance(summary, out_dir / DISTANCE_PNG, summary["used"]["estimands"][0])
         plot_losses(summary, out_dir / LOSS_PNG)

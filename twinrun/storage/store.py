@@ -30,7 +30,7 @@ from twinrun.storage.header import (
     encode_meta,
     refuse_sparse,
 )
-from twinrun.storage.records import validate_store_meta
+from twinrun.storage.store_meta import validate_store_meta
 
 STORE_FORMAT = "twinrun-store/2"  # one float32 [numel, n_folds] tensor per probed parameter
 OLD_STORE_FORMAT = "twinrun-store/1"  # one [n_folds, n_params] matrix `sums`: refused, never migrated

@@ -24,7 +24,7 @@ from twinrun.storage.header import (
     encode_meta,
     raw_header,
 )
-from twinrun.storage.records import validate_train_store_meta
+from twinrun.storage.store_meta import validate_train_store_meta
 
 TRAIN_STORE_FORMAT = "twinrun-train-store/1"
 

@@ -43,7 +43,8 @@ from twinrun.measures.failures import as_model_error
 from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.storage.records import GATE_REPLICATE, UnitEntry
-from twinrun.storage.rundir import REPORT_MD, RunIndex
+from twinrun.storage.run_paths import REPORT_MD
+from twinrun.storage.rundir import RunIndex
 
 FORMAT = "twinrun-activation-store/1"
 DEFAULTS = {"module": "blocks.0", "n_images": 16, "device": "auto"}

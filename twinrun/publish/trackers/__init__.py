@@ -27,7 +27,8 @@ from twinrun.arms import flatten
 from twinrun.errors import ConfigError, StoreError
 from twinrun.files import refuse_links_under
 from twinrun.provenance.version import twinrun_version
-from twinrun.storage.rundir import DISTANCE_PNG, LOSS_PNG, RunIndex
+from twinrun.storage.run_paths import DISTANCE_PNG, LOSS_PNG
+from twinrun.storage.rundir import RunIndex
 
 
 class Sink(NamedTuple):
@@ -61,12 +62,16 @@ def quiet(name: str):
     if os.environ.get(VERBOSE_ENV) == "1":
         yield
         return
+    # Tracker packages log and print at length; twinrun prints its own one line of what was logged, so theirs
+    # go to a file that is dropped.
     loggers = {n: logging.getLogger(n) for n in CHATTY_LOGGERS}
     levels = {n: lg.level for n, lg in loggers.items()}
     for lg in loggers.values():
         lg.setLevel(logging.ERROR)
     sys.stdout.flush()
     sys.stderr.flush()
+    # At the descriptors too, not only sys.stdout: helper processes a tracker starts write to fd 1 and 2
+    # directly. The saved descriptors put the terminal back whatever the tracker raised.
     saved = [os.dup(1), os.dup(2)]
     try:
         with tempfile.TemporaryFile() as sink, open(os.dup(sink.fileno()), "w") as text, \

@@ -48,6 +48,8 @@ def log(p, store: Path, project: str) -> str:
     exp_id = exp.experiment_id if exp else client.create_experiment(
         project, artifact_location=(store / "artifacts").as_uri())
     now = int(time.time() * 1000)
+    # One parent run holds the comparison and the verdict, one child per arm, so MLflow's UI overlays the arms
+    # under the run they belong to.
     parent = client.create_run(exp_id, run_name=p.name, tags={**p.tags, "twinrun.role": "comparison"})
     pid = parent.info.run_id
     children = {}
@@ -61,12 +63,14 @@ def log(p, store: Path, project: str) -> str:
     _log_batches(client, pid, _metrics(p.logged(p.steps), now) + verdict, _params(p.params))
     _log_batches(client, children["baseline"].info.run_id, _metrics(p.logged(p.baseline_steps), now), [])
     _log_batches(client, children["intervention"].info.run_id, _metrics(p.logged(p.arm_steps), now), [])
+    # The resolved config as an artifact too: MLflow's params are flat strings, the JSON keeps its structure.
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(p.config, indent=1, sort_keys=True))
         client.log_artifact(pid, str(config))
     for f in p.files:
         client.log_artifact(pid, str(f))
+    # Ended explicitly: a run never terminated shows as still running in MLflow's UI.
     for run in (*children.values(), parent):
         client.set_terminated(run.info.run_id, "FINISHED")
     return f"{uri} run {pid}"

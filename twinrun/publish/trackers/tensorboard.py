@@ -29,6 +29,7 @@ def _scalars(writer, logged: list[tuple[int, dict]]) -> None:
 def log(p, store: Path, project: str) -> str:
     """Log the payload; returns where (the run's folder of event files)."""
     root = store / project / p.name
+    # One folder of event files per arm under the run's name: TensorBoard overlays them as runs.
     base = SummaryWriter(log_dir=str(root / p.baseline))
     try:
         base.add_text("tags", _table({**p.tags, "twinrun.role": "baseline"}), 0)
@@ -44,6 +45,7 @@ def log(p, store: Path, project: str) -> str:
         _scalars(arm, p.logged(p.arm_rows()))
         for key, value in p.verdict.items():
             arm.add_scalar(key, float(value), global_step=0)
+        # Plots as images and the report as text, so the run reads in TensorBoard without its run directory.
         for f in p.files:
             if f.suffix == ".png":
                 arm.add_image(f"plots/{f.stem}", mpimg.imread(str(f))[..., :3], 0, dataformats="HWC")

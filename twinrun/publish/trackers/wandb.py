@@ -48,6 +48,8 @@ def log(p, store: Path, project: str) -> str:
     _environment(store)
     tags = {k.removeprefix("twinrun."): v for k, v in p.tags.items()}
     where = []
+    # Two offline runs in one group, the baseline and the intervention, so W&B's group view overlays them; the
+    # verdict goes on the intervention's summary.
     base = _run(store, project, p.name, "baseline", f"{p.name}/{p.baseline}",
                 {"twinrun": {**tags, "role": "baseline"}})
     _axis(base, p)

@@ -26,7 +26,7 @@ from twinrun.plan import plan_run
 
 SMALL = ["+experiment=sample_pin_sigma", "sample.n_samples=4", "sample.chunk_samples=2", "sample.steps=3",
          "sample.device=cpu"]
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the child imports cond_models from its cwd
 # objective=vp on the tests' conditional model (it declares ᾱ; the default model is an EDM denoiser, which
 # objective=vp refuses): the pin and the loss levels are its timesteps.
 VP = ["objective=vp", "model._target_=cond_models.tiny", "data._target_=cond_models.cond_data",

@@ -11,7 +11,7 @@ dimension instead, so one SDPA call (forward and backward) serves every group.
 Bits: SDPA treats each (batch, head) row on its own (the CPU flash kernel splits work by batch, head
 and query block, with block sizes set by the sequence lengths alone), so folding the groups into the
 batch computes every row exactly as the per-group loop did: fold sums are bit-identical to diffusers'
-own processors on the CPU (tests/test_models.py compares them). Outside vmap (the `folds` method,
+own processors on the CPU (tests/models/test_attention.py compares them). Outside vmap (the `folds` method,
 training, a compiled forward) the processor diffusers chose runs untouched. The code is twinrun's, so
 it is on every run's kernel path (`twinrun_sources_sha256`).
 """

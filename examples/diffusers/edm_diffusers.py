@@ -16,6 +16,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from twinrun.data import load_heldout_images
+from twinrun.models.attention import batch_attention
 
 N_DIGIT_CLASSES = 10
 
@@ -99,7 +100,9 @@ def dit(resolution: int = 8, channels: int = 1, heads: int = 2, head_dim: int = 
     net = DiTTransformer2DModel(num_attention_heads=heads, attention_head_dim=head_dim, in_channels=channels,
                                 out_channels=channels, num_layers=depth, sample_size=resolution,
                                 patch_size=patch_size, num_embeds_ada_norm=num_classes)
-    return EDMDiT(net, sigma_data).eval()
+    # the probe's vmap batches attention as twinrun's own adapters do (diffusers' SDPA has no CPU
+    # batching rule, so vmap would loop over the fold groups); outside vmap diffusers' processor runs
+    return EDMDiT(batch_attention(net), sigma_data).eval()
 
 
 def labelled_digits():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TINY, run_twinrun
 
-from twinrun.interventions import PinSigma, ScaleInput, ScaleModule, attached
+from twinrun.interventions import PinSigma, ScaleCond, ScaleInput, ScaleModule, attached
 from twinrun.measures import fold_sums as probe
 from twinrun.model import DiTDenoiser
 
@@ -179,4 +179,18 @@ def test_pin_sigma_at_its_level_noop_is_the_pin_filled_with_each_calls_own_level
         assert torch.equal(follow.sigma_cond(sigma), sigma), level
         assert torch.equal(PinSigma(0.5).sigma_cond(sigma), torch.full((3,), 0.5))  # the pin itself
     with pytest.raises(ValueError, match="one level per call"):  # a training batch has no such setting
+        follow.sigma_cond(torch.tensor([0.5, 1.0]))
+
+
+def test_scale_cond_at_its_level_noop_anchors_each_call_at_its_own_level():
+    # Sampling's machinery arm for scale_cond: every call is its own anchor bin, so the whole scaling runs
+    # (log, exp, where) and returns the twin's σ bit for bit; a real anchor still scales the other levels.
+    follow = ScaleCond(**ScaleCond(0.5, 0.3).level_noop(), gamma=0.3)
+    assert ScaleCond(0.5, 0.3).noop() is None and follow.anchor_sigma == 0
+    for level in [80.0, 3.7, 0.5, 0.0123, 0.002, 0.37, 0.999, 999.0, 1.0]:
+        sigma = torch.full((3,), level, dtype=torch.float32)
+        assert torch.equal(follow.sigma_cond(sigma), sigma), level
+        if level != 0.5:
+            assert not torch.equal(ScaleCond(0.5, 0.3).sigma_cond(sigma), sigma), level
+    with pytest.raises(ValueError, match="one level per call"):
         follow.sigma_cond(torch.tensor([0.5, 1.0]))

@@ -91,7 +91,18 @@ class Native(Intervention):
         return list(grid)
 
 
-FOLLOW = 0.0  # pin_sigma's sigma_pin that pins each call to the level it is fed (never a level it may pin)
+FOLLOW = 0.0  # a level setting (sigma_pin, anchor_sigma) following each call's own level (never a real one)
+
+
+def one_level(sigma: torch.Tensor, who: str) -> float:
+    """The one level a call is fed, for a setting at FOLLOW (a sampler step and a probe bin feed one level
+    to the whole batch; a float32 σ read as a Python float and filled back as float32 is the same number).
+    A training batch feeds several: such a setting has no no-op there, and says so."""
+    level = float(sigma.reshape(-1)[0])
+    if not bool((sigma == level).all()):
+        raise ValueError(f"{who} needs one level per call; this call was fed several (a training batch): "
+                         "it has no no-op setting there")
+    return level
 
 
 @dataclass
@@ -119,11 +130,7 @@ class PinSigma(Intervention):
         float and filled back as float32 is the same number)."""
         if self.sigma_pin != FOLLOW:
             return self.sigma_pin
-        level = float(sigma.reshape(-1)[0])
-        if not bool((sigma == level).all()):
-            raise ValueError("pin_sigma at sigma_pin=0 (follow) needs one level per call; this call was fed "
-                             "several (a training batch): it has no no-op setting there")
-        return level
+        return one_level(sigma, "pin_sigma at sigma_pin=0 (follow)")
 
     def level_noop(self) -> dict:
         return {"sigma_pin": FOLLOW}
@@ -149,7 +156,8 @@ class ScaleCond(Intervention):
     ln σ_cond = ln σ_a + gamma·(ln σ − ln σ_a). gamma = 1 is native, gamma = 0 is pin_sigma at σ_a;
     in between it flattens how strongly the network is told the noise level. A no-op in the bin
     σ = σ_a: that bin is its gate. gamma = 1 is not declared its no-op setting: exp(ln σ) need not
-    round back to σ, so that code path is close to the twin, not bit-identical to it."""
+    round back to σ, so that code path is close to the twin, not bit-identical to it. A sampler's steps
+    have no such bin: its level_noop() anchors each call at the level it is fed (anchor_sigma = FOLLOW)."""
 
     # ln σ_cond = ln anchor_sigma + gamma·(ln σ − ln anchor_sigma); anchor_sigma must be a bin (its gate).
     anchor_sigma: float = 0.5
@@ -163,11 +171,23 @@ class ScaleCond(Intervention):
     def sigma_cond(self, sigma: torch.Tensor) -> torch.Tensor:
         if self.gamma == 1:  # native exactly (exp∘log does not round-trip): refused as a no-op everywhere
             return sigma
-        log_a = math.log(self.anchor_sigma)
+        anchor = self.anchor(sigma)
+        log_a = math.log(anchor)
         scaled = torch.exp(log_a + self.gamma * (torch.log(sigma) - log_a))
         # exp(log(σ_a)) need not round back to σ_a: feed σ itself at the anchor, so the gate bin
         # is bit-identical to the twin.
-        return torch.where(sigma == self.anchor_sigma, sigma, scaled)
+        return torch.where(sigma == anchor, sigma, scaled)
+
+    def anchor(self, sigma: torch.Tensor) -> float:
+        """anchor_sigma, or at FOLLOW the one level this call is fed (sampling's machinery arm)."""
+        if self.anchor_sigma != FOLLOW:
+            return self.anchor_sigma
+        return one_level(sigma, "scale_cond at anchor_sigma=0 (follow)")
+
+    def level_noop(self) -> dict:
+        # A sampler's steps have no gate bin; anchored at each call's own level, every step is the anchor
+        # bin, so the arm runs the whole scaling (log, exp, the where) and must be the twin bit for bit.
+        return {"anchor_sigma": FOLLOW}
 
     def gate_sigmas(self, grid: list[float]) -> list[float]:
         return [s for s in grid if s == self.anchor_sigma]

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch._inductor
 from conftest import CPU, TINY, pin_device
+from torch._inductor.codecache import CacheBase  # Inductor's own reader of its autotune timings
 
 from twinrun.measures import probe
 from twinrun.provenance import compile_cache, determinism
@@ -106,6 +107,33 @@ def test_each_run_compiles_into_its_own_cache(tmp_path, monkeypatch):
     setup_determinism(cfg, tmp_path / "run_a")  # the resume of run a: its own cache, its digest unchanged
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == mine
     assert fingerprint("default")["kernel_path"]["compile"]["caches"]["inductor"] == digest
+
+
+def test_a_shared_cache_twinrun_chose_is_never_taken_for_the_users_own(tmp_path, monkeypatch):
+    # An eager job points the process at the shared cache (no run of its own to key one); a compiled
+    # run after it in that process, or in a child that inherits its variables, once kept that cache as
+    # "the user's choice" and every such run compiled into it: a wiped-cache recompile read its kernels.
+    for name in compile_cache.CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cfg = {"determinism": {"compile_cache_dir": str(tmp_path / "cache")}}
+    setup_determinism(cfg)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    setup_determinism(cfg, tmp_path / "run_a")
+    assert compile_cache.is_run_cache(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert compile_cache.is_run_cache(os.environ["TRITON_CACHE_DIR"])
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's own: kept
+    setup_determinism(cfg, tmp_path / "run_a")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_inductor_s_memoized_autotune_cache_follows_the_run_in_one_process(tmp_path, monkeypatch):
+    for name in compile_cache.CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cfg = {"determinism": {"compile_cache_dir": str(tmp_path / "cache")}}
+    for run in ("run_a", "run_b"):  # a local sweep's two points, one process
+        setup_determinism(cfg, tmp_path / run)
+        timings = str(CacheBase.get_local_cache_path())
+        assert timings.startswith(os.environ["TORCHINDUCTOR_CACHE_DIR"] + os.sep), (run, timings)
 
 
 def test_the_cache_digest_covers_every_file(tmp_path):

@@ -19,6 +19,10 @@ from twinrun.files import create_once
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 # Beside a run's own inductor/ and triton/ folders: names the run (and marks the folder twinrun's).
 RUN_CACHE_MARKER = "twinrun-run-cache.txt"
+# Beside the inductor/ and triton/ folders twinrun points a process at outside a run's own (an eager
+# job, `python -m twinrun.env`): marks them twinrun's, so a child process that inherits the variables
+# does not take them for the user's own choice and compile into them (they are shared, not a run's).
+CACHE_MARKER = "twinrun-cache.txt"
 
 
 def run_cache_dir(root: str, run_dir) -> str:
@@ -38,6 +42,19 @@ def run_cache_dir(root: str, run_dir) -> str:
 def is_run_cache(cache_dir: str) -> bool:
     """Whether a cache dir (…/inductor, …/triton) is inside a run's own compile cache (twinrun set it)."""
     return os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(cache_dir)), RUN_CACHE_MARKER))
+
+
+def is_twinrun_cache(cache_dir: str) -> bool:
+    """Whether twinrun chose a cache dir (a run's own, or the shared one of an eager job), not the user."""
+    home = os.path.dirname(os.path.abspath(cache_dir))
+    return is_run_cache(cache_dir) or os.path.isfile(os.path.join(home, CACHE_MARKER))
+
+
+def mark_twinrun_cache(home: str) -> None:
+    """Mark `home` (holding inductor/ and triton/) as twinrun's choice; a run's own is marked already."""
+    if not os.path.isfile(os.path.join(home, RUN_CACHE_MARKER)):
+        create_once(Path(home) / CACHE_MARKER, b"torch.compile caches twinrun chose (not a run's own)\n",
+                    "compile-cache marker")
 
 
 def compile_caches() -> dict:

@@ -23,6 +23,7 @@ RUN_CACHE_MARKER = "twinrun-run-cache.txt"
 # job, `python -m twinrun.env`): marks them twinrun's, so a child process that inherits the variables
 # does not take them for the user's own choice and compile into them (they are shared, not a run's).
 CACHE_MARKER = "twinrun-cache.txt"
+CACHE_FOLDERS = ("inductor", "triton")  # what twinrun names Inductor's and Triton's caches in a home
 
 
 def run_cache_dir(root: str, run_dir) -> str:
@@ -46,8 +47,11 @@ def is_run_cache(cache_dir: str) -> bool:
 
 def is_twinrun_cache(cache_dir: str) -> bool:
     """Whether twinrun chose a cache dir (a run's own, or the shared one of an eager job), not the user."""
-    home = os.path.dirname(os.path.abspath(cache_dir))
-    return is_run_cache(cache_dir) or os.path.isfile(os.path.join(home, CACHE_MARKER))
+    cache_dir = os.path.abspath(cache_dir)
+    home, name = os.path.split(cache_dir)
+    # Only the folders twinrun names there: a user's own cache may sit beside them in that home.
+    marked = is_run_cache(cache_dir) or os.path.isfile(os.path.join(home, CACHE_MARKER))
+    return name in CACHE_FOLDERS and marked
 
 
 def mark_twinrun_cache(home: str) -> None:

@@ -10,6 +10,8 @@ import getpass
 import hashlib
 import os
 import re
+import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -26,16 +28,21 @@ CACHE_MARKER = "twinrun-cache.txt"
 CACHE_FOLDERS = ("inductor", "triton")  # what twinrun names Inductor's and Triton's caches in a home
 
 
+def _run_cache_home(root: str, run_dir) -> tuple[str, str]:
+    """(where a run's compile caches live under `root`, the marker text naming that run)."""
+    where = os.path.realpath(run_dir)
+    home = os.path.join(os.path.abspath(root), "runs", hashlib.sha256(where.encode()).hexdigest()[:16])
+    return home, f"torch.compile caches of the twinrun run at {where}\n"
+
+
 def run_cache_dir(root: str, run_dir) -> str:
     """The compile caches of one run under `root` (determinism.compile_cache_dir): `root/runs/<key>`,
     keyed by the run directory's resolved path, so a resume finds its own cache and no other run
     writes into it. Safe to delete once the run is finished (a resume would then recompile on
     another kernel path, and be refused)."""
-    where = os.path.realpath(run_dir)
-    home = os.path.join(os.path.abspath(root), "runs", hashlib.sha256(where.encode()).hexdigest()[:16])
+    home, text = _run_cache_home(root, run_dir)
     os.makedirs(home, exist_ok=True)
     # Created exclusively, never through a link planted at its name (a dangling symlink was followed).
-    text = f"torch.compile caches of the twinrun run at {where}\n"
     create_once(Path(home) / RUN_CACHE_MARKER, text.encode(), "compile-cache marker")
     return home
 
@@ -59,6 +66,43 @@ def mark_twinrun_cache(home: str) -> None:
     if not os.path.isfile(os.path.join(home, RUN_CACHE_MARKER)):
         create_once(Path(home) / CACHE_MARKER, b"torch.compile caches twinrun chose (not a run's own)\n",
                     "compile-cache marker")
+
+
+def existing_run_cache(root: str, run_dir) -> str | None:
+    """The Inductor cache a run compiled into under `root` on this machine, when it is still there and
+    its marker (a regular file) names that run; None otherwise. Nothing is created."""
+    home, text = _run_cache_home(root, run_dir)
+    marker = os.path.join(home, RUN_CACHE_MARKER)
+    try:
+        st = os.stat(marker, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 4096 or Path(marker).read_text() != text:
+            return None
+    except (OSError, UnicodeDecodeError):
+        return None
+    inductor = os.path.join(home, "inductor")
+    return inductor if os.path.isdir(inductor) and not os.path.islink(inductor) else None
+
+
+# Inductor's C++ libraries: `<2 characters of the key>/<key>[.suffix].so`, the key a hash of the
+# generated source and its compile command; a library present at its key is loaded, not rebuilt.
+_LIBRARY = re.compile(r"[a-z0-9]{2}/[a-z0-9_]+(\.[a-z0-9_]+)?\.so")
+
+
+def reuse_built_libraries(source: str, own: str) -> dict:
+    """Copy the C++ libraries Inductor built in `source` (another run's own cache on this machine) into
+    `own` (this run's, still cold) at their keys, so a replay loads them instead of running the C++
+    compiler again. Only regular files at Inductor's key paths; one already in `own` is kept."""
+    copied = size = 0
+    for path in sorted(Path(source).glob("*/*.so")):
+        rel = path.relative_to(source).as_posix()
+        target = Path(own) / rel
+        if (not _LIBRARY.fullmatch(rel) or path.is_symlink() or path.parent.is_symlink() or not path.is_file()
+                or target.exists()):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target, follow_symlinks=False)
+        copied, size = copied + 1, size + target.stat().st_size
+    return {"from": source, "libraries": copied, "bytes": size}
 
 
 def compile_caches() -> dict:

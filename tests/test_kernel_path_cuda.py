@@ -1,6 +1,6 @@
 """What chooses kernels on CUDA is on the kernel path (issue 23, point 2): the probe's own GPU, what a
 compile mode really turns on, the CUDA libraries' variables, switches a builder changed; and every run
-compiles into a cache of its own, whose digest covers every file."""
+compiles into a cache of its own, whose digest covers every entry that decides kernels, by content."""
 
 import os
 import types
@@ -136,15 +136,24 @@ def test_inductor_s_memoized_autotune_cache_follows_the_run_in_one_process(tmp_p
         assert timings.startswith(os.environ["TORCHINDUCTOR_CACHE_DIR"] + os.sep), (run, timings)
 
 
-def test_the_cache_digest_covers_every_file(tmp_path):
+def test_the_cache_digest_covers_every_entry_by_content_not_by_time(tmp_path):
     root = tmp_path / "inductor"
-    root.mkdir()
+    (root / "fxgraph").mkdir(parents=True)
     for k in range(10_001):  # one more than the old walk stopped at
-        (root / f"{k:05d}").write_bytes(b"")
+        (root / "fxgraph" / f"{k:05d}").write_bytes(b"")
     first = compile_cache._dir_digest(str(root))
     assert first["files"] == 10_001
-    (root / "10000").write_bytes(b"a kernel")  # the last file of the walk
-    assert compile_cache._dir_digest(str(root))["digest"] != first["digest"]
+    (root / "fxgraph" / "10000").write_bytes(b"a kernel")  # the last file of the walk
+    second = compile_cache._dir_digest(str(root))["digest"]
+    assert second != first["digest"]
+    os.utime(root / "fxgraph" / "00000", (1, 1))  # rewritten with the same bytes (a replay's load)
+    (root / "ab").mkdir()
+    (root / "ab" / "cabkey.main.so").write_bytes(b"built with this cache's paths inside")
+    assert compile_cache._dir_digest(str(root))["digest"] == second  # code generated from the entries
+    (root / "aotautograd").mkdir()
+    (root / "aotautograd" / "entry").write_bytes(b"a joint graph")
+    (root / "x.best_config").write_text('{"XBLOCK": 8}')
+    assert compile_cache._dir_digest(str(root))["files"] == 10_003
 
 
 def test_every_test_run_pins_the_cpu_unless_it_names_a_device():

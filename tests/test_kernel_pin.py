@@ -151,6 +151,7 @@ def test_a_wiped_cache_crowns_another_winner_and_a_replay_of_the_bundle_pins_it(
 
     first, _ = run("first", "cpp")
     (job,) = json.loads((first / "run.json").read_text())["jobs"]
+    first_path = job["kernel_path_sha256"]
     assert (first / job["compile_bundle"]["file"]).is_file()
     pin = json.loads((first / "env" / "job000.json").read_text())["kernel_pin"]
     assert pin["decisions"] and all(d["winner"].startswith("cpp template") for d in pin["decisions"])
@@ -172,6 +173,11 @@ def test_a_wiped_cache_crowns_another_winner_and_a_replay_of_the_bundle_pins_it(
     assert f"kernel path pinned from {first}" in proc.stdout
     (job,) = json.loads((replay / "run.json").read_text())["jobs"]
     assert job["kernel_pin"]["pinned"] is True
+    # Its cache holds the first run's entries, byte for byte (written later, built elsewhere): the digest
+    # is of content, so the replay is on its source's kernel path, and the cold run is not.
+    assert job["kernel_path_sha256"] == first_path
+    (cold_job,) = json.loads((cold / "run.json").read_text())["jobs"]
+    assert cold_job["kernel_path_sha256"] != first_path
     assert "reference ALIVE" in (replay / "report.md").read_text()
     assert os.path.isfile(replay / job["compile_bundle"]["file"])
 

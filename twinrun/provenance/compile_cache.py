@@ -3,7 +3,8 @@ what they hold (their autotune winners choose kernels, so a cache's content is p
 
 Every run compiles into a cache of its own (`run_cache_dir`): a cache shared between runs would take
 the entries of whatever other run compiled in between, and a resume would then read another digest
-and be refused as another kernel path. The digest covers every file of the cache.
+and be refused as another kernel path. The digest covers, by content, every entry that decides
+kernels (`_dir_digest`).
 """
 
 import getpass
@@ -145,8 +146,24 @@ def default_inductor_cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
+# The entries that decide kernels: Inductor's FX-graph entries (each holds its graph's generated code,
+# so every chosen kernel), AOTAutograd's, and the autotuners' recorded winners. The rest of a cache is
+# code those entries generated, stored under a hash of its content (`.py`, `.cpp`, the `.so` built from
+# it, whose bytes also carry the build's paths), scratch compiled only to be timed, and measured
+# timings (read only by a compile that misses, which writes a new entry). A replay's cache is filled
+# from its source's bundle with byte-identical entries, so its digest is its source's.
+DECISION_FOLDERS = ("fxgraph", "aotautograd")
+
+
+def _is_decision(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return rel.split("/", 1)[0] in DECISION_FOLDERS or name.endswith(".best_config") or "autotune" in name
+
+
 def _dir_digest(root: str) -> dict:
-    """sha256 over (relative path, size, mtime) of every file, in sorted walk order.
+    """sha256 over (relative path, sha256 of the content) of every entry that decides kernels
+    (`_is_decision`), in sorted walk order: content, not modification times, so two caches holding the
+    same decisions (a pinned replay and its source) read alike wherever and whenever they were written.
 
     A missing and an empty directory are both "absent": torch creates the empty one on import.
     """
@@ -157,14 +174,15 @@ def _dir_digest(root: str) -> dict:
         # Lock files are rewritten by every compile; they hold no kernels.
         dirnames[:] = sorted(d for d in dirnames if d != "locks")
         for name in sorted(filenames):
-            if name.endswith(".lock"):
-                continue
             path = os.path.join(dirpath, name)
-            try:
-                st = os.stat(path, follow_symlinks=False)
-            except FileNotFoundError:  # removed by a concurrent writer between listing and stat
+            rel = Path(os.path.relpath(path, root)).as_posix()
+            if name.endswith(".lock") or not _is_decision(rel) or os.path.islink(path):
                 continue
-            h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            try:
+                content = Path(path).read_bytes()
+            except (FileNotFoundError, IsADirectoryError):  # removed by a concurrent writer since the listing
+                continue
+            h.update(f"{rel}\0{hashlib.sha256(content).hexdigest()}\n".encode())
             files += 1
     return {"digest": h.hexdigest() if files else "absent", "files": files}
 

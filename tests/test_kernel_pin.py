@@ -244,7 +244,7 @@ def test_a_job_with_cold_check_runs_the_control_and_records_its_verdict(tmp_path
     t0 = time.perf_counter()
     proc = run_twinrun(["+experiment=pin_sigma", "probe.compile=default", "determinism.cold_check=true",
                         f"determinism.compile_cache_dir={tmp_path / 'cache'}",
-                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=2400)
     print(f"cold_check job: exit {proc.returncode} after {time.perf_counter() - t0:.0f} s")
     assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
     (job,) = json.loads((tmp_path / "run" / "run.json").read_text())["jobs"]

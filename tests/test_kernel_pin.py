@@ -242,7 +242,8 @@ def test_the_job_s_cold_check_on_a_run_that_compiles_nothing_is_one_line_before_
 @pytest.mark.slow
 def test_a_job_with_cold_check_runs_the_control_and_records_its_verdict(tmp_path):
     t0 = time.perf_counter()
-    proc = run_twinrun(["+experiment=pin_sigma", "probe.compile=default", "determinism.cold_check=true",
+    proc = run_twinrun(["+experiment=pin_sigma", "probe.n_images=8", "probe.n_draws=2", "probe.n_folds=4",
+                        "sigma_grid.sigmas=[0.2,0.5]", "probe.compile=default", "determinism.cold_check=true",
                         f"determinism.compile_cache_dir={tmp_path / 'cache'}",
                         f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=2400)
     print(f"cold_check job: exit {proc.returncode} after {time.perf_counter() - t0:.0f} s")

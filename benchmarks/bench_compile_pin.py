@@ -5,9 +5,12 @@
 
 Each compile runs in a fresh process on the default model (`dit_digits`), its forward and backward as
 the sentinel runs them (twinrun/cold_check.py): cold = an empty cache (every kernel chosen, GEMMs
-timed under max-autotune); warm = the same cache again; replayed = an empty cache of its own filled
-from the cold compile's bundle first, as `determinism.kernel_path_from` does. The replay must cost
-no more than the warm compile and time nothing (its certificate is printed)."""
+timed under max-autotune); warm = the same cache again; replayed elsewhere = an empty cache of its own
+filled from the cold compile's bundle first, as `determinism.kernel_path_from` does on another machine
+(Inductor's C++ is compiled again); replayed here = the same, plus the C++ libraries the cold compile
+built, as a replay does on the machine whose cache holds its source run's (twinrun/job.py,
+reuse_libraries). The replay must cost no more than the warm compile and time nothing (its
+certificate is printed)."""
 
 import argparse
 import os
@@ -30,14 +33,19 @@ def main() -> int:
         work, on = Path(tmp), a.determinism == "on"
         cold = in_fresh_process(work, "cold", mode, on, None)
         warm = in_fresh_process(work, "warm", mode, on, None, cache=work / "cold" / "cache")
-        replay = in_fresh_process(work, "replay", mode, on, work / "cold")
-    c, w, r = cold["compile_s"], warm["compile_s"], replay["compile_s"]
+        elsewhere = in_fresh_process(work, "replay_elsewhere", mode, on, work / "cold")
+        here = in_fresh_process(work, "replay_here", mode, on, work / "cold",
+                                libraries_from=work / "cold" / "cache" / "inductor")
+    c, w, e, h = (r["compile_s"] for r in (cold, warm, elsewhere, here))
     timed = len(cold["kernel_pin"].get("decisions") or [])
-    print(f"compile time: cold {c:.1f} s ({timed} GEMMs timed), warm {w:.1f} s, replayed {r:.1f} s")
-    print(f"ratios: replayed / warm {r / w:.2f}x, replayed / cold {r / c:.2f}x, warm / cold {w / c:.2f}x")
-    same = cold["sentinel"]["digest"] == replay["sentinel"]["digest"] == warm["sentinel"]["digest"]
+    print(f"compile time: cold {c:.1f} s ({timed} GEMMs timed), warm {w:.1f} s, "
+          f"replayed elsewhere {e:.1f} s, replayed here {h:.1f} s")
+    print(f"ratios: replayed here / warm {h / w:.2f}x, replayed elsewhere / warm {e / w:.2f}x, "
+          f"replayed here / cold {h / c:.2f}x, warm / cold {w / c:.2f}x")
+    same = len({r["sentinel"]["digest"] for r in (cold, warm, elsewhere, here)}) == 1
     print(f"bits: cold, warm and replayed sentinels {'identical' if same else 'DIFFER'}")
-    print(f"replay: {replay['certificate']['line']}")
+    print(f"replay elsewhere: {elsewhere['certificate']['line']}")
+    print(f"replay here: {here['certificate']['line']}")
     return 0
 
 

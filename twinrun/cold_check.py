@@ -23,6 +23,7 @@ from twinrun.errors import EXIT_GATE, EXIT_OK, TwinrunError, fail
 from twinrun.files import read_json, write_json
 from twinrun.model import load_pretrained
 from twinrun.provenance import kernel_pin
+from twinrun.provenance.compile_cache import reuse_built_libraries
 from twinrun.provenance.determinism import apply_determinism
 from twinrun.provenance.record import model_sentinel_fn
 from twinrun.provenance.sentinel import sentinel, sentinel_changed
@@ -31,13 +32,18 @@ IMAGE_SHAPE = (1, 8, 8)  # the default model's digits
 WORKER_TIMEOUT_S = 3600
 
 
-def compile_once(cache_dir: Path, mode: str, determinism: bool, bundle: dict | None, out: Path) -> dict:
+def compile_once(cache_dir: Path, mode: str, determinism: bool, bundle: dict | None, out: Path,
+                 libraries_from: Path | None = None) -> dict:
     """In a fresh process: the sentinel with the compiled default model, on an empty cache (or one
-    filled from `bundle` first); its reading, decisions, counters and the bundle it saves."""
+    filled from `bundle` first, and the C++ libraries built in `libraries_from`, another compile's
+    Inductor cache on this machine, as a replay on the machine of its source run takes them); its
+    reading, decisions, counters and the bundle it saves."""
     apply_determinism(determinism, str(cache_dir))
     watch = kernel_pin.Watch()
     if bundle is not None:
         kernel_pin.load_bundle(kernel_pin.read_bundle(bundle["run_dir"], bundle["record"]))
+    if libraries_from is not None:
+        reuse_built_libraries(str(libraries_from), str(cache_dir / "inductor"))
     model = load_pretrained()
     compiled = torch.compile(model, mode=mode)
     t0 = time.perf_counter()
@@ -54,15 +60,17 @@ def compile_once(cache_dir: Path, mode: str, determinism: bool, bundle: dict | N
 
 
 def in_fresh_process(work: Path, name: str, mode: str, determinism: bool, bundle_from: Path | None,
-                     cache: Path | None = None) -> dict:
+                     cache: Path | None = None, libraries_from: Path | None = None) -> dict:
     """One compile_once in a new Python process, writing under work/name (its cache: work/name/cache,
-    or `cache`, another's, for a warm compile)."""
+    or `cache`, another's, for a warm compile; with the C++ libraries of `libraries_from` copied in)."""
     out = work / name
     out.mkdir()
     cmd = [sys.executable, "-m", "twinrun.cold_check", "--worker", str(out), "--compile", mode,
            "--determinism", "on" if determinism else "off", "--cache", str(cache or out / "cache")]
     if bundle_from is not None:
         cmd += ["--bundle-from", str(bundle_from)]
+    if libraries_from is not None:
+        cmd += ["--libraries-from", str(libraries_from)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, check=False)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -113,6 +121,7 @@ def _worker(argv) -> int:
     p.add_argument("--determinism", choices=("on", "off"), default="on")
     p.add_argument("--bundle-from", type=Path)
     p.add_argument("--cache", type=Path, required=True)
+    p.add_argument("--libraries-from", type=Path)
     a = p.parse_args(argv)
     bundle = None
     if a.bundle_from is not None:
@@ -120,7 +129,7 @@ def _worker(argv) -> int:
             read_json(a.bundle_from / "result.json")["kernel_pin"]
         bundle = {"run_dir": a.bundle_from, "record": record}
     a.cache.mkdir(exist_ok=True)
-    compile_once(a.cache, a.compile, a.determinism == "on", bundle, a.worker)
+    compile_once(a.cache, a.compile, a.determinism == "on", bundle, a.worker, a.libraries_from)
     return 0
 
 

@@ -294,6 +294,11 @@ class DeterminismConfig:
     # certificate in run.json says whether any kernel was still chosen here). null: none, unless
     # `reference` names a run that saved one (docs/kernel-paths.md, "Pinning a kernel path").
     kernel_path_from: str | None = None
+    # Run the cold-against-warm control in the job (`python -m twinrun.env --cold-check` with the job's
+    # compile mode and determinism): the sentinel with the default model compiled twice in fresh
+    # processes, cold and from the cold compile's bundle; run.json's job record says whether the two
+    # were bit-identical. A compiled run only; it costs two compiles.
+    cold_check: bool = False
 
 
 @dataclass
@@ -421,7 +426,7 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-UNSET_PIN = {"kernel_path_from": (None,)}  # defaults config_hash leaves out
+UNSET_PIN = {"kernel_path_from": (None,), "cold_check": (False,)}  # defaults config_hash leaves out
 
 
 def _at(config: dict, dotted: str):

@@ -10,6 +10,7 @@ finished units are kept. What a unit holds is the measurement kind's (twinrun/me
 
 import hashlib
 import json
+import os
 import sys
 import time
 import warnings
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from twinrun.cold_check import cold_check
 from twinrun.errors import (
     EXIT_INTERRUPTED,
     FAILURE_EXIT_CODES,
@@ -33,8 +35,15 @@ from twinrun.measures.kind import Session, describe_device, resolve_device
 from twinrun.measures.registry import load_index, measure_of
 from twinrun.plan import load_arms
 from twinrun.provenance import kernel_pin
+from twinrun.provenance.compile_cache import existing_run_cache, is_run_cache, reuse_built_libraries
 from twinrun.provenance.fingerprint import fingerprint
-from twinrun.provenance.record import kernel_path_sha256, setup_determinism, straddling_rule, unit_record
+from twinrun.provenance.record import (
+    compile_cache_root,
+    kernel_path_sha256,
+    setup_determinism,
+    straddling_rule,
+    unit_record,
+)
 from twinrun.storage.lock import run_lock
 from twinrun.storage.records import GATE_REPLICATE, JobRecord, RunRecord, UnitEntry
 from twinrun.storage.rundir import RunDir, RunIndex
@@ -124,6 +133,8 @@ def _measure(index: RunIndex, arms: list, units: list[int] | None, gpus: int | N
         print(f"twinrun: measuring on {describe_device(device)}", flush=True)
         pin = open_pin(index, config, kind.compiles(config), device)  # a replay's bundle: before any compile
         session = kind.open_session(config, arms, device)
+        if pin is not None and (config.get("determinism") or {}).get("cold_check"):
+            pin["cold_check"] = cold_check_in_job(session.compile_mode, determinism["enabled"])
     mine = len(index.units) if units is None else len(units)
     if len(todo) < mine:
         print(f"twinrun: resuming: {mine - len(todo)} of {mine} {kind.unit_noun}s already measured",
@@ -286,6 +297,9 @@ def start_job(index: RunIndex, fp: dict, determinism: dict, sentinel: dict,
            "device": None if device is None else describe_device(device)}
     if pinned is not None:  # the bundle (or that an eager job had nothing to pin) in run.json
         job["compile_bundle"] = pinned.get("bundle") or {"none": pinned.get("why")}
+        if "cold_check" in pinned:  # determinism.cold_check: the control's verdict, its lines in env/
+            job["cold_check"] = {"bit_identical": pinned["cold_check"]["bit_identical"],
+                                 "line": pinned["cold_check"]["lines"][0]}
     index.add_job(job)
     write_json(rd.job_env(job["index"]), {"fingerprint": fp, "determinism": determinism,
                                           "sentinel": sentinel, **({"kernel_pin": pinned} if pinned else {})})
@@ -320,7 +334,27 @@ def open_pin(index: RunIndex, config: dict, compiles: bool, device: torch.device
     keys = kernel_pin.load_bundle(kernel_pin.read_bundle(source, record))
     print(f"twinrun: compile bundle of {source} loaded before the first compile "
           f"({sum(map(len, keys.values()))} cache entries)", flush=True)
-    return {"watch": watch, "from": source, "source_record": record, "loaded_keys": keys}
+    pin = {"watch": watch, "from": source, "source_record": record, "loaded_keys": keys}
+    reused = reuse_libraries(config, source)
+    if reused is not None:
+        pin["libraries_reused"] = reused
+        print(f"twinrun: {reused['libraries']} C++ libraries {source} built on this machine reused from its "
+              "own compile cache (not rebuilt)", flush=True)
+    return pin
+
+
+def reuse_libraries(config: dict, source: str) -> dict | None:
+    """On the machine that measured `source`: the C++ libraries Inductor built for it, copied from that
+    run's own compile cache (twinrun's, under determinism.compile_cache_dir, its marker naming `source`;
+    never from a run directory) into this run's cold one, so the replay does not run the C++ compiler
+    again. None when that cache is gone, is elsewhere, or this run compiles into a cache the user chose."""
+    own = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    theirs = existing_run_cache(compile_cache_root(config), os.path.expanduser(source))
+    if not own or not is_run_cache(own) or theirs is None:
+        return None
+    if os.path.realpath(theirs) == os.path.realpath(own):  # a resume replaying its own run: warm already
+        return None
+    return reuse_built_libraries(theirs, own)
 
 
 def pin_source(index: RunIndex, config: dict) -> tuple[str | None, bool]:
@@ -338,7 +372,18 @@ def record_pin(rd, pin: dict | None, compile_mode: str | None, device) -> dict:
     if pin is None or compile_mode is None:
         return {"bundle": None, "why": kernel_pin.NOTHING_TO_PIN}
     make_dir(rd.env_dir)
-    return {**kernel_pin.save_bundle(rd.env_dir, pin["watch"], device), "replayed_from": pin["from"]}
+    control = {k: pin[k] for k in ("cold_check", "libraries_reused") if k in pin}
+    saved = kernel_pin.save_bundle(rd.env_dir, pin["watch"], device)
+    return {**saved, "replayed_from": pin["from"], **control}
+
+
+def cold_check_in_job(mode: str, determinism: bool) -> dict:
+    """determinism.cold_check: the cold-against-warm control with this job's compile mode and determinism
+    (fresh processes, caches of their own: this job's cache is untouched); its lines are printed."""
+    same, lines = cold_check(None, mode, determinism)
+    for line in lines:
+        print(f"twinrun: cold check: {line}", flush=True)
+    return {"bit_identical": same, "lines": lines}
 
 
 def close_pin(rd, job: JobRecord, pin: dict | None, pinned: dict) -> dict:

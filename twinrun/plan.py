@@ -120,6 +120,13 @@ def check_pin_source(cfg: DictConfig) -> None:
     kernel_pin.refuse_other_capability(source, {k: record.get("capability", {}).get(k) for k in here}, here)
 
 
+def check_cold_check(cfg: DictConfig, kind) -> None:
+    """determinism.cold_check compares two compiles: a run that compiles nothing has none to compare."""
+    if cfg.determinism.get("cold_check") and not kind.compiles(OmegaConf.to_container(cfg, resolve=True)):
+        raise ConfigError("determinism.cold_check", True, "this run compiles nothing (no torch.compile mode "
+                          f"in {kind.settings_key}.compile); set one, or leave the control off")
+
+
 def _try_writing(path: Path) -> None:
     """Create the directory (the job would) and a file in it, then remove the file: `os.access` trusts
     root, for whom /proc/x or a read-only mount still "allows" writing. An OSError says why not."""
@@ -197,6 +204,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
                              chaos=kind.chaos_arm, exclude=foreign_keys(kind))
     check_paths(cfg, run_dir)
     check_pin_source(cfg)
+    check_cold_check(cfg, kind)
     check_tracker(OmegaConf.to_container(cfg.tracker, resolve=True))  # a sweep's points too, before any runs
     planned = kind.plan(cfg, intervention, arms, run_dir, validated)
     run: RunRecord = {

@@ -1,6 +1,6 @@
 """What chooses kernels on CUDA is on the kernel path (issue 23, point 2): the probe's own GPU, what a
 compile mode really turns on, the CUDA libraries' variables, switches a builder changed; and every run
-compiles into a cache of its own, whose digest covers every file."""
+compiles into a cache of its own, whose digest covers every entry that decides kernels, by content."""
 
 import os
 import types
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch._inductor
 from conftest import CPU, TINY, pin_device
+from torch._inductor.codecache import CacheBase  # Inductor's own reader of its autotune timings
 
 from twinrun.measures import probe
 from twinrun.provenance import compile_cache, determinism
@@ -108,15 +109,51 @@ def test_each_run_compiles_into_its_own_cache(tmp_path, monkeypatch):
     assert fingerprint("default")["kernel_path"]["compile"]["caches"]["inductor"] == digest
 
 
-def test_the_cache_digest_covers_every_file(tmp_path):
+def test_a_shared_cache_twinrun_chose_is_never_taken_for_the_users_own(tmp_path, monkeypatch):
+    # An eager job points the process at the shared cache (no run of its own to key one); a compiled
+    # run after it in that process, or in a child that inherits its variables, once kept that cache as
+    # "the user's choice" and every such run compiled into it: a wiped-cache recompile read its kernels.
+    for name in compile_cache.CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cfg = {"determinism": {"compile_cache_dir": str(tmp_path / "cache")}}
+    setup_determinism(cfg)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    setup_determinism(cfg, tmp_path / "run_a")
+    assert compile_cache.is_run_cache(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert compile_cache.is_run_cache(os.environ["TRITON_CACHE_DIR"])
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's own: kept
+    setup_determinism(cfg, tmp_path / "run_a")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_inductor_s_memoized_autotune_cache_follows_the_run_in_one_process(tmp_path, monkeypatch):
+    for name in compile_cache.CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cfg = {"determinism": {"compile_cache_dir": str(tmp_path / "cache")}}
+    for run in ("run_a", "run_b"):  # a local sweep's two points, one process
+        setup_determinism(cfg, tmp_path / run)
+        timings = str(CacheBase.get_local_cache_path())
+        assert timings.startswith(os.environ["TORCHINDUCTOR_CACHE_DIR"] + os.sep), (run, timings)
+
+
+def test_the_cache_digest_covers_every_entry_by_content_not_by_time(tmp_path):
     root = tmp_path / "inductor"
-    root.mkdir()
+    (root / "fxgraph").mkdir(parents=True)
     for k in range(10_001):  # one more than the old walk stopped at
-        (root / f"{k:05d}").write_bytes(b"")
+        (root / "fxgraph" / f"{k:05d}").write_bytes(b"")
     first = compile_cache._dir_digest(str(root))
     assert first["files"] == 10_001
-    (root / "10000").write_bytes(b"a kernel")  # the last file of the walk
-    assert compile_cache._dir_digest(str(root))["digest"] != first["digest"]
+    (root / "fxgraph" / "10000").write_bytes(b"a kernel")  # the last file of the walk
+    second = compile_cache._dir_digest(str(root))["digest"]
+    assert second != first["digest"]
+    os.utime(root / "fxgraph" / "00000", (1, 1))  # rewritten with the same bytes (a replay's load)
+    (root / "ab").mkdir()
+    (root / "ab" / "cabkey.main.so").write_bytes(b"built with this cache's paths inside")
+    assert compile_cache._dir_digest(str(root))["digest"] == second  # code generated from the entries
+    (root / "aotautograd").mkdir()
+    (root / "aotautograd" / "entry").write_bytes(b"a joint graph")
+    (root / "x.best_config").write_text('{"XBLOCK": 8}')
+    assert compile_cache._dir_digest(str(root))["files"] == 10_003
 
 
 def test_every_test_run_pins_the_cpu_unless_it_names_a_device():

@@ -244,6 +244,9 @@ ALTERNATIVES = {
     # It names a compiled run whose bundle to replay: an eager probe has none to take (refused, exit 2);
     # tests/provenance/test_kernel_pin.py shows a replay moves no bit of what it pins.
     "determinism.kernel_path_from": None,
+    # The cold-against-warm control compiles in processes of its own and records a verdict, no store:
+    # an eager probe has nothing to compile (refused, exit 2); tests/test_kernel_pin.py runs it in a job.
+    "determinism.cold_check": None,
 }
 
 

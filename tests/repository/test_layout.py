@@ -34,8 +34,8 @@ COMMANDS = set(FLOORS[0][1])
 # Side by side on one floor, neither reads the other: the reducer hands a summary to publish.
 APART = [("twinrun.analysis", "twinrun.publish")]
 # Imports deferred inside a function on purpose, each for start-up time (never to dodge a circle).
-DEFERRED = {("twinrun/provenance/fingerprint.py", "torch._inductor.config"),
-            ("twinrun/provenance/fingerprint.py", "torch.compiler.config"),
+DEFERRED = {("twinrun/provenance/switches.py", "torch._inductor.config"),
+            ("twinrun/provenance/switches.py", "torch.compiler.config"),
             ("twinrun/provenance/kernel_pin.py", "torch._inductor.select_algorithm"),
             ("twinrun/provenance/kernel_pin.py", "torch._dynamo.utils"),
             ("twinrun/provenance/kernel_pin.py", "torch.compiler._cache")}

@@ -3,13 +3,16 @@ what they hold (their autotune winners choose kernels, so a cache's content is p
 
 Every run compiles into a cache of its own (`run_cache_dir`): a cache shared between runs would take
 the entries of whatever other run compiled in between, and a resume would then read another digest
-and be refused as another kernel path. The digest covers every file of the cache.
+and be refused as another kernel path. The digest covers, by content, every entry that decides
+kernels (`_dir_digest`).
 """
 
 import getpass
 import hashlib
 import os
 import re
+import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -19,6 +22,18 @@ from twinrun.files import create_once
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 # Beside a run's own inductor/ and triton/ folders: names the run (and marks the folder twinrun's).
 RUN_CACHE_MARKER = "twinrun-run-cache.txt"
+# Beside the inductor/ and triton/ folders twinrun points a process at outside a run's own (an eager
+# job, `python -m twinrun.env`): marks them twinrun's, so a child process that inherits the variables
+# does not take them for the user's own choice and compile into them (they are shared, not a run's).
+CACHE_MARKER = "twinrun-cache.txt"
+CACHE_FOLDERS = ("inductor", "triton")  # what twinrun names Inductor's and Triton's caches in a home
+
+
+def _run_cache_home(root: str, run_dir) -> tuple[str, str]:
+    """(where a run's compile caches live under `root`, the marker text naming that run)."""
+    where = os.path.realpath(run_dir)
+    home = os.path.join(os.path.abspath(root), "runs", hashlib.sha256(where.encode()).hexdigest()[:16])
+    return home, f"torch.compile caches of the twinrun run at {where}\n"
 
 
 def run_cache_dir(root: str, run_dir) -> str:
@@ -26,11 +41,9 @@ def run_cache_dir(root: str, run_dir) -> str:
     keyed by the run directory's resolved path, so a resume finds its own cache and no other run
     writes into it. Safe to delete once the run is finished (a resume would then recompile on
     another kernel path, and be refused)."""
-    where = os.path.realpath(run_dir)
-    home = os.path.join(os.path.abspath(root), "runs", hashlib.sha256(where.encode()).hexdigest()[:16])
+    home, text = _run_cache_home(root, run_dir)
     os.makedirs(home, exist_ok=True)
     # Created exclusively, never through a link planted at its name (a dangling symlink was followed).
-    text = f"torch.compile caches of the twinrun run at {where}\n"
     create_once(Path(home) / RUN_CACHE_MARKER, text.encode(), "compile-cache marker")
     return home
 
@@ -38,6 +51,59 @@ def run_cache_dir(root: str, run_dir) -> str:
 def is_run_cache(cache_dir: str) -> bool:
     """Whether a cache dir (…/inductor, …/triton) is inside a run's own compile cache (twinrun set it)."""
     return os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(cache_dir)), RUN_CACHE_MARKER))
+
+
+def is_twinrun_cache(cache_dir: str) -> bool:
+    """Whether twinrun chose a cache dir (a run's own, or the shared one of an eager job), not the user."""
+    cache_dir = os.path.abspath(cache_dir)
+    home, name = os.path.split(cache_dir)
+    # Only the folders twinrun names there: a user's own cache may sit beside them in that home.
+    marked = is_run_cache(cache_dir) or os.path.isfile(os.path.join(home, CACHE_MARKER))
+    return name in CACHE_FOLDERS and marked
+
+
+def mark_twinrun_cache(home: str) -> None:
+    """Mark `home` (holding inductor/ and triton/) as twinrun's choice; a run's own is marked already."""
+    if not os.path.isfile(os.path.join(home, RUN_CACHE_MARKER)):
+        create_once(Path(home) / CACHE_MARKER, b"torch.compile caches twinrun chose (not a run's own)\n",
+                    "compile-cache marker")
+
+
+def existing_run_cache(root: str, run_dir) -> str | None:
+    """The Inductor cache a run compiled into under `root` on this machine, when it is still there and
+    its marker (a regular file) names that run; None otherwise. Nothing is created."""
+    home, text = _run_cache_home(root, run_dir)
+    marker = os.path.join(home, RUN_CACHE_MARKER)
+    try:
+        st = os.stat(marker, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 4096 or Path(marker).read_text() != text:
+            return None
+    except (OSError, UnicodeDecodeError):
+        return None
+    inductor = os.path.join(home, "inductor")
+    return inductor if os.path.isdir(inductor) and not os.path.islink(inductor) else None
+
+
+# Inductor's C++ libraries: `<2 characters of the key>/<key>[.suffix].so`, the key a hash of the
+# generated source and its compile command; a library present at its key is loaded, not rebuilt.
+_LIBRARY = re.compile(r"[a-z0-9]{2}/[a-z0-9_]+(\.[a-z0-9_]+)?\.so")
+
+
+def reuse_built_libraries(source: str, own: str) -> dict:
+    """Copy the C++ libraries Inductor built in `source` (another run's own cache on this machine) into
+    `own` (this run's, still cold) at their keys, so a replay loads them instead of running the C++
+    compiler again. Only regular files at Inductor's key paths; one already in `own` is kept."""
+    copied = size = 0
+    for path in sorted(Path(source).glob("*/*.so")):
+        rel = path.relative_to(source).as_posix()
+        target = Path(own) / rel
+        if (not _LIBRARY.fullmatch(rel) or path.is_symlink() or path.parent.is_symlink() or not path.is_file()
+                or target.exists()):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target, follow_symlinks=False)
+        copied, size = copied + 1, size + target.stat().st_size
+    return {"from": source, "libraries": copied, "bytes": size}
 
 
 def compile_caches() -> dict:
@@ -80,8 +146,24 @@ def default_inductor_cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
+# The entries that decide kernels: Inductor's FX-graph entries (each holds its graph's generated code,
+# so every chosen kernel), AOTAutograd's, and the autotuners' recorded winners. The rest of a cache is
+# code those entries generated, stored under a hash of its content (`.py`, `.cpp`, the `.so` built from
+# it, whose bytes also carry the build's paths), scratch compiled only to be timed, and measured
+# timings (read only by a compile that misses, which writes a new entry). A replay's cache is filled
+# from its source's bundle with byte-identical entries, so its digest is its source's.
+DECISION_FOLDERS = ("fxgraph", "aotautograd")
+
+
+def _is_decision(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return rel.split("/", 1)[0] in DECISION_FOLDERS or name.endswith(".best_config") or "autotune" in name
+
+
 def _dir_digest(root: str) -> dict:
-    """sha256 over (relative path, size, mtime) of every file, in sorted walk order.
+    """sha256 over (relative path, sha256 of the content) of every entry that decides kernels
+    (`_is_decision`), in sorted walk order: content, not modification times, so two caches holding the
+    same decisions (a pinned replay and its source) read alike wherever and whenever they were written.
 
     A missing and an empty directory are both "absent": torch creates the empty one on import.
     """
@@ -92,14 +174,15 @@ def _dir_digest(root: str) -> dict:
         # Lock files are rewritten by every compile; they hold no kernels.
         dirnames[:] = sorted(d for d in dirnames if d != "locks")
         for name in sorted(filenames):
-            if name.endswith(".lock"):
-                continue
             path = os.path.join(dirpath, name)
-            try:
-                st = os.stat(path, follow_symlinks=False)
-            except FileNotFoundError:  # removed by a concurrent writer between listing and stat
+            rel = Path(os.path.relpath(path, root)).as_posix()
+            if name.endswith(".lock") or not _is_decision(rel) or os.path.islink(path):
                 continue
-            h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            try:
+                content = Path(path).read_bytes()
+            except (FileNotFoundError, IsADirectoryError):  # removed by a concurrent writer since the listing
+                continue
+            h.update(f"{rel}\0{hashlib.sha256(content).hexdigest()}\n".encode())
             files += 1
     return {"digest": h.hexdigest() if files else "absent", "files": files}
 

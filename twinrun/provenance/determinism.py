@@ -10,13 +10,19 @@ once, when it first sets up) and before torch.compile (it binds its cache dirs o
 """
 
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 
 import torch
 
 from twinrun.errors import ConfigError
-from twinrun.provenance.compile_cache import CACHE_ENV, default_inductor_cache_dir, is_run_cache
+from twinrun.provenance.compile_cache import (
+    CACHE_ENV,
+    default_inductor_cache_dir,
+    is_twinrun_cache,
+    mark_twinrun_cache,
+)
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"  # one of the two settings cuBLAS documents as deterministic
@@ -55,6 +61,7 @@ def apply_determinism(
     # whose import exports the /tmp default cache dir.
     caches = _cache_env(compile_cache_dir, found)
     os.environ.update(caches)
+    _forget_cache_paths(caches)
     record["compile_caches"] = caches
     if not enabled:
         return record
@@ -111,7 +118,19 @@ def _cache_env(compile_cache_dir: str | None, found: dict) -> dict:
         if _not_chosen_by_user(found[name]):
             env[name] = os.path.join(durable, sub)
             os.makedirs(env[name], exist_ok=True)
+    if env:
+        mark_twinrun_cache(durable)
     return env
+
+
+def _forget_cache_paths(caches: dict) -> None:
+    """Inductor memoizes paths under its cache dir for the life of the process (the autotune timings'
+    `cache/<system>` file among them): when a process already imported it and now compiles for another
+    run (a local sweep's next point), those paths are cleared, else that run would read and write the
+    first run's autotune timings. Inductor's own `fresh_cache()` clears the same registry."""
+    inductor_utils = sys.modules.get("torch._inductor.utils")
+    if caches and inductor_utils is not None:
+        inductor_utils.clear_caches()
 
 
 def _current() -> dict:
@@ -138,9 +157,11 @@ def _current() -> dict:
 
 
 def _not_chosen_by_user(cache_dir: str | None) -> bool:
-    """Unset, inside Inductor's /tmp default (importing torch._dynamo exports that itself), or an earlier
-    run's own cache (a local sweep runs its points' jobs in one process)."""
-    if cache_dir is None or is_run_cache(cache_dir):
+    """Unset, inside Inductor's /tmp default (importing torch._dynamo exports that itself), or a cache
+    twinrun chose: an earlier run's own (a local sweep runs its points' jobs in one process), or the shared
+    one of an eager job, inherited by a child process (a compiled run there took it for the user's and
+    compiled into a cache every such run shared: a cold recompile then read the first run's kernels)."""
+    if cache_dir is None or is_twinrun_cache(cache_dir):
         return True
     default = os.path.abspath(default_inductor_cache_dir())
     return os.path.commonpath([os.path.abspath(cache_dir), default]) == default

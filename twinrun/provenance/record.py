@@ -56,9 +56,15 @@ def setup_determinism(cfg: dict, run_dir: Path | None = None) -> dict:
     config lacks take the schema's defaults (twinrun.config.DeterminismConfig). With `run_dir`, the
     compile caches are that run's own, under determinism.compile_cache_dir (compile_cache.run_cache_dir)."""
     d = typed(DeterminismConfig, cfg["determinism"], "determinism")
-    root = os.path.expanduser(d.compile_cache_dir or default_compile_cache_dir())
+    root = compile_cache_root(cfg)
     cache = root if run_dir is None else run_cache_dir(root, run_dir)
     return apply_determinism(d.enabled, cache, d.float32_matmul_precision)
+
+
+def compile_cache_root(cfg: dict) -> str:
+    """determinism.compile_cache_dir, or its default: where the runs' own compile caches live."""
+    d = typed(DeterminismConfig, cfg["determinism"], "determinism")
+    return os.path.expanduser(d.compile_cache_dir or default_compile_cache_dir())
 
 
 def model_sentinel_fn(model: torch.nn.Module, device: torch.device, image_shape: tuple,

@@ -9,7 +9,7 @@ import functools
 from importlib import metadata
 
 import twinrun
-from twinrun.provenance.fingerprint import _git_state  # the fingerprint's own reading of the checkout
+from twinrun.provenance.host import _git_state  # the fingerprint's own reading of the checkout
 
 
 @functools.cache

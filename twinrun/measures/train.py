@@ -26,11 +26,12 @@ from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.train_compare import compare_training, train_side
 from twinrun.analysis.train_reduce import reduce_train, refuse_derived
 from twinrun.config import TrainConfig, build, objective_of, typed
-from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunError
+from twinrun.errors import EXIT_GATE, ConfigError, DeviceMemoryError, StoreError, TwinrunError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
+from twinrun.measures import trial
 from twinrun.measures.failures import as_model_error, failing_frame, first_line, is_out_of_memory
 from twinrun.measures.kind import Comparison, Measure, Plan, parse_device
 from twinrun.measures.train_offload import OFFLOADS, Parking, layout_line
@@ -100,6 +101,9 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
         raise ConfigError("train.offload", t.offload, f"must be one of {', '.join(OFFLOADS)} "
                           "(docs/training.md)")
     _validate_device(t.device)
+    check_replicate_segments(cfg)
+    mode = trial.compile_mode(t.compile, "train.compile")
+    trial.refuse_compiled_hooks(mode, {"intervention": intervention}, "train.compile")
     if cfg.reference is not None:
         raise ConfigError("reference", cfg.reference, "a training run takes no reference: compare two "
                           "training runs with `python -m twinrun.compare RUN_A RUN_B`")
@@ -123,6 +127,22 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
             raise ConfigError("data._target_", cfg.data.get("_target_"), f"the {what} ids repeat: an id keys "
                               "a sample's noise, so each must name one image")
     return (train_x, list(train_ids), train_cond), (held_x, list(held_ids), held_cond)
+
+
+def check_replicate_segments(cfg: DictConfig) -> None:
+    """arms.replicate_segments=K: a whole number of the run's segments, and only on a deterministic path,
+    where a replicate that repeats the twin bit for bit for K segments is the evidence that it would go on
+    doing so; with determinism off the replicates' spread is the gate's bound at every step."""
+    k, n = cfg.arms.get("replicate_segments"), cfg.train.steps // cfg.train.segment_steps
+    if k is None:
+        return
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= n:
+        raise ConfigError("arms.replicate_segments", k, f"must be a whole number of segments in 1 … {n}, or "
+                          "null (the replicate in every segment, the default)")
+    if not cfg.determinism.enabled:
+        raise ConfigError("arms.replicate_segments", k, "needs determinism.enabled=true: with determinism "
+                          "off the replicates bound the path's wobble at every step, so they are measured in "
+                          "every segment; leave it null")
 
 
 def split_data(data) -> tuple[tuple, tuple]:
@@ -172,12 +192,15 @@ def check_training_intervention(intervention: Intervention) -> None:
 # ----------------------------------------------------------------------------- plan
 
 
-def plan_units(t: TrainConfig) -> list[dict]:
-    """The start unit (every arm's weights before training) and one unit per segment."""
+def plan_units(t: TrainConfig, replicate_segments: int | None = None, replicates: tuple = ()) -> list[dict]:
+    """The start unit (every arm's weights before training) and one unit per segment; with
+    arms.replicate_segments=K the `replicates` are not measured in the segments after the K-th."""
     k = t.segment_steps
     bounds = [(0, 0)] + [((i - 1) * k, i * k) for i in range(1, t.steps // k + 1)]
+    cut = len(bounds) if replicate_segments is None else replicate_segments
     return [{"index": i, "label": unit_label(i, a, b), "gate": False, "train": {"from_step": a, "to_step": b},
-             "file": store_name(i, b)} for i, (a, b) in enumerate(bounds)]
+             "file": store_name(i, b), **({"without": list(replicates)} if i > cut else {})}
+            for i, (a, b) in enumerate(bounds)]
 
 
 def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path | None, data: tuple) -> Plan:
@@ -193,7 +216,11 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     objective.check_model(model)
     conditioning.check(data[0][2], data[0][0].shape[0], model)
     state_bytes = smoke_step(model, arms, t, data, objective)
-    units = plan_units(t)
+    k = cfg.arms.get("replicate_segments")
+    units = plan_units(t, k, tuple(a.name for a in arms if a.role == "replicate"))
+    if k is not None:
+        print(f"twinrun: arms.replicate_segments={k}: the replicate is measured in the first {k} of "
+              f"{len(units) - 1} segments only, and must stay bit-identical to the twin there", flush=True)
     return Plan(units=units, store_bytes=check_sizes(t, model, state_bytes, len(arms), len(units), run_dir))
 
 
@@ -274,8 +301,6 @@ class TrainSession:
     """The training run in one job: every arm's model and optimizer on this job's device, the held-out
     draws (drawn once), and each segment's samples and noise (drawn once, consumed by every arm)."""
 
-    compile_mode = None  # training runs eagerly
-
     def __init__(self, config: dict, arms: list, device: torch.device):
         self.t = typed(TrainConfig, config["train"], "train")
         self.seed, self.device = config["seed"], device
@@ -317,6 +342,47 @@ class TrainSession:
             self.parking.park(self.arms[a.name])
         self.rng_devices = [device.index or 0] if device.type == "cuda" else []
         self.segment: Segment | None = None
+        # arms.replicate_segments: each replicate held to the twin's bits where it is measured
+        self.replicate_segments = (config.get("arms") or {}).get("replicate_segments")
+        self.replicates = {a.name for a in arms if a.role == "replicate"}
+        self.twin = next(a.name for a in arms if a.role == "twin")
+        self.twin_digests: list | None = None
+        # train.compile: every arm's step calls its compiled module, and every shape a segment runs is
+        # compiled now, before the job reads its fingerprint: the cache digest it records is the one a
+        # resume finds (no compile lands mid-run).
+        self.compile_mode = trial.compile_mode(self.t.compile, "train.compile")
+        if self.compile_mode is not None:
+            for s in self.arms.values():
+                s.forward = loop.compiled(s.model, self.compile_mode)
+            self._warm_up(start, arms)
+
+    def _warm_up(self, start: torch.nn.Module, arms: list) -> None:
+        """One step and one held-out pass of a throwaway copy of each distinct arm (its settings and
+        intervention), compiled, on a segment's shapes: the arms' own compiled modules then reuse these
+        graphs (dynamo guards on the module's type and tensors' shapes, not on which module it is)."""
+        tried = set()
+        gen = torch.Generator().manual_seed(trial.TRIAL_SEED)
+        common_fn = self.t.step
+        for a in arms:
+            s = self.arms[a.name]
+            key = json.dumps([a.config["intervention"], loop.step_samples(s.t), s.t.batch_size,
+                              s.t.chunk_samples, s.t.step], sort_keys=True, default=str)
+            if key in tried:  # the replicate and the chaos arm run the twin's code on the twin's shapes
+                continue
+            tried.add(key)
+            w = build_arm(start, arm_train(a.config, s.intervention), s.intervention)
+            w.forward = loop.compiled(w.model, self.compile_mode)
+            n = loop.step_samples(w.t)
+            normal = torch.randn(n, generator=gen).to(self.device)
+            eps = torch.randn((n, *self.shape), generator=gen).to(self.device)
+            with torch.random.fork_rng(devices=self.rng_devices), attached(w.intervention, w.model):
+                sigma = self.objective.train_level(w.model, normal)
+                loop.loop_step(w, w.step_fn, self.train_x[:n], self.train_ids[:n], sigma, eps, self.seed, 0,
+                               None if w.t.step == common_fn else loop.build_step(common_fn),
+                               conditioning.take(self.train_cond, slice(0, n)), self.objective)
+            ts.heldout_losses(w.forward, w.intervention, self.held_x, self.held_normal, self.held_eps,
+                              self.chunk, self.objective, self.held_cond)
+            del w
 
     def _arm(self, start: torch.nn.Module, arm) -> ArmState:
         model = copy.deepcopy(start)
@@ -351,16 +417,21 @@ class TrainSession:
             restore_optimizer(s.optimizer, model_names(s.model), store.tensors, store.meta)
             try:
                 loop.restore_schedule(s.scheduler, s.optimizer, store.meta.get("schedule"))
+                loop.restore_scaler(s.scaler, store.meta.get("grad_scaler"))
                 if s.ema is not None:
                     s.ema.restore(store.tensors)
             except (KeyError, ValueError, TypeError) as err:
-                raise StoreError(path, f"holds no scheduler or EMA state this arm's settings need "
+                raise StoreError(path, f"holds no scheduler, EMA or grad scaler state this arm's settings "
+                                 f"need "
                                  f"({type(err).__name__}: {err})") from None
             s.step = u["train"]["to_step"]
             self.parking.park(s)
         print(f"twinrun: every arm continues from {u['label']}, read back from its stores", flush=True)
 
     def begin_unit(self, u: UnitEntry) -> None:
+        # An arm this unit does not measure is never measured again (units only go forward): its memory goes.
+        for gone in [name for name in self.arms if name not in u["stores"]]:
+            del self.arms[gone]
         # This segment's samples and noise, keyed by (seed, step, sample id): the same for every arm.
         a, b = u["train"]["from_step"], u["train"]["to_step"]
         # Drawn at the widest batch any arm takes: an arm's batch is a prefix of it, so the j-th sample of
@@ -392,9 +463,11 @@ class TrainSession:
         self.parking.unpark(s)
         with self.memory_named(arm, u):
             (losses, common), digests, global_steps = as_model_error(arm, u, self._train, s, seg, arm)
-            held = as_model_error(arm, u, ts.heldout_losses, s.model, s.intervention, self.held_x,
+            forward = s.model if s.forward is None else s.forward  # its compiled module (train.compile)
+            held = as_model_error(arm, u, ts.heldout_losses, forward, s.intervention, self.held_x,
                                   self.held_normal, self.held_eps, self.chunk, self.objective, self.held_cond)
         loop.check_finite(arm, u, losses, held, s.model, seg.steps)
+        self.hold_replicate(arm, u, digests)
         s.step = u["train"]["to_step"]
         state = s.model.state_dict()
         params = model_names(s.model).values()
@@ -417,6 +490,8 @@ class TrainSession:
             meta["data_files"] = self.identity["data_files"]
         if s.scheduler is not None:  # (absent without one: a constant-rate store is what it always was)
             meta["schedule"] = loop.schedule_record(s.scheduler)
+        if s.scaler is not None:  # fp16's loss scale and growth tracker (absent without one)
+            meta["grad_scaler"] = loop.scaler_record(s.scaler)
         self.parking.park(s)  # (the store's tensors above are copies or the parked-from memory, kept alive)
         if global_steps:
             meta["global_generator_steps"] = global_steps
@@ -425,6 +500,21 @@ class TrainSession:
                   "arm, so those draws pair with no other arm's and the replicate leaves the twin: draw from "
                   "the `noise` twinrun hands the step instead (docs/training.md)", flush=True)
         return tensors, meta
+
+    def hold_replicate(self, arm: str, u: UnitEntry, digests: list) -> None:
+        """With arms.replicate_segments, a replicate must repeat the twin's bits at every step it is measured
+        (the twin trains first in every unit): the first step one leaves them stops the run, exit 1."""
+        if arm == self.twin:
+            self.twin_digests = digests
+        if self.replicate_segments is None or arm not in self.replicates or digests == self.twin_digests:
+            return
+        pairs = enumerate(zip(digests, self.twin_digests, strict=True))
+        step = next(u["train"]["from_step"] + k + 1 for k, (a, b) in pairs if a != b)
+        raise ReplicateLeft(f"arm {arm}, {u['label']}: the replicate left the twin's bits at step {step}, so "
+                            f"this kernel path does not repeat and arms.replicate_segments="
+                            f"{self.replicate_segments} (the replicate measured in the first segments only) "
+                            "is not honest here; earlier segments are kept: start a new run without it (the "
+                            "replicate in every segment)")
 
     def _train(self, s: ArmState, seg: Segment, arm: str) -> tuple[tuple, list[list[str]], list[int]]:
         """The segment's steps for one arm: ((its own loss at each step, the same under the twin's
@@ -461,6 +551,12 @@ class TrainSession:
         s.optimizer.zero_grad(set_to_none=True)  # only the arm training now holds gradients
         stacked = [torch.stack(v).float().cpu() if v else torch.zeros(0) for v in (losses, commons)]
         return tuple(stacked), digests, global_steps
+
+
+class ReplicateLeft(TwinrunError):
+    """arms.replicate_segments on a path that did not repeat: the cheaper protocol's premise failed."""
+
+    exit_code = EXIT_GATE
 
 
 def seed_generators(seed: int, cuda_devices: list[int]) -> None:
@@ -500,4 +596,6 @@ TRAIN = Measure(
     tracker_step="step",  # its curves line up with the researcher's own training logs
     sweep_point=train_rows.sweep_point,
     comparison=Comparison(side=train_side, compare=compare_training),  # step by step, not bin by bin
+    compiles=lambda config: trial.compile_mode(config["train"].get("compile"), "train.compile") is not None,
+    compile_setting=lambda config: ("train.compile", config["train"].get("compile")),
 )

@@ -43,7 +43,7 @@ from twinrun.interventions import Native
 from twinrun.job import run_job
 from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
-from twinrun.measures.train import seed_generators
+from twinrun.measures.train_session import seed_generators
 from twinrun.measures.train_state import ArmState
 from twinrun.measures.train_streams import draw_segment, dropout_seed
 from twinrun.model import DEFAULT_ARCH, DiTDenoiser, load_pretrained

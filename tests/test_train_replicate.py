@@ -9,7 +9,7 @@ from test_train import compose_cfg, tiny_cfg, train_run
 
 from twinrun.errors import ConfigError
 from twinrun.job import run_job
-from twinrun.measures.train import ReplicateLeft
+from twinrun.measures.train_session import ReplicateLeft
 from twinrun.plan import plan_run, trusted_targets
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.train_store import read_train_store

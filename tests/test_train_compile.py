@@ -10,6 +10,7 @@ import pytest
 from conftest import run_twinrun
 
 from twinrun.errors import EXIT_OK
+from twinrun.provenance import compile_cache
 from twinrun.storage.train_store import read_train_store
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,11 @@ def last_digests(run_dir: Path) -> dict:
             for arm, e in unit["stores"].items()}
 
 
-def test_a_compiled_run_keeps_its_gates_and_resumes_bit_identically(tmp_path):
+def test_a_compiled_run_keeps_its_gates_and_resumes_bit_identically(tmp_path, monkeypatch):
+    # An in-process run earlier in the session sets the cache variables in this process's environment;
+    # inherited, they would be a user's choice the child keeps, and its caches no longer the run's own.
+    for name in compile_cache.CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
     env = {"PYTHONPATH": str(TESTS)}
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     compiled = [*RUN, "train.compile=default", f"determinism.compile_cache_dir={cache}"]

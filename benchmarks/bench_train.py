@@ -3,6 +3,7 @@
     python benchmarks/bench_train.py                       # per-step, whole-run and memory sections
     python benchmarks/bench_train.py --steps 80 --reps 5   # longer runs, more repetitions
     python benchmarks/bench_train.py --smoke               # every section on a tiny run, in seconds
+    python benchmarks/bench_train.py --only offload        # the offloaded layout against plain alone
 
 Each section also runs with what a real loop has (a warmup+cosine schedule, clipping by norm, two
 micro-batches accumulated, bf16 autocast) on both sides, and with the arms not training parked
@@ -43,7 +44,7 @@ from twinrun.interventions import Native
 from twinrun.job import run_job
 from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
-from twinrun.measures.train import seed_generators
+from twinrun.measures.train_session import seed_generators
 from twinrun.measures.train_state import ArmState
 from twinrun.measures.train_streams import draw_segment, dropout_seed
 from twinrun.model import DEFAULT_ARCH, DiTDenoiser, load_pretrained
@@ -238,6 +239,8 @@ def main(argv=None) -> None:
     p.add_argument("--mem-width", type=int, default=256)
     p.add_argument("--mem-depth", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="every section on a tiny run (seconds)")
+    p.add_argument("--only", choices=("all", "offload"), default="all",
+                   help="offload: only the offloaded whole run and its peak memory, each against a plain run")
     p.add_argument("--memory-side", choices=("plain", "twin", "offload"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.width = a.depth = None
@@ -253,6 +256,14 @@ def main(argv=None) -> None:
     if a.smoke:
         print("bench_train: --smoke runs every section on a tiny run: its ratios measure start-up only")
     data = load_train_and_heldout()
+    if a.only == "all":
+        in_memory(a, data)
+    offloaded(a, data)
+
+
+def in_memory(a, data) -> None:
+    """The sections of the all-resident layout: per step (plain and with the loop's settings), the whole
+    run."""
     s = per_step(a, data)
     print(f"per step: plain {s['plain_ms']:.2f} ms, one twinrun arm {s['twinrun_ms']:.2f} ms: "
           f"{s['ratio']:.3f}x (target ≤ 1.05)")
@@ -264,6 +275,11 @@ def main(argv=None) -> None:
     print(f"whole run: one plain run {w['plain_s']:.2f} s, the twin run with its four companion arms "
           f"{w['twin_s']:.2f} s: {w['ratio']:.2f}x (target ≤ 5.3); per arm and step, amortised: "
           f"{w['per_arm_step_ratio']:.3f}x")
+
+
+def offloaded(a, data) -> None:
+    """The offloaded layout (train.offload=disk) against a plain run: its whole run, then the memory section
+    (which also reads the all-resident twin run's growth)."""
     w = whole_run(a, data, ["train.offload=disk"])
     print(f"whole run offloaded (train.offload=disk): one plain run {w['plain_s']:.2f} s, the twin run "
           f"{w['twin_s']:.2f} s: {w['ratio']:.2f}x (target ≤ 5.5)")

@@ -69,11 +69,12 @@ def outside_intervention(diff: list[dict]) -> list[str]:
 
 def for_compute(cfg: dict, exclude: tuple = ()) -> dict:
     """The part of a resolved config that can change a result (launching excluded, and `exclude`: the
-    settings of the measurement kinds this run is not). An unset arms.replicates is left out: runs planned
-    before it existed keep their config hashes."""
+    settings of the measurement kinds this run is not). An unset arms.replicates or arms.replicate_segments
+    is left out: runs planned before they existed keep their config hashes."""
     out = {k: v for k, v in cfg.items() if k not in EXCLUDED and k not in exclude}
-    if isinstance(out.get("arms"), dict) and out["arms"].get("replicates", 0) is None:
-        out["arms"] = {k: v for k, v in out["arms"].items() if k != "replicates"}
+    if isinstance(out.get("arms"), dict):
+        out["arms"] = {k: v for k, v in out["arms"].items()
+                       if k not in ("replicates", "replicate_segments") or v is not None}
     return out
 
 

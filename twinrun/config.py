@@ -170,7 +170,9 @@ class TrainConfig:
     # Micro-batches of `batch_size` per optimizer step, their gradients summed (one update over
     # batch_size x accumulate samples, each its own forward: batch statistics are a micro-batch's).
     accumulate: int = 1
-    amp: str | None = None  # null (float32) | bf16: the forward under autocast (CPU too); in the kernel path
+    # null (float32) | bf16 | fp16: the forward under autocast (CPU too); in the kernel path. fp16 scales the
+    # loss with a GradScaler of the arm's own, its state stored with every segment and restored on resume.
+    amp: str | None = None
     ema: float | None = None  # decay of an EMA of the weights, stored beside them (null: none)
     # Your own step (train.step._target_: a function of (model, batch, noise, step) returning the
     # per-sample losses); null = twinrun's objective (twinrun/measures/train_step.py).
@@ -178,6 +180,10 @@ class TrainConfig:
     # Where the arms not being trained wait (twinrun/measures/train_offload.py): none (every arm resident on
     # the device), cpu (host memory), disk (a file each): one arm's memory on the device.
     offload: str = "none"
+    # false | default | max-autotune: torch.compile mode of every arm's model in its step and held-out loss
+    # (static shapes, all compiled before the first segment); the run's own caches, as probe.compile's,
+    # and in the kernel path, so it is no intervention (an override of it is refused).
+    compile: Any = False
 
 
 @dataclass
@@ -312,6 +318,11 @@ class ArmsConfig:
     # determinism.enabled (a bit-identical replicate decides), REPLICATES_NONDETERMINISTIC without.
     # Recorded in the arms' configs only when set, so runs planned before it keep their config hashes.
     replicates: int | None = None
+    # The cheaper protocol of a run whose units continue each other (training): the replicates are
+    # measured for the first K segments only. Allowed with determinism.enabled only, and only while they
+    # stay bit-identical to the twin there (the job stops, exit 1, at the first step one leaves it).
+    # null: every segment (the default). Recorded in the arms' configs only when set.
+    replicate_segments: int | None = None
 
 
 # The replicates a run measures with determinism off and arms.replicates unset: the smallest count whose

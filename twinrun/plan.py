@@ -198,6 +198,10 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     check_protocol(intervention, cfg.intervention.get("_target_"))
     validated = kind.validate(cfg, intervention)
     validate_common(cfg)
+    if cfg.arms.get("replicate_segments") is not None and not kind.sequential_units:
+        raise ConfigError("arms.replicate_segments", cfg.arms.replicate_segments, "applies to runs whose "
+                          f"units continue each other (training segments); measure={kind.name} has none: "
+                          "leave it null")
     replicate = bool(cfg.arms.replicate) or kind.replicate_always
     arms, diff = derive_arms(cfg, intervention.name, replicate=replicate, noop=kind.noop(intervention),
                              replicates=replicate_count(cfg),
@@ -254,7 +258,10 @@ def unit_entry(u: dict, arms: list[Arm]) -> dict:
     own = {k: v for k, v in u.items() if k not in ("file", "payload_bytes")}
     # what each store's tensors hold, from the protocol: a reader checks the header against it first
     size = {"payload_bytes": u["payload_bytes"]} if "payload_bytes" in u else {}
-    stores = {a.name: {"file": u["file"], "status": "pending", **size} for a in arms}
+    # `without`: arms the kind does not measure in this unit (training's replicate after its first K
+    # segments, arms.replicate_segments)
+    stores = {a.name: {"file": u["file"], "status": "pending", **size} for a in arms
+              if a.name not in u.get("without", ())}
     if u["gate"] and all(a.name != GATE_REPLICATE for a in arms):
         stores[GATE_REPLICATE] = {"file": u["file"], "status": "pending", **size}
     return {**own, "stores": stores}

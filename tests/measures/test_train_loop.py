@@ -1,6 +1,7 @@
 """What a real loop has (twinrun/measures/train_loop.py): schedules, clipping, accumulation, bf16 autocast,
-EMA, and a step of your own; each checked against what it must compute, and a resume that restores the
-scheduler's and the EMA's state bit for bit (a resume that forgets either is caught)."""
+fp16 with a grad scaler, EMA, and a step of your own; each checked against what it must compute, and a
+resume that restores the scheduler's, the EMA's and the scaler's state bit for bit (a resume that forgets
+any is caught)."""
 
 import json
 import math
@@ -42,7 +43,8 @@ def arm_of(model, **settings) -> ArmState:
     t = TrainConfig(**{"batch_size": 8, **settings})
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     return ArmState(model, opt, Native(), 0, t, loop.build_schedule(t.schedule, opt),
-                    loop.build_ema(t.ema, model), loop.build_step(t.step))
+                    loop.build_ema(t.ema, model), loop.build_step(t.step),
+                    scaler=loop.build_scaler(t, torch.device("cpu")))
 
 
 def batch(n=16, seed=1):
@@ -134,6 +136,35 @@ def test_bf16_autocast_runs_on_the_cpu_changes_the_arithmetic_and_repeats_bit_fo
         loop.check_loop(TrainConfig(amp="fp8"))
 
 
+def test_fp16_autocast_scales_the_loss_on_the_cpu_and_the_scalers_state_round_trips_bit_for_bit():
+    plain, amp, again = arm_of(Tiny()), arm_of(Tiny(), amp="fp16"), arm_of(Tiny(), amp="fp16")
+    step(plain), step(amp), step(again)
+    assert plain.scaler is None and isinstance(amp.scaler, torch.amp.GradScaler)
+    assert torch.equal(flat(amp.model), flat(again.model))
+    assert not torch.equal(flat(plain.model), flat(amp.model))
+    # This model's first three steps overflow in fp16 at the scaler's first scales: each is skipped and
+    # the scale halved, so the scaler's state decides what later steps do. Six steps straight, against
+    # three, a store's record, a fresh arm and three more.
+    whole, first = arm_of(Tiny(), amp="fp16"), arm_of(Tiny(), amp="fp16")
+    for _ in range(6):
+        step(whole)
+    for _ in range(3):
+        step(first)
+    record = json.loads(json.dumps(loop.scaler_record(first.scaler)))  # as a store's metadata holds it
+    assert record["scale"] < 65536.0  # it backed off
+    for restore in (True, False):  # False: break it, a resume that forgets the scaler's state
+        then = arm_of(Tiny(), amp="fp16")
+        then.model.load_state_dict(first.model.state_dict())
+        if restore:
+            loop.restore_scaler(then.scaler, record)
+        for _ in range(3):
+            step(then)
+        assert torch.equal(flat(then.model), flat(whole.model)) == restore
+        assert (loop.scaler_record(then.scaler) == loop.scaler_record(whole.scaler)) == restore
+    with pytest.raises(ValueError, match="no grad scaler state"):
+        loop.restore_scaler(then.scaler, None)
+
+
 # ----------------------------------------------------------------------------- EMA
 
 
@@ -188,10 +219,10 @@ LOOP = ["+experiment=train_scale_lr", "train.steps=4", "train.segment_steps=2", 
         "train.clip_norm=0.5", "train.accumulate=2", "train.amp=bf16", "train.ema=0.9", "train.device=cpu"]
 
 
-def loop_run(run_dir, interrupt: bool):
+def loop_run(run_dir, interrupt: bool, amp: str = "bf16"):
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=LOOP)
+        cfg = compose(config_name="config", overrides=[*LOOP, f"train.amp={amp}"])
     plan_run(cfg, run_dir)
     run_job(run_dir, trusted_targets(cfg))
     if interrupt:  # forget the last segment; the job restores every arm from the first one's stores
@@ -205,19 +236,25 @@ def loop_run(run_dir, interrupt: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", [None, "schedule", "ema"])
-def test_a_resume_restores_the_schedule_and_the_ema_bit_for_bit(tmp_path, monkeypatch, broken):
-    whole = loop_run(tmp_path / "whole", interrupt=False)
+@pytest.mark.parametrize("broken, amp", [(None, "bf16"), ("schedule", "bf16"), ("ema", "bf16"),
+                                         (None, "fp16"), ("scaler", "fp16")])
+def test_a_resume_restores_the_schedule_the_ema_and_the_scaler_bit_for_bit(tmp_path, monkeypatch, broken,
+                                                                           amp):
+    whole = loop_run(tmp_path / "whole", interrupt=False, amp=amp)
     if broken == "schedule":  # break it: a resume that rebuilds the scheduler at step 0
         monkeypatch.setattr(loop, "restore_schedule", lambda *a: None)
     if broken == "ema":  # break it: a resume that restarts the EMA from the restored weights
         monkeypatch.setattr(loop.EMA, "restore", lambda self, tensors: None)
-    resumed = loop_run(tmp_path / "resumed", interrupt=True)
-    same = all(whole[a].digests == resumed[a].digests and whole[a].meta.get("schedule")
-               == resumed[a].meta.get("schedule") for a in whole)
+    if broken == "scaler":  # break it: a resume that starts a fresh grad scaler
+        monkeypatch.setattr(loop, "restore_scaler", lambda *a: None)
+    resumed = loop_run(tmp_path / "resumed", interrupt=True, amp=amp)
+    same = all(whole[a].digests == resumed[a].digests and all(whole[a].meta.get(k) == resumed[a].meta.get(k)
+                                                              for k in ("schedule", "grad_scaler"))
+               for a in whole)
     assert same == (broken is None)
     s = whole["native"]
     assert any(k.startswith("ema/") for k in s.tensors) and s.meta["schedule"]["last_epoch"] == 4
+    assert ("grad_scaler" in s.meta) == (amp == "fp16")
 
 
 def global_step(model, batch, noise, step):

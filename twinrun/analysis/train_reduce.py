@@ -100,6 +100,8 @@ def first_difference(stores: list[dict], arm: str, layout: list[dict]) -> dict:
     order) that differs there: from the start stores' tensor digests (step 0), then every step's."""
     names = [g["name"] for g in layout]
     for per in stores:
+        if arm not in per:  # a replicate measured in the first segments only (arms.replicate_segments)
+            break
         mine, twin = per[arm], per[TWIN]
         if per is stores[0]:
             steps = [(0, [mine["digests"][f"weight/{n}"] for n in names],
@@ -216,7 +218,7 @@ def gate_rows(run: Run, records: list[dict], found: dict, rule: str) -> list[dic
         step = per[TWIN]["to_step"]
         same = _identical(per, machinery)
         dist = 0.0 if same else _distance(found, i, machinery)
-        reps = [0.0 if _identical(per, r) else _distance(found, i, r) for r in replicates]
+        reps = [0.0 if _identical(per, r) else _distance(found, i, r) for r in replicates if r in per]
         passed, decided_by = decide(same, dist, reps, rule, len(records))
         tensor = None if same else _first_tensor(per, machinery, run.layout)
         bound = wobble_bound(reps, len(records)) if reps and not same else None
@@ -276,13 +278,14 @@ def replicate_report(run: Run, records: list[dict], found: dict) -> dict | None:
     rows = []
     for i, per in enumerate(records):  # per stored step, the replicate furthest from the twin
         each = []
-        for rep in reps:
+        for rep in (r for r in reps if r in per):  # (arms.replicate_segments: its first segments only)
             differ = [n for n in names if per[rep]["digests"][n] != per[TWIN]["digests"][n]]
             each.append({"step": per[TWIN]["to_step"], "n_differ": len(differ), "n_tensors": len(names),
                          "bit_identical": _identical(per, rep),
                          "distance": 0.0 if not differ else _distance(found, i, rep),
                          "first_tensor": differ[0].removeprefix("weight/") if differ else None})
-        rows.append(max(each, key=lambda r: (r["n_differ"], r["distance"], not r["bit_identical"])))
+        if each:
+            rows.append(max(each, key=lambda r: (r["n_differ"], r["distance"], not r["bit_identical"])))
     worst = max(rows, key=lambda r: r["n_differ"])
     deterministic = all(r["bit_identical"] for r in rows)
     its = "its replicate" if len(reps) == 1 else f"its {len(reps)} replicates"
@@ -296,6 +299,8 @@ def replicate_report(run: Run, records: list[dict], found: dict) -> dict | None:
                   f"{its} at worst (step {worst['step']}); they part by step {first['step']} "
                   f"(first tensor {next((r['first_tensor'] for r in rows if r['first_tensor']), '–')}): this "
                   "kernel path is nondeterministic, and the replicates measure its within-environment chaos")
+    if rows[-1]["step"] != records[-1][TWIN]["to_step"]:
+        detail += f" (measured through step {rows[-1]['step']} only: arms.replicate_segments)"
     return {"deterministic": deterministic, "steps": rows, "detail": detail}
 
 
@@ -341,7 +346,8 @@ def effect_rows(run: Run, records: list[dict], found: dict, names: list[str]) ->
             c = found.get((i, chaos, name)) if chaos else None
             e = found[i, inter, name]
             floor_d = floor_of(None if c is None else c["distance"],
-                               [found[i, r, name]["distance"] for r in run.all_of("replicate")])
+                               [found[i, r, name]["distance"] for r in run.all_of("replicate")
+                                if (i, r, name) in found])
             if c is not None:
                 floor.append({"step": step, "estimand": name, "distance": floor_d, "cos": c["cos"],
                               "norm_ratio": c["norm_ratio"]})
@@ -350,8 +356,8 @@ def effect_rows(run: Run, records: list[dict], found: dict, names: list[str]) ->
                             "distance": e["distance"], "floor": floor_d, "margin": run.margin,
                             "floor_ratio": _ratio(e["distance"], floor_d),
                             "above_floor": bool(above),
-                            **{f"{role}_distance": _largest(found[i, a, name]["distance"]
-                                                            for a in run.all_of(role))
+                            **{f"{role}_distance": _largest(found[i, a, name]["distance"] for a in
+                                                            run.all_of(role) if (i, a, name) in found)
                                for role in ("machinery", "replicate") if role in run.roles}})
     return floor, effects
 

@@ -11,55 +11,41 @@ twin, the twin's replicate, the machinery arm (the intervention's code at its no
 gate) and the chaos arm (the twin with one weight moved by one ulp: the floor). docs/training.md.
 """
 
-import copy
 import json
-import math
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from twinrun import caches, conditioning, objectives
+from twinrun import conditioning, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.train_compare import compare_training, train_side
-from twinrun.analysis.train_reduce import reduce_train, refuse_derived
+from twinrun.analysis.train_reduce import reduce_train
 from twinrun.config import TrainConfig, build, objective_of, typed
-from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunError
+from twinrun.errors import ConfigError, TwinrunError
 from twinrun.files import memory_bytes
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts
-from twinrun.measures.failures import as_model_error, failing_frame, first_line, is_out_of_memory
-from twinrun.measures.kind import Comparison, Measure, Plan, parse_device
-from twinrun.measures.train_offload import OFFLOADS, Parking, layout_line
-from twinrun.measures.train_override import arm_train, check_override, validate_arm_settings
-from twinrun.measures.train_state import (
-    ArmState,
-    build_arm,
-    build_start,
-    check_chaos,
-    model_names,
-    optimizer_record,
-    perturb,
-    restore_optimizer,
-    validate_optimizer,
-    weight_layout,
-)
-from twinrun.measures.train_streams import Segment, draw_segment, dropout_seed, heldout_draws
-from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
+from twinrun.measures import trial
+from twinrun.measures.failures import failing_frame, first_line
+from twinrun.measures.kind import Comparison, Measure, Plan
+from twinrun.measures.train_offload import layout_line
+from twinrun.measures.train_override import arm_train
+from twinrun.measures.train_session import TrainSession
+from twinrun.measures.train_state import build_arm, build_start, check_chaos, weight_layout
+from twinrun.measures.train_validate import validate
 from twinrun.publish import train_rows
 from twinrun.publish.train_report import render_train, write_train_report
-from twinrun.storage.records import TrainUnit, UnitEntry
+from twinrun.storage.records import TrainUnit
 from twinrun.storage.train_records import TrainSummary
 from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store, write_train_store
 
 # What two training runs must share to have trained on the same thing (a comparison's check).
 TRAIN_PROTOCOL_KEYS = ("data", "seed", "train.steps", "train.segment_steps", "train.batch_size",
                        "train.heldout_images")
-# Where an intervention can act in training; one that overrides none of these acts nowhere.
-TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight", "train_settings")
+
 
 
 def store_name(unit_index: int, to_step: int) -> str:
@@ -71,113 +57,18 @@ def unit_label(unit_index: int, from_step: int, to_step: int) -> str:
     return "start (step 0)" if unit_index == 0 else f"segment {unit_index} (steps {from_step + 1}–{to_step})"
 
 
-# ----------------------------------------------------------------------------- validation
-
-
-def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
-    """The training settings, the intervention and the data, before any compute; each error names the
-    key, the value and the fix. Returns the data ((train images, ids), (held-out images, ids))."""
-    t = cfg.train
-    for key in ("steps", "segment_steps", "batch_size", "heldout_images"):
-        if not isinstance(t[key], int) or t[key] < 1:
-            raise ConfigError(f"train.{key}", t[key], "must be a positive integer")
-    if t.steps % t.segment_steps:
-        raise ConfigError("train.segment_steps", t.segment_steps, f"must divide train.steps={t.steps} (every "
-                          "segment is as long as the others); e.g. "
-                          f"{max(d for d in range(1, t.segment_steps + 1) if t.steps % d == 0)}")
-    if t.chunk_samples == 0 or t.chunk_samples < -1:
-        raise ConfigError("train.chunk_samples", t.chunk_samples, "must be ≥ 1, or -1 for the whole batch")
-    if not (math.isfinite(t.floor_margin) and t.floor_margin >= 1):
-        raise ConfigError("train.floor_margin", t.floor_margin, "must be a finite factor ≥ 1 "
-                          "(docs/training.md)")
-    if t.chaos.ulps == 0:
-        raise ConfigError("train.chaos.ulps", t.chaos.ulps, "must be a nonzero number of ulps (the chaos arm "
-                          "would be the twin); 1 is the default")
-    optimizer = OmegaConf.to_container(t.optimizer, resolve=True) if t.optimizer is not None else None
-    validate_optimizer(optimizer)
-    loop.check_loop(t)
-    if t.offload not in OFFLOADS:
-        raise ConfigError("train.offload", t.offload, f"must be one of {', '.join(OFFLOADS)} "
-                          "(docs/training.md)")
-    _validate_device(t.device)
-    if cfg.reference is not None:
-        raise ConfigError("reference", cfg.reference, "a training run takes no reference: compare two "
-                          "training runs with `python -m twinrun.compare RUN_A RUN_B`")
-    refuse_derived(cfg.reduce.estimands)
-    check_override(cfg, intervention)
-    check_training_intervention(intervention)
-    train, held = split_data(build(OmegaConf.to_container(cfg.data, resolve=True), "data"))
-    (train_x, train_ids, train_cond), (held_x, held_ids, held_cond) = train, held
-    if t.batch_size * t.accumulate > train_x.shape[0]:
-        raise ConfigError("train.batch_size", t.batch_size, f"the training split has only {train_x.shape[0]} "
-                          f"images (a step draws its batch x train.accumulate={t.accumulate} without "
-                          "replacement); use at most that")
-    if t.heldout_images > held_x.shape[0]:
-        raise ConfigError("train.heldout_images", t.heldout_images, f"the held-out split has only "
-                          f"{held_x.shape[0]} images; use at most that")
-    # The intervention arm's own settings (an override's), after the twin's: a twin's error names its key.
-    validate_arm_settings(arm_train({"train": OmegaConf.to_container(t, resolve=True)}, intervention),
-                          train_x.shape[0])
-    for what, ids in (("training", train_ids), ("held-out", held_ids)):
-        if len(set(ids)) != len(ids):
-            raise ConfigError("data._target_", cfg.data.get("_target_"), f"the {what} ids repeat: an id keys "
-                              "a sample's noise, so each must name one image")
-    return (train_x, list(train_ids), train_cond), (held_x, list(held_ids), held_cond)
-
-
-def split_data(data) -> tuple[tuple, tuple]:
-    """((images, ids, cond), (images, ids, cond)) of the training builder's two splits, each given as
-    (images, ids) or (images, ids, cond); each split's conditioning checked against its images."""
-    if not isinstance(data, (tuple, list)) or len(data) != 2:
-        raise ConfigError("data._target_", type(data).__name__, "a training data builder returns (training "
-                          "split, held-out split), each (images, ids) or (images, ids, cond)")
-    out = tuple(conditioning.split(part) for part in data)
-    for (x, _, cond), what in zip(out, ("training", "held-out")):
-        conditioning.check(cond, x.shape[0], key=f"data._target_ ({what} split)")
-    if set(out[0][2]) != set(out[1][2]):
-        raise ConfigError("data._target_", sorted(set(out[0][2]) ^ set(out[1][2])), "the training and "
-                          "held-out splits must carry the same conditioning entries")
-    return out
-
-
-def _validate_device(name: str) -> None:
-    """The spelling only: whether the GPU exists is the job's to judge, on the node that trains (the
-    host that plans a SLURM run may have none); a job that lacks it fails with exit 5 before any step."""
-    parse_device("train.device", name)
-
-
-def check_training_intervention(intervention: Intervention) -> None:
-    """Refuse, before compute, an intervention a training run cannot vouch for: without a no-op setting
-    there is no machinery arm, its only gate (no step of training is a no-op of an intervention the way
-    a probe's σ bin can be); one that acts nowhere in training, or sits at its no-op setting, measures
-    nothing."""
-    key = f"intervention({type(intervention).__name__})"
-    settings = {k: v for k, v in vars(intervention).items() if not k.startswith("_")}
-    noop = intervention.noop()
-    if noop is None:
-        raise ConfigError(key, settings, "has no no-op setting (`noop()`): a training run's gate is the "
-                          "machinery arm, the intervention's own code at its no-op setting, which must be "
-                          "bit-identical to the twin at every step; without one nothing vouches for the "
-                          "instrument. Declare a no-op setting, or train with an intervention that has one "
-                          "(scale_lr: factor=1; weight_sigma: power=0)")
-    if not any(getattr(type(intervention), h) is not getattr(Intervention, h) for h in TRAINING_HOOKS):
-        raise ConfigError(key, settings, f"acts nowhere in training (it overrides none of "
-                          f"{', '.join(TRAINING_HOOKS)}): nothing to measure")
-    if all(settings.get(k) == v for k, v in noop.items()):
-        raise ConfigError(key, settings, f"is at its no-op setting {noop}: nothing to measure; choose "
-                          "settings that change something")
-    intervention.check_train()
-
-
 # ----------------------------------------------------------------------------- plan
 
 
-def plan_units(t: TrainConfig) -> list[dict]:
-    """The start unit (every arm's weights before training) and one unit per segment."""
+def plan_units(t: TrainConfig, replicate_segments: int | None = None, replicates: tuple = ()) -> list[dict]:
+    """The start unit (every arm's weights before training) and one unit per segment; with
+    arms.replicate_segments=K the `replicates` are not measured in the segments after the K-th."""
     k = t.segment_steps
     bounds = [(0, 0)] + [((i - 1) * k, i * k) for i in range(1, t.steps // k + 1)]
+    cut = len(bounds) if replicate_segments is None else replicate_segments
     return [{"index": i, "label": unit_label(i, a, b), "gate": False, "train": {"from_step": a, "to_step": b},
-             "file": store_name(i, b)} for i, (a, b) in enumerate(bounds)]
+             "file": store_name(i, b), **({"without": list(replicates)} if i > cut else {})}
+            for i, (a, b) in enumerate(bounds)]
 
 
 def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path | None, data: tuple) -> Plan:
@@ -193,7 +84,11 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     objective.check_model(model)
     conditioning.check(data[0][2], data[0][0].shape[0], model)
     state_bytes = smoke_step(model, arms, t, data, objective)
-    units = plan_units(t)
+    k = cfg.arms.get("replicate_segments")
+    units = plan_units(t, k, tuple(a.name for a in arms if a.role == "replicate"))
+    if k is not None:
+        print(f"twinrun: arms.replicate_segments={k}: the replicate is measured in the first {k} of "
+              f"{len(units) - 1} segments only, and must stay bit-identical to the twin there", flush=True)
     return Plan(units=units, store_bytes=check_sizes(t, model, state_bytes, len(arms), len(units), run_dir))
 
 
@@ -267,210 +162,6 @@ def check_sizes(t: TrainConfig, model: torch.nn.Module, state_bytes: int, n_arms
     return store_bytes
 
 
-# ----------------------------------------------------------------------------- the job's session
-
-
-class TrainSession:
-    """The training run in one job: every arm's model and optimizer on this job's device, the held-out
-    draws (drawn once), and each segment's samples and noise (drawn once, consumed by every arm)."""
-
-    compile_mode = None  # training runs eagerly
-
-    def __init__(self, config: dict, arms: list, device: torch.device):
-        self.t = typed(TrainConfig, config["train"], "train")
-        self.seed, self.device = config["seed"], device
-        with caches.recording() as data_files:
-            train, held = split_data(build(config["data"], "data"))
-        (train_x, train_ids, train_cond), (held_x, held_ids, held_cond) = train, held
-        self.train_x, self.train_ids = train_x.to(device), list(train_ids)
-        n_held = self.t.heldout_images
-        self.held_x, self.held_ids = held_x[:n_held].to(device), list(held_ids[:n_held])
-        # Per-image conditioning (each sample is fed its own image's rows) and the objective.
-        self.train_cond = conditioning.to(train_cond, device)
-        self.held_cond = conditioning.to(conditioning.take(held_cond, slice(0, n_held)), device)
-        self.objective = objective_of(config.get("objective"))
-        self.shape = tuple(train_x.shape[1:])
-        normal, eps, self.heldout_digest = heldout_draws(self.seed, self.held_ids, self.shape)
-        self.held_normal, self.held_eps = normal.to(device), eps.to(device)
-        self.chunk = self.t.batch_size if self.t.chunk_samples == -1 else self.t.chunk_samples
-        start = build_start(config, self.t, device)
-        # What is trained, on the record: the start checkpoint as built and both splits' images.
-        ids = torch.tensor(self.train_ids + self.held_ids)
-        self.identity = {"model_sha256": model_sha256(start),
-                         "data_sha256": tensors_sha256([("train", self.train_x), ("heldout", self.held_x),
-                                                        ("ids", ids)]
-                                                       + conditioning.digest_items(self.train_cond)
-                                                       + [(f"heldout/{n}", v) for n, v in
-                                                          conditioning.digest_items(self.held_cond)])}
-        if getattr(start, "adapter_sha256", None) is not None:  # a LoRA adapter's file content
-            self.identity["adapter_sha256"] = start.adapter_sha256
-        if data_files:  # the caches read, file by file
-            self.identity["data_files"] = data_files
-        # Never trained: the sentinel reads the same model at the start and the end of every job.
-        self.sentinel_model = copy.deepcopy(start)
-        self.layout = weight_layout(start)
-        # train.offload: every arm parked as soon as it is built; only the arm training is resident.
-        self.parking = Parking(self.t.offload, device)
-        self.arms = {}
-        for a in arms:
-            self.arms[a.name] = self._arm(start, a)
-            self.parking.park(self.arms[a.name])
-        self.rng_devices = [device.index or 0] if device.type == "cuda" else []
-        self.segment: Segment | None = None
-
-    def _arm(self, start: torch.nn.Module, arm) -> ArmState:
-        model = copy.deepcopy(start)
-        if arm.role == "chaos":  # (its config is the twin's: the role says what differs)
-            c = arm.config["train"]["chaos"]
-            perturb(model, c["param"], c["index"], c["ulps"])
-        intervention = build(arm.config["intervention"], "intervention")
-        # Its own settings (an override's keys set); the chaos arm's EMA starts at its perturbed weights.
-        return build_arm(model, arm_train(arm.config, intervention), intervention)
-
-    def arithmetic(self) -> dict:
-        # How a step's batch is cut into forward/backward calls changes the summation order.
-        amp = {"amp": self.t.amp} if self.t.amp is not None else {}  # the forward's dtype (absent: float32)
-        return {"device": self.device.type, "chunk_samples": self.t.chunk_samples, **amp}
-
-    def sentinel(self) -> dict:
-        return read_sentinel(conditioning.with_first(self.sentinel_model, self.held_cond), self.device,
-                             self.shape)
-
-    def restore(self, u: UnitEntry, stores: dict) -> None:
-        """Every arm's weights, buffers and optimizer state as the whole unit `u` stored them."""
-        for arm, (path, sha256) in stores.items():
-            store = read_train_store(path, sha256)
-            if store.meta["arm"] != arm or store.meta["unit_index"] != u["index"]:
-                raise StoreError(path, "belongs to another arm or unit than run.json says")
-            s = self.arms[arm]
-            self.parking.unpark(s)
-            with torch.no_grad():
-                for name, tensor in s.model.state_dict().items():
-                    key = f"weight/{name}" if f"weight/{name}" in store.tensors else f"buffer/{name}"
-                    tensor.copy_(store.tensors[key])
-            restore_optimizer(s.optimizer, model_names(s.model), store.tensors, store.meta)
-            try:
-                loop.restore_schedule(s.scheduler, s.optimizer, store.meta.get("schedule"))
-                if s.ema is not None:
-                    s.ema.restore(store.tensors)
-            except (KeyError, ValueError, TypeError) as err:
-                raise StoreError(path, f"holds no scheduler or EMA state this arm's settings need "
-                                 f"({type(err).__name__}: {err})") from None
-            s.step = u["train"]["to_step"]
-            self.parking.park(s)
-        print(f"twinrun: every arm continues from {u['label']}, read back from its stores", flush=True)
-
-    def begin_unit(self, u: UnitEntry) -> None:
-        # This segment's samples and noise, keyed by (seed, step, sample id): the same for every arm.
-        a, b = u["train"]["from_step"], u["train"]["to_step"]
-        # Drawn at the widest batch any arm takes: an arm's batch is a prefix of it, so the j-th sample of
-        # step s and its noise are the same in every arm whatever its batch size (an override's).
-        widest = max(loop.step_samples(s.t) for s in self.arms.values())
-        seg = draw_segment(self.seed, list(range(a + 1, b + 1)), self.train_ids, widest, self.shape)
-        self.segment_ids = [[self.train_ids[p] for p in row] for row in seg.positions.tolist()]
-        self.segment = Segment(seg.steps, seg.positions.to(self.device), seg.normal.to(self.device),
-                               seg.eps.to(self.device), seg.digest)
-
-    @contextmanager
-    def memory_named(self, arm: str, u: UnitEntry):
-        """Running out of memory is the device's, never the model's fault: exit 6, naming the knobs."""
-        try:
-            yield
-        except Exception as err:
-            if is_out_of_memory(err):
-                raise DeviceMemoryError(f"arm {arm}, {u['label']}: {self.device} ran out of memory "
-                                        f"({first_line(err)}); park the arms not training "
-                                        "(train.offload=cpu or disk), lower train.batch_size or "
-                                        "train.chunk_samples (the activations), or train a smaller "
-                                        "model") from err
-            raise
-
-    def measure(self, u: UnitEntry, arm: str, stamp: dict) -> tuple[dict, dict]:
-        """Train this arm through the segment, then its held-out loss; the store's tensors and metadata."""
-        s, seg = self.arms[arm], self.segment
-        assert s.step == u["train"]["from_step"], (arm, s.step, u["label"])
-        self.parking.unpark(s)
-        with self.memory_named(arm, u):
-            (losses, common), digests, global_steps = as_model_error(arm, u, self._train, s, seg, arm)
-            held = as_model_error(arm, u, ts.heldout_losses, s.model, s.intervention, self.held_x,
-                                  self.held_normal, self.held_eps, self.chunk, self.objective, self.held_cond)
-        loop.check_finite(arm, u, losses, held, s.model, seg.steps)
-        s.step = u["train"]["to_step"]
-        state = s.model.state_dict()
-        params = model_names(s.model).values()
-        # Views of the arm's own tensors on the CPU (copies from a GPU): the job writes the store before
-        # any arm trains on, so no second copy of the state is ever held.
-        tensors = {f"weight/{n}" if n in params else f"buffer/{n}": v.detach().cpu()
-                   for n, v in state.items()}
-        optim_tensors, optim_meta = optimizer_record(s.optimizer, model_names(s.model))
-        # The arm's own training loss, and the same batches' loss under the twin's objective, unweighted:
-        # what the report compares across arms (an intervention on the loss weight changes the former).
-        tensors.update(optim_tensors, train_loss=losses, heldout_loss=held, train_loss_common=common)
-        if s.ema is not None:
-            tensors.update(s.ema.record())
-        meta = {"arm": arm, "unit_index": u["index"], "from_step": u["train"]["from_step"],
-                "to_step": u["train"]["to_step"], "seed": self.seed, "config_hash": stamp["config_hash"],
-                "layout": self.layout, "optimizer": optim_meta, "data_digest": seg.digest,
-                "heldout_digest": self.heldout_digest, "heldout_ids": self.held_ids, "step_digests": digests,
-                "env": stamp["env"], "kernel_path": stamp["kernel_path"]}
-        if "data_files" in self.identity:  # the caches the data were read from, each file's sha256
-            meta["data_files"] = self.identity["data_files"]
-        if s.scheduler is not None:  # (absent without one: a constant-rate store is what it always was)
-            meta["schedule"] = loop.schedule_record(s.scheduler)
-        self.parking.park(s)  # (the store's tensors above are copies or the parked-from memory, kept alive)
-        if global_steps:
-            meta["global_generator_steps"] = global_steps
-            print(f"twinrun: arm {arm}, {u['label']}: the step drew from torch's global generator at step "
-                  f"{global_steps[0]} (train.step._target_={s.t.step.get('_target_')}); it is seeded per "
-                  "arm, so those draws pair with no other arm's and the replicate leaves the twin: draw from "
-                  "the `noise` twinrun hands the step instead (docs/training.md)", flush=True)
-        return tensors, meta
-
-    def _train(self, s: ArmState, seg: Segment, arm: str) -> tuple[tuple, list[list[str]], list[int]]:
-        """The segment's steps for one arm: ((its own loss at each step, the same under the twin's
-        objective), its weights' digests after each, the steps at which a step of your own drew from
-        torch's global generator)."""
-        losses, commons, digests, global_steps = [], [], [], []
-        batch = loop.step_samples(s.t)
-        own = s.step_fn is not loop.twinrun_step
-        common_fn = None if s.t.step == self.t.step else loop.build_step(self.t.step)
-        with attached(s.intervention, s.model):
-            for k, step in enumerate(seg.steps):
-                # Step: this step's samples and noise (drawn once for every arm of the segment): the
-                # first `batch` of the segment's, so an arm with a smaller batch takes a prefix; each
-                # sample is fed its own image's conditioning rows.
-                x = self.train_x[seg.positions[k, :batch]]
-                sigma = self.objective.train_level(s.model, seg.normal[k, :batch])
-                cond = conditioning.take(self.train_cond, seg.positions[k, :batch])
-                ids = self.segment_ids[k][:batch]
-                # Step: forward, backward and update, a model's own dropout seeded by (seed, step).
-                # A step of your own finds the global generator seeded per arm: whatever it draws there
-                # pairs with no other arm's, so the replicate catches it (and the store names the step).
-                with torch.random.fork_rng(devices=self.rng_devices):
-                    seed_generators(dropout_seed(self.seed, step) ^ (loop.arm_salt(arm) if own else 0),
-                                    self.rng_devices)
-                    before = torch.random.default_generator.get_state() if own else None
-                    loss, common = loop.loop_step(s, s.step_fn, x, ids, sigma, seg.eps[k, :batch], self.seed,
-                                                  step, common_fn, cond, self.objective)
-                    losses.append(loss)
-                    commons.append(common)
-                    if own and not torch.equal(before, torch.random.default_generator.get_state()):
-                        global_steps.append(step)
-                # Step: which bits the weights hold now (the first step an arm leaves the twin's).
-                digests.append(ts.weight_digests(s.model))
-        s.optimizer.zero_grad(set_to_none=True)  # only the arm training now holds gradients
-        stacked = [torch.stack(v).float().cpu() if v else torch.zeros(0) for v in (losses, commons)]
-        return tuple(stacked), digests, global_steps
-
-
-def seed_generators(seed: int, cuda_devices: list[int]) -> None:
-    """Seed the CPU generator (and the job's GPU's) only: torch.manual_seed would also wake every other
-    backend's lazy seeding, a millisecond a step here."""
-    torch.random.default_generator.manual_seed(seed)
-    for i in cuda_devices:
-        torch.cuda.default_generators[i].manual_seed(seed)
-
-
 TRAIN = Measure(
     name="train",
     settings_key="train",
@@ -500,4 +191,6 @@ TRAIN = Measure(
     tracker_step="step",  # its curves line up with the researcher's own training logs
     sweep_point=train_rows.sweep_point,
     comparison=Comparison(side=train_side, compare=compare_training),  # step by step, not bin by bin
+    compiles=lambda config: trial.compile_mode(config["train"].get("compile"), "train.compile") is not None,
+    compile_setting=lambda config: ("train.compile", config["train"].get("compile")),
 )

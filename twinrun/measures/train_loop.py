@@ -1,6 +1,6 @@
 """What a real training loop has, for one arm: its learning-rate schedule, gradient clipping, gradient
-accumulation over micro-batches, bf16 autocast and an EMA of the weights; and each one's state as a
-segment's store holds it and a resume reads it back bit for bit.
+accumulation over micro-batches, bf16 autocast (or fp16 with a grad scaler), torch.compile and an EMA of
+the weights; and each one's state as a segment's store holds it and a resume reads it back bit for bit.
 
 Every setting is the arm's own (`ArmState.t`: the twin's, or an override's), so any of them can be the
 intervention. docs/training.md ("What the loop has").
@@ -20,7 +20,9 @@ from twinrun.measures.failures import first_line
 from twinrun.measures.train_streams import SampleNoise
 from twinrun.storage.records import UnitEntry
 
-AMP_DTYPES = {"bf16": torch.bfloat16}
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The autocast dtypes whose gradients underflow without loss scaling: a GradScaler of the arm's own.
+SCALED = ("fp16",)
 EMA_PREFIX = "ema/"
 
 
@@ -150,6 +152,29 @@ def build_ema(decay, model: torch.nn.Module) -> EMA | None:
     return None if decay is None else EMA(model, float(decay))
 
 
+# ----------------------------------------------------------------------------- grad scaler
+
+
+def build_scaler(t, device: torch.device):
+    """train.amp=fp16's loss scaler (torch.amp.GradScaler on the arm's device, the CPU too: its defaults),
+    or None: bf16 and float32 need none."""
+    return torch.amp.GradScaler(device.type) if t.amp in SCALED else None
+
+
+def scaler_record(scaler) -> dict | None:
+    """The scaler's state as JSON (a store's metadata): its scale is a float32 and its growth tracker an
+    int, both exact as JSON numbers; None without one."""
+    return None if scaler is None else {k: _plain(v) for k, v in scaler.state_dict().items()}
+
+
+def restore_scaler(scaler, record: dict | None) -> None:
+    if scaler is None:
+        return
+    if not isinstance(record, dict) or not record:
+        raise ValueError("the store holds no grad scaler state")
+    scaler.load_state_dict(dict(record))
+
+
 # ----------------------------------------------------------------------------- one step's settings
 
 
@@ -167,10 +192,17 @@ def check_loop(t) -> None:
 
 
 def autocast(t, device: torch.device):
-    """The forward's autocast (bf16 on the CPU too), or nothing at float32."""
+    """The forward's autocast (bf16 or fp16, on the CPU too), or nothing at float32."""
     if t.amp is None:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[t.amp])
+
+
+def compiled(model: torch.nn.Module, mode: str | None):
+    """The arm's model as its step calls it: itself, or torch.compile's module of it (train.compile).
+    Static shapes: the session compiles every shape a segment runs before the first one, so no
+    automatic-dynamic recompile lands mid-run on another kernel (and in a cache the fingerprint read)."""
+    return None if mode is None else torch.compile(model, mode=mode, dynamic=False)
 
 
 def step_samples(t) -> int:
@@ -219,6 +251,7 @@ def loop_step(arm, step_fn, x: torch.Tensor, ids: list[int], sigma: torch.Tensor
     `cond`: the step's samples' conditioning rows (aligned with `x`); `objective`: the run's (None: edm).
     A step function sees both in its batch (`batch["cond"]`, `batch["objective"]`)."""
     t, model, intervention = arm.t, arm.model, arm.intervention
+    forward = model if arm.forward is None else arm.forward  # its compiled module (train.compile)
     n, micro = x.shape[0], t.batch_size
     chunk = micro if t.chunk_samples == -1 else t.chunk_samples
     arm.optimizer.zero_grad(set_to_none=True)
@@ -233,20 +266,26 @@ def loop_step(arm, step_fn, x: torch.Tensor, ids: list[int], sigma: torch.Tensor
                      "sigma_data": getattr(model, "sigma_data", 1.0),
                      "cond": conditioning.take(cond or {}, part), "objective": objective}
             with autocast(t, x.device):
-                losses = step_fn(model, batch, SampleNoise(seed, step, ids[part], x.device), step)
+                losses = step_fn(forward, batch, SampleNoise(seed, step, ids[part], x.device), step)
             check_losses(losses, part.stop - part.start)
             losses = losses.float()
             common += (losses.detach() if common_fn is None else
-                       _common(common_fn, model, batch, seed, step, ids[part], t, x.device)).sum() / n
+                       _common(common_fn, forward, batch, seed, step, ids[part], t, x.device)).sum() / n
             weight = intervention.loss_weight(sigma[part], getattr(model, "sigma_data", 1.0))
             if weight is not None:
                 losses = losses * weight
             loss = losses.sum() / n
-            loss.backward()
+            (loss if arm.scaler is None else arm.scaler.scale(loss)).backward()
             total += loss.detach()
+    if arm.scaler is not None:  # fp16: the gradients unscaled before clipping; a step with inf skipped
+        arm.scaler.unscale_(arm.optimizer)
     if t.clip_norm is not None:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], t.clip_norm)
-    arm.optimizer.step()
+    if arm.scaler is None:
+        arm.optimizer.step()
+    else:
+        arm.scaler.step(arm.optimizer)
+        arm.scaler.update()
     if arm.scheduler is not None:
         arm.scheduler.step()
     if arm.ema is not None:

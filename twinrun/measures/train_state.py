@@ -35,6 +35,8 @@ class ArmState:
     scheduler: Any = None  # its learning-rate scheduler (None: a constant rate)
     ema: Any = None  # its EMA of the weights (train_loop.EMA), or None
     step_fn: Any = None  # its step: twinrun's, or train.step._target_
+    forward: Any = None  # what its step calls as the model: torch.compile's module of it (None: the model)
+    scaler: Any = None  # its fp16 loss scaler (torch.amp.GradScaler), or None
 
 
 def load_start(model: torch.nn.Module, path: str) -> None:
@@ -198,11 +200,13 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], t
 
 
 def build_arm(start: torch.nn.Module, train: dict, intervention: Intervention) -> ArmState:
-    """An arm's model (a copy of the start), optimizer, scheduler, EMA and step, from its own training
-    settings `train` (the twin's, or an override's)."""
+    """An arm's model (a copy of the start), optimizer, scheduler, EMA, step and fp16 grad scaler, from its
+    own training settings `train` (the twin's, or an override's)."""
     model = copy.deepcopy(start)
     optimizer = build_optimizer(train["optimizer"], model, intervention)
     t = typed(TrainConfig, train, "train")
+    device = next(model.parameters()).device
     return ArmState(model, optimizer, intervention, 0, t, loop.build_schedule(train.get("schedule"),
                                                                               optimizer),
-                    loop.build_ema(t.ema, model), loop.build_step(train.get("step")))
+                    loop.build_ema(t.ema, model), loop.build_step(train.get("step")),
+                    scaler=loop.build_scaler(t, device))

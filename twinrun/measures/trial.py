@@ -53,12 +53,13 @@ def trial_key(config: dict, sigma: float, what: str) -> str:
                       sort_keys=True, default=str)
 
 
-def compile_mode(value) -> str | None:
-    """probe.compile as torch.compile's mode, None for eager; a one-line error for anything else."""
+def compile_mode(value, key: str = "probe.compile") -> str | None:
+    """A compile setting (`key`: probe.compile, train.compile) as torch.compile's mode, None for eager; a
+    one-line error for anything else."""
     if value in (False, None, "false", "False"):
         return None
     if value not in COMPILE_MODES:
-        raise ConfigError("probe.compile", value, f"choose false, {' or '.join(COMPILE_MODES)}")
+        raise ConfigError(key, value, f"choose false, {' or '.join(COMPILE_MODES)}")
     return value
 
 
@@ -94,13 +95,13 @@ def prepare(model: torch.nn.Module, names: list[str], method: str, mode: str | N
     return torch.compile(model, mode=mode)
 
 
-def refuse_compiled_hooks(mode: str | None, interventions: dict) -> None:
+def refuse_compiled_hooks(mode: str | None, interventions: dict, key: str = "probe.compile") -> None:
     """torch.compile does not see forward hooks added after compiling (dynamo skips hook guards on
     nn.Modules), so an intervention that acts through hooks would silently do nothing compiled."""
     hooked = [arm for arm, i in interventions.items() if type(i).attach is not Intervention.attach]
     if mode is not None and hooked:
-        raise ConfigError("probe.compile", mode, f"arm {hooked[0]} acts through forward hooks, which a "
-                          "compiled model does not see; set probe.compile=false for this intervention")
+        raise ConfigError(key, mode, f"arm {hooked[0]} acts through forward hooks, which a compiled model "
+                          f"does not see; set {key}=false for this intervention")
 
 
 def smoke_test(model: torch.nn.Module, names: list[str], p: ProbeConfig, images: torch.Tensor, sigma: float,

@@ -100,6 +100,8 @@ class UnitEntry(TypedDict):
     label: str  # how every message names it, e.g. "bin 2 (σ=0.5)"
     gate: bool  # a no-op gate unit of the intervention
     stores: dict[str, StoreEntry]  # arm name -> its store (every arm, plus the gate replicate's)
+    # replicates not measured in this unit (training's after its first K segments: arms.replicate_segments)
+    without: NotRequired[list[str]]
 
 
 class Registered(TypedDict):
@@ -273,8 +275,9 @@ def validate_run(path: Path, run: dict) -> RunRecord:
     held = sorted({k for u in run["units"] if isinstance(u, dict) for k in u} - own)
     if held and kind not in held:
         c.fail("measure", f"{show(kind)}, but the units hold the fields of {', '.join(held)}")
+    replicates = {a["name"] for a in run["arms"] if a["role"] == "replicate"}
     for i, u in enumerate(run["units"]):
-        _validate_unit(c, u, i, names, kind)
+        _validate_unit(c, u, i, names, kind, replicates)
     for i, job in enumerate(run.get("jobs", [])):
         if job["index"] != i:
             c.fail(f"jobs[{i}].index", f"{job['index']!r} must equal its position {i}")
@@ -328,7 +331,8 @@ def _validate_order(c: Checker, units: list[UnitEntry], kind: str, key: str) -> 
                    f"{key} of the units increase strictly, each once")
 
 
-def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str) -> None:
+def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str,
+                   replicates: set = frozenset()) -> None:
     field = f"units[{i}]"
     check_typed(c, u, UnitEntry, field)
     if u["index"] != i:
@@ -337,9 +341,12 @@ def _validate_unit(c: Checker, u: UnitEntry, i: int, names: list[str], kind: str
         c.fail(f"{field}.{kind}", f"missing (the fields of a {kind} unit)")
     if not isinstance(u[kind], dict):
         c.fail(f"{field}.{kind}", f"{show(u[kind])} is not an object")
-    # Every arm has a store in every unit; the twin's gate replicate (measured only where the gate
-    # rule needs it) may add one more.
-    if not set(names) <= set(u["stores"]) <= set(names) | {GATE_REPLICATE}:
+    # Every arm has a store in every unit but the replicates a unit names `without`; the twin's gate
+    # replicate (measured only where the gate rule needs it) may add one more.
+    without = set(u.get("without", []))
+    if not without <= set(replicates):
+        c.fail(f"{field}.without", f"{sorted(without - set(replicates))} are not replicates of the run")
+    if not set(names) - without <= set(u["stores"]) <= (set(names) - without) | {GATE_REPLICATE}:
         c.fail(f"{field}.stores", f"arms {sorted(u['stores'])} are not the run's arms {sorted(names)}")
     for arm, entry in u["stores"].items():
         if entry["status"] == "done" and entry.get("sha256") is None:

@@ -9,6 +9,7 @@ intervention is "above the floor" only where its distance exceeds the floor by t
 Bit identity is read from the digests every store carries of each weight after every step.
 """
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,9 +46,11 @@ class Run:
     layout: list[dict]
     margin: float  # train.floor_margin, registered with the config at plan time
     stored: list  # per unit: {arm: TrainStore metadata and digests}, payload dropped once read
-    chaos_param: str  # train.chaos.param: the weight the chaos arm starts one ulp off
-    chaos_moved: dict  # at the start: weight -> how many of its elements the chaos arm holds off the twin's
+    chaos_param: str  # train.chaos.param: the weight the chaos arm starts one ulp off (weights=one)
+    chaos_moved: dict  # at the start, per chaos arm: weight -> its elements held off the twin's
     by_role: dict = field(default_factory=dict)  # role -> every arm of it (replicates: several)
+    chaos_weights: str = "one"  # train.chaos.weights: one element of chaos_param, or every nonzero element
+    nonzero: dict = field(default_factory=dict)  # at the start: trained weight -> its nonzero elements
 
     def all_of(self, role: str) -> list[str]:
         return self.by_role.get(role) or ([self.roles[role]] if role in self.roles else [])
@@ -127,7 +130,9 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
     roles = {role: names[0] for role, names in by_role.items()}
     voucher = Voucher(index, TRAIN_STORE_RULES)  # every config.yaml held to its hash before it is read
     t = typed(TrainConfig, voucher.configs[TWIN]["train"], index.run_dir.arm_config(TWIN))
-    chaos, moved = roles.get("chaos"), {}
+    chaos, moved, nonzero = by_role.get("chaos", []), {}, {}
+    # a run planned before train.chaos.weights existed had the one-element chaos arm
+    chaos_weights = voucher.configs[TWIN]["train"]["chaos"].get("weights", "one")
     groups = index.registered.get("groups") or {}
     records, found, losses, start, sel = [], {}, [], None, None
     for u in index.units:
@@ -140,9 +145,12 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
             start, layout = weights[TWIN], stores[TWIN].meta["layout"]
             check_estimands(names, groups, layout, "estimands", params_key=None)
             sel = selections(layout, names, groups)
-            if chaos is not None:
-                moved = {n: int((w != weights[chaos][n]).sum()) for n, w in start.items()}
-                moved = {n: k for n, k in moved.items() if k}
+            # what a chaos arm over every weight moves: the trained weights' nonzero elements
+            trained = [n for n in start if any(fnmatch.fnmatchcase(n, q) for q in t.params)]
+            nonzero = {n: int(start[n].count_nonzero()) for n in trained}
+            for c in chaos:
+                off = {n: int((w != weights[c][n]).sum()) for n, w in start.items()}
+                moved[c] = {n: k for n, k in off.items() if k}
         emas = {arm: _weights(s, "ema/") for arm, s in stores.items()}
         for arm in (a for a in weights if a != TWIN):
             for name, selected in sel.items():
@@ -153,7 +161,8 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
                         for arm, s in stores.items()})
         losses.append({arm: {k: s.tensors[k] for k in ("train_loss", "heldout_loss", "train_loss_common")
                              if k in s.tensors} for arm, s in stores.items()})
-    run = Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved, by_role)
+    run = Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved, by_role, chaos_weights,
+              {n: k for n, k in nonzero.items() if k})
     return run, records, found, losses
 
 
@@ -182,14 +191,24 @@ def validity_checks(run: Run, records: list[dict]) -> list[dict]:
                      "every store holds the same weights and the steps of its unit" if not mismatched
                      else f"layout or steps differ in {mismatched}"))
     if "chaos" in run.roles:
-        landed = run.chaos_moved == {run.chaos_param: 1}
-        where = run.chaos_moved or "no weight"
-        detail = (f"the chaos arm starts one element of {run.chaos_param} off the twin's bits (only)"
-                  if landed else f"the chaos arm starts off the twin's bits at {where}, not at one element "
-                  f"of {run.chaos_param}: the floor would measure something else")
-        out.append(check("chaos_perturbation_landed", landed, detail))
+        out.append(chaos_landed(run))
     metas = {(arm, i): _Meta(m) for i, per in enumerate(records) for arm, m in per.items()}
     return out + provenance_checks(index, metas, "segment")
+
+
+def chaos_landed(run: Run) -> dict:
+    """Every chaos arm starts off the twin's bits where train.chaos.weights says, and only there: one
+    element of train.chaos.param, or every nonzero element of every weight."""
+    every = run.chaos_weights == "every"
+    want = run.nonzero if every else {run.chaos_param: 1}
+    wrong = {arm: moved or "no weight" for arm, moved in run.chaos_moved.items() if moved != want}
+    chaos = run.all_of("chaos")
+    arms = "the chaos arm" if len(chaos) == 1 else f"each of the {len(chaos)} chaos arms"
+    where = "every nonzero element of every trained weight" if every else f"one element of {run.chaos_param}"
+    detail = (f"{arms} starts off the twin's bits at {where} (only)" if not wrong else
+              f"a chaos arm starts off the twin's bits elsewhere than at {where} ({wrong}): the floor would "
+              "measure something else")
+    return check("chaos_perturbation_landed", not wrong, detail)
 
 
 @dataclass

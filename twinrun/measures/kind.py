@@ -86,7 +86,8 @@ class Measure:
     # first pending one on, and restores its arms from the whole unit before it (Session.restore).
     sequential_units: bool = False
     replicate_always: bool = False  # the twin's replicate is an arm of every run (not only arms.replicate)
-    chaos_arm: bool = False  # the twin with a one-ulp perturbation, as an arm of every run
+    # config -> how many chaos arms (the twin with a one-ulp perturbation) every run of the kind has
+    chaos_arms: Callable[[DictConfig], int] = lambda cfg: 0
     store_format: str = STORE_FORMAT  # the format its stores name (twinrun/storage/store.py)
     # Whether the config's job runs torch.compile: its compile caches are then the run's own.
     compiles: Callable[[dict], bool] = lambda config: False

@@ -25,6 +25,7 @@ from twinrun import caches, conditioning, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.train_compare import compare_training, train_side
 from twinrun.analysis.train_reduce import reduce_train, refuse_derived
+from twinrun.arms import chaos_number
 from twinrun.config import TrainConfig, build, objective_of, typed
 from twinrun.errors import ConfigError, DeviceMemoryError, StoreError, TwinrunError
 from twinrun.files import memory_bytes
@@ -39,10 +40,12 @@ from twinrun.measures.train_state import (
     ArmState,
     build_arm,
     build_start,
+    chaos_seed,
     check_chaos,
     model_names,
     optimizer_record,
     perturb,
+    perturb_every,
     restore_optimizer,
     validate_optimizer,
     weight_layout,
@@ -59,6 +62,8 @@ from twinrun.storage.train_store import TRAIN_STORE_FORMAT, read_train_store, wr
 TRAIN_PROTOCOL_KEYS = ("data", "seed", "train.steps", "train.segment_steps", "train.batch_size",
                        "train.heldout_images")
 # Where an intervention can act in training; one that overrides none of these acts nowhere.
+# Where the chaos arms' ulps land (train.chaos.weights): every weight, or one element of one.
+CHAOS_WEIGHTS = ("every", "one")
 TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight", "train_settings")
 
 
@@ -93,6 +98,14 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if t.chaos.ulps == 0:
         raise ConfigError("train.chaos.ulps", t.chaos.ulps, "must be a nonzero number of ulps (the chaos arm "
                           "would be the twin); 1 is the default")
+    if t.chaos.weights not in CHAOS_WEIGHTS:
+        raise ConfigError("train.chaos.weights", t.chaos.weights,
+                          f"must be one of {', '.join(CHAOS_WEIGHTS)} (docs/training.md)")
+    if not isinstance(t.chaos.arms, int) or isinstance(t.chaos.arms, bool) or t.chaos.arms < 1:
+        raise ConfigError("train.chaos.arms", t.chaos.arms, "must be a positive integer (2 is the default)")
+    if t.chaos.weights == "one" and t.chaos.arms > 1:
+        raise ConfigError("train.chaos.arms", t.chaos.arms, "with train.chaos.weights=one every chaos arm "
+                          "would move the same element: use 1, or train.chaos.weights=every")
     optimizer = OmegaConf.to_container(t.optimizer, resolve=True) if t.optimizer is not None else None
     validate_optimizer(optimizer)
     loop.check_loop(t)
@@ -185,7 +198,8 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     training step per arm; the run's units."""
     t = typed(TrainConfig, arms[0].config["train"], "train")
     model = build_start(arms[0].config, t, torch.device("cpu"))
-    check_chaos(model, t.chaos)
+    if t.chaos.weights == "one":  # (every weight: nothing to name)
+        check_chaos(model, t.chaos)
     layout = weight_layout(model)
     check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), layout, params_key=None)
     intervention.check_model(model)
@@ -320,9 +334,13 @@ class TrainSession:
 
     def _arm(self, start: torch.nn.Module, arm) -> ArmState:
         model = copy.deepcopy(start)
-        if arm.role == "chaos":  # (its config is the twin's: the role says what differs)
+        if arm.role == "chaos":  # (its config is the twin's: the role and name say what differs)
             c = arm.config["train"]["chaos"]
-            perturb(model, c["param"], c["index"], c["ulps"])
+            # a run planned before train.chaos.weights existed had the one-element chaos arm
+            if c.get("weights", "one") == "one":
+                perturb(model, c["param"], c["index"], c["ulps"])
+            else:
+                perturb_every(model, c["ulps"], chaos_seed(self.seed, chaos_number(arm.name)))
         intervention = build(arm.config["intervention"], "intervention")
         # Its own settings (an override's keys set); the chaos arm's EMA starts at its perturbed weights.
         return build_arm(model, arm_train(arm.config, intervention), intervention)
@@ -486,7 +504,7 @@ TRAIN = Measure(
     config_keys=("train",),
     sequential_units=True,
     replicate_always=True,
-    chaos_arm=True,
+    chaos_arms=lambda cfg: cfg.train.chaos.arms,
     store_format=TRAIN_STORE_FORMAT,
     default_arithmetic=lambda method, device_type: {"device": device_type,  # as TrainSession's
                                                     "chunk_samples": TrainConfig().chunk_samples},

@@ -4,8 +4,9 @@ Every store is read through its checks (read_train_store), unit by unit: the arm
 are held together, the twin's start weights throughout. Per stored step and estimand (a parameter
 group of the registry) each arm is read against the twin in weight space, with θ_start the start
 checkpoint: the cosine and norm ratio of the updates (θ_arm − θ_start vs θ_twin − θ_start) and the
-relative distance |θ_arm − θ_twin| / |θ_twin − θ_start|. The chaos arm's distance is the floor; the
-intervention is "above the floor" only where its distance exceeds the floor by train.floor_margin.
+relative distance |θ_arm − θ_twin| / |θ_twin − θ_start|. The largest of the chaos arms' and the
+replicates' distances is the floor; the intervention is "above the floor" only where its distance exceeds
+it by train.floor_margin × the chaos arms' spread (analysis/train_effects.py).
 Bit identity is read from the digests every store carries of each weight after every step.
 """
 

@@ -8,7 +8,7 @@ advances one segment before any arm starts the next, and each segment boundary s
 weights, optimizer state and losses atomically, so a kill leaves all arms at one boundary and a
 resume continues from it bit for bit (`TrainSession.restore`). The arms: the intervention, the native
 twin, the twin's replicate, the machinery arm (the intervention's code at its no-op setting: the
-gate) and the chaos arm (the twin with one weight moved by one ulp: the floor). docs/training.md.
+gate) and the chaos arms (the twin with every trained weight moved by one ulp: the floor). docs/training.md.
 """
 
 import copy

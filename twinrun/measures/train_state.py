@@ -1,6 +1,6 @@
 """An arm's training state, held in memory for a whole job: the start model (its checkpoint read as
-safetensors, never pickle), each arm's optimizer built around its intervention, the chaos arm's one-ulp
-perturbation, and the weight and optimizer records a segment's store holds and a resume reads back.
+safetensors, never pickle), each arm's optimizer built around its intervention, the chaos arms' one-ulp
+perturbations, and the weight and optimizer records a segment's store holds and a resume reads back.
 """
 
 import copy

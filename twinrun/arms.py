@@ -83,6 +83,16 @@ def replicate_name(k: int) -> str:
     return "native_replicate" if k == 1 else f"native_replicate_{k}"
 
 
+def chaos_name(k: int) -> str:
+    """The k-th chaos arm (k from 1): native_chaos, native_chaos_2, …"""
+    return "native_chaos" if k == 1 else f"native_chaos_{k}"
+
+
+def chaos_number(name: str) -> int:
+    """k of the arm chaos_name(k) names (its coins' draw)."""
+    return 1 if name == "native_chaos" else int(name.rsplit("_", 1)[1])
+
+
 def machinery_of(cfg: DictConfig, noop: dict) -> DictConfig:
     """The same config with the intervention at its no-op setting: its own code, doing nothing."""
     machinery = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
@@ -92,14 +102,15 @@ def machinery_of(cfg: DictConfig, noop: dict) -> DictConfig:
 
 
 def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False,
-                noop: dict | None = None, chaos: bool = False,
+                noop: dict | None = None, chaos: int = 0,
                 exclude: tuple = (), replicates: int = 1) -> tuple[list[Arm], list[dict]]:
     """[intervention, twin(, replicates)(, machinery)(, chaos)] and the intervention–twin diff; refuse a
     pair that is not a twin. `replicate`: the twin's replicate is an arm (`replicates` of them; without
     `replicate`, replicates beyond the first, which the probe measures at its gate bins only, are arms);
     `noop`: the intervention's no-op setting, which adds its machinery arm;
-    `chaos`: the twin once more, run with a one-ulp perturbation (a training run's chaos arm: its
-    config is the twin's, its role says what differs); `exclude`: config keys no arm carries."""
+    `chaos`: how many chaos arms, each the twin once more run with a one-ulp perturbation (a training
+    run's floor: its config is the twin's, its role and name say what differs); `exclude`: config keys
+    no arm carries."""
     if cfg[INTERVENTION_KEY].get("_target_") == NATIVE["_target_"]:
         raise TwinrunError(
             "intervention=native: no intervention declared; declare one, e.g. "
@@ -111,7 +122,7 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
             f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} "
             "names its arm directory, so it must be letters, digits, '_', '.', '-' without '..'"
         )
-    if intervention_name in ("native", "native_chaos") or intervention_name.startswith("native_replicate"):
+    if intervention_name == "native" or intervention_name.startswith(("native_replicate", "native_chaos")):
         raise TwinrunError(
             f"intervention._target_={cfg[INTERVENTION_KEY].get('_target_')}: its name {intervention_name!r} "
             "is the twin's own; give the intervention class another `name` (its arm directory)"
@@ -131,6 +142,5 @@ def derive_arms(cfg: DictConfig, intervention_name: str, replicate: bool = False
     if noop is not None:
         machinery = for_compute(_resolved(machinery_of(cfg, noop), "machinery arm's"), exclude)
         arms.append(Arm(f"{intervention_name}_noop", machinery, "machinery"))
-    if chaos:
-        arms.append(Arm("native_chaos", twin, "chaos"))
+    arms += [Arm(chaos_name(k), twin, "chaos") for k in range(1, int(chaos) + 1)]
     return arms, diff

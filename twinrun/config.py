@@ -126,6 +126,15 @@ class ChaosConfig:
     param: str = "blocks.0.attn.qkv.weight"  # a name from model.named_parameters()
     index: int = 0  # the element of that parameter, in its flattened (row-major) order
     ulps: int = 1  # how many ulps (± = direction); 0 is refused (the chaos arm would be the twin)
+    # Where the ulps land: "every" moves every nonzero element of every parameter by `ulps` ulps, each
+    # up or down by a seeded coin (what one nondeterministic reduction of every gradient leaves
+    # behind), so the floor is an average over millions of wobbles and its spread per estimand is
+    # small; "one" moves the single element `param`[`index`] (the floor of earlier runs, whose reach
+    # into a small estimand such as `cond` varies 5x with the seed).
+    weights: str = "every"
+    # How many chaos arms (each its own coin flips; "every" only): the floor is the largest of them
+    # and the replicates', and the reducer reads their spread per estimand (docs/training.md).
+    arms: int = 2
 
 
 @dataclass

@@ -205,7 +205,7 @@ def plan_run(cfg: DictConfig, run_dir: Path | None, command: str | None = None,
     replicate = bool(cfg.arms.replicate) or kind.replicate_always
     arms, diff = derive_arms(cfg, intervention.name, replicate=replicate, noop=kind.noop(intervention),
                              replicates=replicate_count(cfg),
-                             chaos=kind.chaos_arm, exclude=foreign_keys(kind))
+                             chaos=kind.chaos_arms(cfg), exclude=foreign_keys(kind))
     check_paths(cfg, run_dir)
     check_pin_source(cfg)
     check_cold_check(cfg, kind)

@@ -83,7 +83,7 @@ def test_the_default_experiment_then_status_resume_reduce_compare_and_diff(tmp_p
     assert [report.index(h) for h in order] == sorted(report.index(h) for h in order)
     assert all((run_dir / png).stat().st_size > 10_000 for png in ("loss.png", "distance.png"))
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["measure"] == "train" and summary["passed"] and len(summary["losses"]) == 5 * 5
+    assert summary["measure"] == "train" and summary["passed"] and len(summary["losses"]) == 5 * 6
 
     status = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.status")
     assert status.returncode == 0 and "native_chaos 5/5" in status.stdout

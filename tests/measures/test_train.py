@@ -20,6 +20,7 @@ import pytest
 import torch
 from train_runs import compose_cfg, tiny_cfg, train_run
 
+from twinrun.analysis.train_effects import effect_rows
 from twinrun.analysis.train_reduce import Run, compare_stores, gate_rows, reduce_train
 from twinrun.errors import ConfigError, DeviceMemoryError, TwinrunError
 from twinrun.job import run_job
@@ -113,7 +114,7 @@ def test_arms_are_derived_and_the_machinery_gate_passes_bit_identical(tiny):
     assert s["passed"] and s["checks_passed"], s["checks"]
     roles = {a["name"]: a["role"] for a in red.index.arms}
     assert roles == {"scale_lr": "intervention", "native": "twin", "native_replicate": "replicate",
-                     "scale_lr_noop": "machinery", "native_chaos": "chaos"}
+                     "scale_lr_noop": "machinery", "native_chaos": "chaos", "native_chaos_2": "chaos"}
     assert [g["step"] for g in s["gates"]] == [0, 2, 4]
     assert all(g["bit_identical"] and g["rule"] == "bit-identical" for g in s["gates"])
     assert s["replicate"]["deterministic"] and all(r["n_differ"] == 0 for r in s["replicate"]["steps"])
@@ -122,8 +123,37 @@ def test_arms_are_derived_and_the_machinery_gate_passes_bit_identical(tiny):
     assert firsts["scale_lr"]["step"] == 1  # the intervention acts from its first step
 
 
-def test_the_chaos_arms_perturbation_lands_before_the_first_segment_ends(tiny):
+def test_each_chaos_arm_moves_every_nonzero_weight_by_one_ulp_with_its_own_coins(tiny):
     red = tiny
+    firsts = {f["arm"]: f for f in red.summary["first_differing"]}
+    start = {a: read_train_store(red.index.store_path(red.index.units[0], a))
+             for a in ("native", "native_chaos", "native_chaos_2")}
+    weights = [k for k in start["native"].tensors if k.startswith("weight/")]
+    ups = []
+    for arm in ("native_chaos", "native_chaos_2"):
+        assert firsts[arm]["step"] == 0 and firsts[arm]["n_differ"] == len(weights)
+        up = []
+        for k in weights:
+            twin, mine = start["native"].tensors[k], start[arm].tensors[k]
+            one_up, one_down = (torch.nextafter(twin, torch.full_like(twin, v))
+                                for v in (math.inf, -math.inf))
+            moved_once = (mine == one_up) | (mine == one_down)
+            assert bool(torch.where(twin == 0, mine == 0, moved_once).all()), (arm, k)  # a zero stays zero
+            up.append((mine > twin).flatten())
+        ups.append(torch.cat(up).float())
+    assert 0.45 < float(ups[0].mean()) < 0.55  # fair coins ...
+    assert 0.45 < float((ups[0] == ups[1]).float().mean()) < 0.55  # ... and each arm its own
+    check = next(c for c in red.summary["checks"] if c["name"] == "chaos_perturbation_landed")
+    assert check["passed"] and "every nonzero element of every trained weight" in check["detail"]
+    # the floor is the larger chaos arm's distance, the margin the base times the arms' spread
+    for f in red.summary["floor"]:
+        assert f["distance"] == max(f["chaos_distances"]) > 0
+        assert f["spread"] == pytest.approx(max(f["chaos_distances"]) / min(f["chaos_distances"]))
+        assert f["margin"] == pytest.approx(10 * f["spread"])
+
+
+def test_one_element_chaos_lands_before_the_first_segment_ends(tmp_path):
+    red = train_run(tmp_path / "run", ONE_ELEMENT)
     chaos = next(f for f in red.summary["first_differing"] if f["arm"] == "native_chaos")
     assert chaos["step"] == 0 and chaos["first_tensor"] == "blocks.0.attn.qkv.weight"
     assert chaos["n_differ"] == 1  # one weight, one ulp
@@ -140,12 +170,12 @@ def test_the_chaos_arms_perturbation_lands_before_the_first_segment_ends(tiny):
     differ = [k for k in seg["native"].digests if k.startswith("weight/")
               and seg["native"].digests[k] != seg["native_chaos"].digests[k]]
     assert len(differ) > 1
-    assert red.summary["floor"] and all(f["distance"] > 0 for f in red.summary["floor"])
+    assert red.summary["floor"] and all(f["distance"] > 0 and f["spread"] == 1 for f in red.summary["floor"])
 
 
 def test_a_lost_perturbation_is_caught(tmp_path, monkeypatch):
-    # Break it: the chaos arm's ulp applied to a copy of the weight, never to the model.
-    monkeypatch.setattr(train_kind, "perturb", lambda model, *a: None)
+    # Break it: the chaos arms' ulps applied to a copy of the weights, never to the model.
+    monkeypatch.setattr(train_kind, "perturb_every", lambda model, *a: None)
     red = train_run(tmp_path / "run")
     chaos = next(f for f in red.summary["first_differing"] if f["arm"] == "native_chaos")
     assert chaos["step"] is None  # what the chaos test above refuses
@@ -245,6 +275,9 @@ def write_mismatched_checkpoint(path) -> str:
     return str(path)
 
 
+ONE_ELEMENT = ["train.chaos.weights=one", "train.chaos.arms=1"]
+
+
 @pytest.mark.parametrize("override,key", [
     (["train.steps=0"], "train.steps"),
     (["train.steps=10", "train.segment_steps=3"], "train.segment_steps"),
@@ -256,8 +289,11 @@ def write_mismatched_checkpoint(path) -> str:
     (["train.optimizer._target_=torch.optim.Nope"], "train.optimizer._target_"),
     (["train/optimizer=sgd", "train.optimizer.momentum=0", "+train.optimizer.nesterov=true"],
      "train.optimizer._target_"),
-    (["train.chaos.param=blocks.9.nope"], "train.chaos.param"),
-    (["train.chaos.index=99999999"], "train.chaos.index"),
+    ([*ONE_ELEMENT, "train.chaos.param=blocks.9.nope"], "train.chaos.param"),
+    ([*ONE_ELEMENT, "train.chaos.index=99999999"], "train.chaos.index"),
+    (["train.chaos.weights=some"], "train.chaos.weights"),
+    (["train.chaos.arms=0"], "train.chaos.arms"),
+    (["train.chaos.weights=one"], "train.chaos.arms"),
     (["intervention.factor=1"], "intervention(ScaleLR)"),
     (["intervention=pin_sigma"], "intervention(PinSigma)"),
     (["reduce.estimands=[all,residual]"], "reduce.estimands"),
@@ -503,3 +539,25 @@ def test_a_model_without_the_default_chaos_weight_is_told_to_set_train_chaos_par
     assert said.startswith("train.chaos.param='blocks.0.attn.qkv.weight': no such parameter in this model "
                            "(the default names the committed DiT's weight") and "\n" not in said
     assert "e.g. weight, bias" in said
+
+
+def test_the_floor_is_the_largest_chaos_arm_or_replicate_and_the_margin_grows_with_the_spread():
+    # Known truth, per estimand: two chaos arms, a replicate, an intervention at known distances.
+    def rows(chaos, replicate, effect):
+        run = SimpleNamespace(roles={"intervention": "x", "chaos": "native_chaos"}, margin=10.0,
+                              all_of=lambda role: {"chaos": ["native_chaos", "native_chaos_2"],
+                                                   "replicate": ["native_replicate"]}.get(role, []))
+        found = {(1, "x", "e"): {"distance": effect, "cos": 1.0, "norm_ratio": 1.0},
+                 (1, "native_replicate", "e"): {"distance": replicate},
+                 **{(1, a, "e"): {"distance": d, "cos": 1.0, "norm_ratio": 1.0}
+                    for a, d in zip(("native_chaos", "native_chaos_2"), chaos)}}
+        floor, effects = effect_rows(run, [{}, {"native": {"to_step": 2}}], found, ["e"])
+        return floor[0], effects[0]
+
+    floor, effect = rows([1e-4, 2e-4], 0.0, 3e-3)  # 15 floors, spread 2: a margin of 20
+    assert (floor["distance"], floor["spread"], effect["margin"]) == (2e-4, 2.0, 20.0)
+    assert not effect["above_floor"]
+    assert rows([2e-4, 2e-4], 0.0, 3e-3)[1]["above_floor"]  # the same 15 floors, chaos that agrees
+    # on a nondeterministic path the replicate's wobble beyond the chaos arms' is the floor
+    floor, effect = rows([2e-4, 2e-4], 1e-3, 3e-3)
+    assert floor["distance"] == 1e-3 and not effect["above_floor"]

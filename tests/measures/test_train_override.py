@@ -51,7 +51,8 @@ def test_the_override_mechanism_sets_dotted_keys_and_replaces_whole_nodes():
 def test_the_machinery_arm_sets_the_twins_own_values():
     cfg = cfg_of(["intervention.set={train.optimizer.weight_decay: 0.1, train.batch_size: 8}"])
     run = plan_run(cfg, None, dry_run=True)
-    assert [a["role"] for a in run["arms"]] == ["intervention", "twin", "replicate", "machinery", "chaos"]
+    assert [a["role"] for a in run["arms"]] == ["intervention", "twin", "replicate", "machinery", "chaos",
+                                               "chaos"]
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ SECTIONS = {
                             "diffusers' attention (before)", "fold sums bit-identical: True",
                             "draws/image: peak"],
     "train_floor.py": ["train_floor: torch", "median chaos floor at the last step"],
+    "train_floor_seeds.py": ["train_floor_seeds: torch", "seed 0   all  one", "seed 0  cond  one"],
 }
 # Not benchmarks: gpu_check.sh's judge (tests/repository/test_gpu_check.py holds it to failing loudly).
 HELPERS = {"gpu_check_judge.py"}

@@ -4,17 +4,18 @@ Every store is read through its checks (read_train_store), unit by unit: the arm
 are held together, the twin's start weights throughout. Per stored step and estimand (a parameter
 group of the registry) each arm is read against the twin in weight space, with θ_start the start
 checkpoint: the cosine and norm ratio of the updates (θ_arm − θ_start vs θ_twin − θ_start) and the
-relative distance |θ_arm − θ_twin| / |θ_twin − θ_start|. The chaos arm's distance is the floor; the
-intervention is "above the floor" only where its distance exceeds the floor by train.floor_margin.
+relative distance |θ_arm − θ_twin| / |θ_twin − θ_start|. The largest of the chaos arms' and the
+replicates' distances is the floor; the intervention is "above the floor" only where its distance exceeds
+it by train.floor_margin × the chaos arms' spread (analysis/train_effects.py).
 Bit identity is read from the digests every store carries of each weight after every step.
 """
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from scipy import stats
 
 from twinrun import arms as arms_mod
 from twinrun.analysis.estimands import ESTIMANDS, SHIFT_VIEW, check_estimands, registry
@@ -27,14 +28,14 @@ from twinrun.analysis.reduction import (
     used_settings,
     view_name,
 )
-from twinrun.analysis.vouch import StoreRules, Voucher, check_step_digests
+from twinrun.analysis.train_effects import EMA, effect_rows, ema_rows, verdict
+from twinrun.analysis.train_losses import loss_rows, loss_sentence, paired
+from twinrun.analysis.vouch import TWIN, StoreRules, Voucher, check_step_digests
 from twinrun.config import TrainConfig, typed
 from twinrun.errors import ConfigError, StoreError, TwinrunError
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.train_records import TrainSummary
 from twinrun.storage.train_store import TrainStore, read_train_store
-
-TWIN = "native"
 
 
 @dataclass
@@ -46,9 +47,11 @@ class Run:
     layout: list[dict]
     margin: float  # train.floor_margin, registered with the config at plan time
     stored: list  # per unit: {arm: TrainStore metadata and digests}, payload dropped once read
-    chaos_param: str  # train.chaos.param: the weight the chaos arm starts one ulp off
-    chaos_moved: dict  # at the start: weight -> how many of its elements the chaos arm holds off the twin's
+    chaos_param: str  # train.chaos.param: the weight the chaos arm starts one ulp off (weights=one)
+    chaos_moved: dict  # at the start, per chaos arm: weight -> its elements held off the twin's
     by_role: dict = field(default_factory=dict)  # role -> every arm of it (replicates: several)
+    chaos_weights: str = "one"  # train.chaos.weights: one element of chaos_param, or every nonzero element
+    nonzero: dict = field(default_factory=dict)  # at the start: trained weight -> its nonzero elements
 
     def all_of(self, role: str) -> list[str]:
         return self.by_role.get(role) or ([self.roles[role]] if role in self.roles else [])
@@ -117,12 +120,6 @@ def first_difference(stores: list[dict], arm: str, layout: list[dict]) -> dict:
     return {"arm": arm, "step": None, "first_tensor": None, "n_differ": 0, "n_tensors": len(names)}
 
 
-def paired(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(mean of a − b, its SE over images): a paired difference of per-image losses on the same draws."""
-    d = (a.double() - b.double()).numpy()
-    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
-
-
 def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[dict]]:
     """Read every store once, unit by unit (the arms of one stored step held together, the twin's start
     weights throughout): the run, the per-unit records (metadata and digests), every arm against the
@@ -136,7 +133,9 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
     roles = {role: names[0] for role, names in by_role.items()}
     voucher = Voucher(index, TRAIN_STORE_RULES)  # every config.yaml held to its hash before it is read
     t = typed(TrainConfig, voucher.configs[TWIN]["train"], index.run_dir.arm_config(TWIN))
-    chaos, moved = roles.get("chaos"), {}
+    chaos, moved, nonzero = by_role.get("chaos", []), {}, {}
+    # a run planned before train.chaos.weights existed had the one-element chaos arm
+    chaos_weights = voucher.configs[TWIN]["train"]["chaos"].get("weights", "one")
     groups = index.registered.get("groups") or {}
     records, found, losses, start, sel = [], {}, [], None, None
     for u in index.units:
@@ -149,9 +148,12 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
             start, layout = weights[TWIN], stores[TWIN].meta["layout"]
             check_estimands(names, groups, layout, "estimands", params_key=None)
             sel = selections(layout, names, groups)
-            if chaos is not None:
-                moved = {n: int((w != weights[chaos][n]).sum()) for n, w in start.items()}
-                moved = {n: k for n, k in moved.items() if k}
+            # what a chaos arm over every weight moves: the trained weights' nonzero elements
+            trained = [n for n in start if any(fnmatch.fnmatchcase(n, q) for q in t.params)]
+            nonzero = {n: int(start[n].count_nonzero()) for n in trained}
+            for c in chaos:
+                off = {n: int((w != weights[c][n]).sum()) for n, w in start.items()}
+                moved[c] = {n: k for n, k in off.items() if k}
         emas = {arm: _weights(s, "ema/") for arm, s in stores.items()}
         for arm in (a for a in weights if a != TWIN):
             for name, selected in sel.items():
@@ -162,7 +164,8 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
                         for arm, s in stores.items()})
         losses.append({arm: {k: s.tensors[k] for k in ("train_loss", "heldout_loss", "train_loss_common")
                              if k in s.tensors} for arm, s in stores.items()})
-    run = Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved, by_role)
+    run = Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved, by_role, chaos_weights,
+              {n: k for n, k in nonzero.items() if k})
     return run, records, found, losses
 
 
@@ -191,14 +194,24 @@ def validity_checks(run: Run, records: list[dict]) -> list[dict]:
                      "every store holds the same weights and the steps of its unit" if not mismatched
                      else f"layout or steps differ in {mismatched}"))
     if "chaos" in run.roles:
-        landed = run.chaos_moved == {run.chaos_param: 1}
-        where = run.chaos_moved or "no weight"
-        detail = (f"the chaos arm starts one element of {run.chaos_param} off the twin's bits (only)"
-                  if landed else f"the chaos arm starts off the twin's bits at {where}, not at one element "
-                  f"of {run.chaos_param}: the floor would measure something else")
-        out.append(check("chaos_perturbation_landed", landed, detail))
+        out.append(chaos_landed(run))
     metas = {(arm, i): _Meta(m) for i, per in enumerate(records) for arm, m in per.items()}
     return out + provenance_checks(index, metas, "segment")
+
+
+def chaos_landed(run: Run) -> dict:
+    """Every chaos arm starts off the twin's bits where train.chaos.weights says, and only there: one
+    element of train.chaos.param, or every nonzero element of every weight."""
+    every = run.chaos_weights == "every"
+    want = run.nonzero if every else {run.chaos_param: 1}
+    wrong = {arm: moved or "no weight" for arm, moved in run.chaos_moved.items() if moved != want}
+    chaos = run.all_of("chaos")
+    arms = "the chaos arm" if len(chaos) == 1 else f"each of the {len(chaos)} chaos arms"
+    where = "every nonzero element of every trained weight" if every else f"one element of {run.chaos_param}"
+    detail = (f"{arms} starts off the twin's bits at {where} (only)" if not wrong else
+              f"a chaos arm starts off the twin's bits elsewhere than at {where} ({wrong}): the floor would "
+              "measure something else")
+    return check("chaos_perturbation_landed", not wrong, detail)
 
 
 @dataclass
@@ -304,105 +317,6 @@ def replicate_report(run: Run, records: list[dict], found: dict) -> dict | None:
     return {"deterministic": deterministic, "steps": rows, "detail": detail}
 
 
-def loss_rows(run: Run, records: list[dict], losses: list[dict], alpha: float) -> list[dict]:
-    """Per stored step and arm: the mean training loss over the unit's steps (and each step's), the held-out
-    loss ± SE over images, and its paired difference from the twin's ± SE (same images, same draws)."""
-    rows = []
-    for per, tensors in zip(records, losses, strict=True):
-        twin = tensors[TWIN]["heldout_loss"]
-        n = twin.numel()
-        t_crit = float(stats.t.ppf(1 - alpha / 2, n - 1)) if n > 1 else math.nan
-        for arm, t in tensors.items():
-            held, train = t["heldout_loss"], t["train_loss"]
-            # Every arm's training loss under one objective, the twin's unweighted (a store written
-            # before it was recorded: the arm's own), beside the arm's own objective, labelled so.
-            common = t.get("train_loss_common", train)
-            diff, se = paired(held, twin)
-            rows.append({"step": per[arm]["to_step"], "arm": arm, "role": _role(run, arm),
-                         "train_loss": float(common.double().mean()) if common.numel() else None,
-                         "train_loss_steps": [float(x) for x in common],
-                         "train_loss_own": float(train.double().mean()) if train.numel() else None,
-                         "train_loss_own_steps": [float(x) for x in train],
-                         "heldout_loss": float(held.double().mean()),
-                         "heldout_se": float(held.double().std() / math.sqrt(n)) if n > 1 else math.nan,
-                         "heldout_diff": diff, "heldout_diff_se": se,
-                         "heldout_diff_significant": bool(se > 0 and abs(diff) > t_crit * se),
-                         "t_crit": t_crit})
-    return rows
-
-
-def _role(run: Run, arm: str) -> str:
-    return next((r for r, a in run.by_role.items() if arm in a), None) or next(
-        r for r, a in run.roles.items() if a == arm)
-
-
-def effect_rows(run: Run, records: list[dict], found: dict, names: list[str]) -> tuple[list, list]:
-    """(floor rows, effect rows) per stored step after the start and estimand."""
-    inter, chaos = run.roles["intervention"], run.roles.get("chaos")
-    floor, effects = [], []
-    for i, per in enumerate(records[1:], start=1):
-        step = per[TWIN]["to_step"]
-        for name in names:
-            c = found.get((i, chaos, name)) if chaos else None
-            e = found[i, inter, name]
-            floor_d = floor_of(None if c is None else c["distance"],
-                               [found[i, r, name]["distance"] for r in run.all_of("replicate")
-                                if (i, r, name) in found])
-            if c is not None:
-                floor.append({"step": step, "estimand": name, "distance": floor_d, "cos": c["cos"],
-                              "norm_ratio": c["norm_ratio"]})
-            above = e["distance"] is not None and floor_d is not None and e["distance"] > run.margin * floor_d
-            effects.append({"step": step, "estimand": name, "cos": e["cos"], "norm_ratio": e["norm_ratio"],
-                            "distance": e["distance"], "floor": floor_d, "margin": run.margin,
-                            "floor_ratio": _ratio(e["distance"], floor_d),
-                            "above_floor": bool(above),
-                            **{f"{role}_distance": _largest(found[i, a, name]["distance"] for a in
-                                                            run.all_of(role) if (i, a, name) in found)
-                               for role in ("machinery", "replicate") if role in run.roles}})
-    return floor, effects
-
-
-def _largest(values) -> float | None:
-    known = [v for v in values if v is not None]
-    return max(known) if known else None
-
-
-def floor_of(chaos: float | None, replicates: list) -> float | None:
-    """The floor: the larger of the chaos arm's distance and the replicates' (on a nondeterministic path
-    the path's own wobble may exceed what one ulp does); None without a chaos arm."""
-    if chaos is None:
-        return None
-    return max([chaos, *(r for r in replicates if r is not None)])
-
-
-def _ratio(distance: float | None, floor: float | None) -> float | None:
-    """The intervention's distance in floors (inf over a zero floor: a chaos arm back on the twin's bits)."""
-    if distance is None or floor is None:
-        return None
-    return distance / floor if floor > 0 else (math.inf if distance > 0 else None)
-
-
-def verdict(effects: list[dict], name: str, margin: float) -> str:
-    """One sentence on the registered first estimand: above the chaos floor, or not told from chaos."""
-    rows = [e for e in effects if e["estimand"] == name]
-    if not rows:
-        return "no training step was stored after the start: nothing to read"
-    last = rows[-1]
-    above = [e["step"] for e in rows if e["above_floor"]]
-    times = "–" if last["floor_ratio"] is None else f"{last['floor_ratio']:.3g}"
-    where = (f"at step {last['step']} its distance from the twin is {last['distance']:.3g}, the chaos floor "
-             f"{last['floor']:.3g} ({times}×; a margin of {margin:g}× is required)")
-    if not above:
-        return (f"the intervention CANNOT be told from chaos ({name}): {where}; a one-ulp wobble moves this "
-                "run as far as the intervention does at every stored step")
-    if last["above_floor"] and len(above) == len(rows):
-        return f"the intervention is ABOVE the chaos floor at every stored step ({name}): {where}"
-    if last["above_floor"]:
-        return f"the intervention is ABOVE the chaos floor from step {above[0]} on ({name}): {where}"
-    return (f"the intervention CANNOT be told from chaos by the end ({name}): {where}; it was above the "
-            f"floor at steps {', '.join(map(str, above))} only")
-
-
 def analyse(run: Run, records: list[dict], losses: list[dict], found: dict, used: dict) -> dict:
     checks = validity_checks(run, records)
     gates = gate_rows(run, records, found, used["gate_rule"])
@@ -427,42 +341,6 @@ def analyse(run: Run, records: list[dict], losses: list[dict], found: dict, used
     if records and records[0][TWIN].get("data_files"):  # the caches the data were read from (every store's)
         summary["data_files"] = records[0][TWIN]["data_files"]
     return summary
-
-
-EMA = "ema/all"  # the estimand of the EMA weights (train.ema), beside the registered ones
-
-
-def ema_rows(run: Run, records: list[dict], found: dict) -> list[dict]:
-    """Per stored step: the intervention's EMA weights against the twin's EMA (start: the start weights),
-    the chaos arm's the floor, as the registered estimands' effect rows read the weights."""
-    inter, chaos = run.roles["intervention"], run.roles.get("chaos")
-    rows = []
-    for i, per in enumerate(records[1:], start=1):
-        e, c = found.get((i, inter, EMA)), found.get((i, chaos, EMA)) if chaos else None
-        if e is None:
-            continue
-        floor = None if c is None else c["distance"]
-        rows.append({"step": per[TWIN]["to_step"], "estimand": EMA, "distance": e["distance"],
-                     "floor": floor, "floor_ratio": _ratio(e["distance"], floor), "cos": e["cos"],
-                     "norm_ratio": e["norm_ratio"],
-                     "above_floor": bool(e["distance"] is not None and floor is not None
-                                         and e["distance"] > run.margin * floor)})
-    return rows
-
-
-def loss_sentence(rows: list[dict]) -> str:
-    """The verdict's reading of the losses at the last stored step, like with like: the intervention's
-    training loss under the twin's objective (unweighted) against the twin's, and the held-out difference."""
-    last = max(r["step"] for r in rows)
-    at = {r["role"]: r for r in rows if r["step"] == last}
-    mine, twin = at.get("intervention"), at.get("twin")
-    if mine is None or twin is None or mine["train_loss"] is None or twin["train_loss"] is None:
-        return ""
-    own = ("" if mine.get("train_loss_own") in (None, mine["train_loss"]) else
-           f" (under its own objective {mine['train_loss_own']:.4g})")
-    return (f"; losses at step {last}, under the twin's objective: training {mine['train_loss']:.4g} against "
-            f"the twin's {twin['train_loss']:.4g}{own}, held-out {mine['heldout_diff']:+.2e} ± "
-            f"{mine['heldout_diff_se']:.1e} from the twin's")
 
 
 def refuse_derived(names, key: str = "reduce.estimands") -> None:

@@ -86,7 +86,8 @@ class Measure:
     # first pending one on, and restores its arms from the whole unit before it (Session.restore).
     sequential_units: bool = False
     replicate_always: bool = False  # the twin's replicate is an arm of every run (not only arms.replicate)
-    chaos_arm: bool = False  # the twin with a one-ulp perturbation, as an arm of every run
+    # config -> how many chaos arms (the twin with a one-ulp perturbation) every run of the kind has
+    chaos_arms: Callable[[DictConfig], int] = lambda cfg: 0
     # intervention -> the no-op setting its machinery arm runs in this kind (None: no machinery arm):
     # its noop(), unless the kind's units lack the gate bins that let an intervention declare none.
     noop: Callable[[object], dict | None] = lambda intervention: intervention.noop()

@@ -8,7 +8,7 @@ advances one segment before any arm starts the next, and each segment boundary s
 weights, optimizer state and losses atomically, so a kill leaves all arms at one boundary and a
 resume continues from it bit for bit (`TrainSession.restore`). The arms: the intervention, the native
 twin, the twin's replicate, the machinery arm (the intervention's code at its no-op setting: the
-gate) and the chaos arm (the twin with one weight moved by one ulp: the floor). docs/training.md.
+gate) and the chaos arms (the twin with every trained weight moved by one ulp: the floor). docs/training.md.
 """
 
 import json
@@ -76,7 +76,8 @@ def plan(cfg: DictConfig, intervention: Intervention, arms: list, run_dir: Path 
     training step per arm; the run's units."""
     t = typed(TrainConfig, arms[0].config["train"], "train")
     model = build_start(arms[0].config, t, torch.device("cpu"))
-    check_chaos(model, t.chaos)
+    if t.chaos.weights == "one":  # (every weight: nothing to name)
+        check_chaos(model, t.chaos)
     layout = weight_layout(model)
     check_estimands(list(cfg.reduce.estimands), declared_groups(cfg.reduce), layout, params_key=None)
     intervention.check_model(model)
@@ -177,7 +178,7 @@ TRAIN = Measure(
     config_keys=("train",),
     sequential_units=True,
     replicate_always=True,
-    chaos_arm=True,
+    chaos_arms=lambda cfg: cfg.train.chaos.arms,
     store_format=TRAIN_STORE_FORMAT,
     default_arithmetic=lambda method, device_type: {"device": device_type,  # as TrainSession's
                                                     "chunk_samples": TrainConfig().chunk_samples},

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import torch
 
 from twinrun import caches, conditioning
+from twinrun.arms import chaos_number
 from twinrun.config import TrainConfig, build, objective_of, typed
 from twinrun.errors import EXIT_GATE, DeviceMemoryError, StoreError, TwinrunError
 from twinrun.interventions import attached
@@ -23,9 +24,11 @@ from twinrun.measures.train_state import (
     ArmState,
     build_arm,
     build_start,
+    chaos_seed,
     model_names,
     optimizer_record,
     perturb,
+    perturb_every,
     restore_optimizer,
     weight_layout,
 )
@@ -125,9 +128,13 @@ class TrainSession:
 
     def _arm(self, start: torch.nn.Module, arm) -> ArmState:
         model = copy.deepcopy(start)
-        if arm.role == "chaos":  # (its config is the twin's: the role says what differs)
+        if arm.role == "chaos":  # (its config is the twin's: the role and name say what differs)
             c = arm.config["train"]["chaos"]
-            perturb(model, c["param"], c["index"], c["ulps"])
+            # a run planned before train.chaos.weights existed had the one-element chaos arm
+            if c.get("weights", "one") == "one":
+                perturb(model, c["param"], c["index"], c["ulps"])
+            else:
+                perturb_every(model, c["ulps"], chaos_seed(self.seed, chaos_number(arm.name)))
         intervention = build(arm.config["intervention"], "intervention")
         # Its own settings (an override's keys set); the chaos arm's EMA starts at its perturbed weights.
         return build_arm(model, arm_train(arm.config, intervention), intervention)

@@ -1,6 +1,6 @@
 """An arm's training state, held in memory for a whole job: the start model (its checkpoint read as
-safetensors, never pickle), each arm's optimizer built around its intervention, the chaos arm's one-ulp
-perturbation, and the weight and optimizer records a segment's store holds and a resume reads back.
+safetensors, never pickle), each arm's optimizer built around its intervention, the chaos arms' one-ulp
+perturbations, and the weight and optimizer records a segment's store holds and a resume reads back.
 """
 
 import copy
@@ -113,6 +113,30 @@ def perturb(model: torch.nn.Module, name: str, index: int, ulps: int) -> None:
     for _ in range(abs(ulps)):
         value = torch.nextafter(value, towards)
     flat[index] = value
+
+
+def perturb_every(model: torch.nn.Module, ulps: int, seed: int) -> None:
+    """Move every nonzero element of every trained floating-point parameter by |ulps| ulps, up or down by
+    a coin from a generator seeded with `seed` (drawn on the CPU in named_parameters() order, so a GPU
+    run's chaos arm starts where the CPU's does). A zero stays zero: no rounding leaves a wobble on it,
+    and a subnormal would be an ulp of another scale. A frozen weight (train.params) is left alone: no
+    gradient is ever reduced into it."""
+    coins = torch.Generator().manual_seed(seed)
+    for _, param in model.named_parameters():
+        if not (param.is_floating_point() and param.requires_grad):
+            continue
+        up = torch.randint(0, 2, param.shape, generator=coins, dtype=torch.bool).to(param.device)
+        towards = torch.where(up, math.inf, -math.inf).to(param.dtype)
+        value = param.detach().clone()
+        for _ in range(abs(ulps)):
+            value = torch.nextafter(value, towards)
+        with torch.no_grad():
+            param.copy_(torch.where(param == 0, param, value))
+
+
+def chaos_seed(run_seed: int, k: int) -> int:
+    """The coins of the k-th chaos arm (k from 1): another seed, other coins; the run's seed, another draw."""
+    return (run_seed * 1_000_003 + k) % 2**63
 
 
 DEFAULT_CHAOS_PARAM = ChaosConfig.param

@@ -20,6 +20,8 @@ from twinrun.measures.train_state import validate_optimizer
 
 # Where an intervention can act in training; one that overrides none of these acts nowhere.
 TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight", "train_settings")
+# Where the chaos arms' ulps land (train.chaos.weights): every weight, or one element of one.
+CHAOS_WEIGHTS = ("every", "one")
 
 
 def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
@@ -41,6 +43,14 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if t.chaos.ulps == 0:
         raise ConfigError("train.chaos.ulps", t.chaos.ulps, "must be a nonzero number of ulps (the chaos arm "
                           "would be the twin); 1 is the default")
+    if t.chaos.weights not in CHAOS_WEIGHTS:
+        raise ConfigError("train.chaos.weights", t.chaos.weights,
+                          f"must be one of {', '.join(CHAOS_WEIGHTS)} (docs/training.md)")
+    if not isinstance(t.chaos.arms, int) or isinstance(t.chaos.arms, bool) or t.chaos.arms < 1:
+        raise ConfigError("train.chaos.arms", t.chaos.arms, "must be a positive integer (2 is the default)")
+    if t.chaos.weights == "one" and t.chaos.arms > 1:
+        raise ConfigError("train.chaos.arms", t.chaos.arms, "with train.chaos.weights=one every chaos arm "
+                          "would move the same element: use 1, or train.chaos.weights=every")
     optimizer = OmegaConf.to_container(t.optimizer, resolve=True) if t.optimizer is not None else None
     validate_optimizer(optimizer)
     loop.check_loop(t)

@@ -91,10 +91,15 @@ def _head(summary: dict) -> list[str]:
 
 
 def _floor_lines(summary: dict) -> list[str]:
-    rows = [[f["step"], f["estimand"], num(f["distance"]), num(f["cos"], ".6f")] for f in summary["floor"]]
-    said = ("The chaos arm is the twin with one weight moved by one ulp: its distance from the twin is how "
-            "far this training run carries a rounding-sized wobble by each step (docs/training.md).")
-    header = ["step", "estimand", "chaos arm's distance to twin", "cos of its update to the twin's"]
+    rows = [[f["step"], f["estimand"], num(f["distance"]), num(f["cos"], ".6f"),
+             num(f.get("spread", 1.0), ".3g"), num(f.get("margin"), ".3g")] for f in summary["floor"]]
+    said = ("Each chaos arm is the twin moved by one ulp at the start (every weight, or one: "
+            "`train.chaos.weights`): its distance from the twin is how far this training run carries a "
+            "rounding-sized wobble by each step. The floor is the largest of the chaos arms' distances and "
+            "the replicates'; the margin an effect must clear is train.floor_margin × the chaos arms' spread "
+            "(largest / smallest) in that estimand (docs/training.md).")
+    header = ["step", "estimand", "floor (distance to twin)", "cos of its update to the twin's",
+              "chaos arms' spread", "margin"]
     return [said, "", f"![distance to the twin]({DISTANCE_PNG})", ""] + table(header, rows)
 
 

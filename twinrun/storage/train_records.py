@@ -32,6 +32,11 @@ class FloorRow(TypedDict):
     distance: Num | None
     cos: Num | None
     norm_ratio: Num | None
+    # each chaos arm's distance, their spread (largest / smallest) and the margin it sets: absent in a
+    # summary written before a run had several chaos arms
+    chaos_distances: NotRequired[list[Num | None]]
+    spread: NotRequired[Num]
+    margin: NotRequired[Num]
 
 
 class TrainEffectRow(TypedDict):

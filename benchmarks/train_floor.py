@@ -81,6 +81,7 @@ def main() -> None:
     start = None
     stamp = {"config_hash": "-", "env": {}, "kernel_path": {}}
     for u in plan_units(typed(TrainConfig, config["train"], "train")):
+        u = {**u, "stores": {arm.name: None for arm in arms}}  # every arm measured in every segment
         session.begin_unit(u)
         weights = {}
         for arm in arms:

@@ -54,6 +54,7 @@ def one_seed(seed: int, a) -> None:
     stamp = {"config_hash": "-", "env": {}, "kernel_path": {}}
     weights = {}
     for u in plan_units(typed(TrainConfig, config["train"], "train")):
+        u = {**u, "stores": {arm.name: None for arm in arms}}  # every arm measured in every segment
         session.begin_unit(u)
         for arm in arms:
             tensors, _ = session.measure(u, arm.name, stamp)

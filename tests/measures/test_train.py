@@ -25,7 +25,7 @@ from twinrun.analysis.train_reduce import Run, compare_stores, gate_rows, reduce
 from twinrun.errors import ConfigError, DeviceMemoryError, TwinrunError
 from twinrun.job import run_job
 from twinrun.measures import train as train_kind
-from twinrun.measures import train_state
+from twinrun.measures import train_session, train_state
 from twinrun.measures import train_streams as streams
 from twinrun.measures.registry import load_index
 from twinrun.measures.train_step import NonFiniteLoss
@@ -175,7 +175,7 @@ def test_one_element_chaos_lands_before_the_first_segment_ends(tmp_path):
 
 def test_a_lost_perturbation_is_caught(tmp_path, monkeypatch):
     # Break it: the chaos arms' ulps applied to a copy of the weights, never to the model.
-    monkeypatch.setattr(train_kind, "perturb_every", lambda model, *a: None)
+    monkeypatch.setattr(train_session, "perturb_every", lambda model, *a: None)
     red = train_run(tmp_path / "run")
     chaos = next(f for f in red.summary["first_differing"] if f["arm"] == "native_chaos")
     assert chaos["step"] is None  # what the chaos test above refuses

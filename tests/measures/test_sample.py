@@ -291,3 +291,31 @@ def test_vp_sampling_runs_end_to_end_with_bit_identical_gates(tmp_path, sampler)
     overall = {(r["role"], r["estimand"]): r for r in summary["overall"]}
     assert overall["replicate", "distance"]["value"] == 0.0
     assert overall["intervention", "distance"]["value"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.trackers
+def test_a_sampling_run_reaches_status_the_table_and_a_tracker_as_every_kind_does(tmp_path):
+    # The kind-neutral rooms read a sampling run through the kind's own fields: status counts its chunks,
+    # the table has a row per chunk and estimand, and TensorBoard holds each arm's estimates per chunk.
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    run = tmp_path / "run"
+    proc = run_twinrun([*SMALL, "tracker=tensorboard", f"tracker.dir={tmp_path / 'tb'}",
+                        f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    status = run_twinrun([str(run)], cwd=tmp_path, module="twinrun.status")
+    assert status.returncode == 0 and "pin_sigma 2/2" in status.stdout, status.stdout + status.stderr
+    assert "gates passed" in status.stdout, status.stdout
+    table = run_twinrun([str(run), "--csv", str(tmp_path / "t.csv")], cwd=tmp_path, module="twinrun.table")
+    assert table.returncode == 0, table.stderr
+    rows = (tmp_path / "t.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    kinds = {r.split(",")[header.index("measure")] for r in rows[1:]}
+    estimands = {r.split(",")[header.index("estimand")] for r in rows[1:]}
+    assert kinds == {"sample"} and {"distance", "loss", "mmd"} <= estimands, rows[:3]
+    events = list((tmp_path / "tb").rglob("pin_sigma/events.out.tfevents.*"))
+    assert len(events) == 1, list((tmp_path / "tb").rglob("*"))
+    reader = event_accumulator.EventAccumulator(str(events[0]))
+    reader.Reload()
+    assert {"distance", "mmd", "loss"} <= set(reader.Tags()["scalars"])
+    assert [e.step for e in reader.Scalars("distance")] == [0, 1]  # one point per chunk

@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 from twinrun.analysis.train_reduce import pair_stats, selections
 from twinrun.app import CONF_DIR
 from twinrun.arms import Arm, chaos_name
-from twinrun.config import TrainConfig, register_configs, typed
+from twinrun.config import TrainConfig, register_configs
+from twinrun.instantiate import typed
 from twinrun.measures.train import TrainSession, plan_units
 from twinrun.provenance.record import setup_determinism
 

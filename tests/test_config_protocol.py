@@ -5,16 +5,11 @@ from dataclasses import fields
 import pytest
 from omegaconf import OmegaConf
 
-from twinrun.config import (
-    PROTOCOL_KEYS,
-    DeterminismConfig,
-    ProbeConfig,
-    TwinrunConfig,
-    protocol_differences,
-    typed,
-)
+from twinrun.config import DeterminismConfig, ProbeConfig, TwinrunConfig
 from twinrun.errors import StoreError
+from twinrun.instantiate import typed
 from twinrun.measures.probe import arithmetic
+from twinrun.protocol import PROTOCOL_KEYS, protocol_differences
 from twinrun.provenance import record as provenance
 
 

@@ -9,7 +9,7 @@ from omegaconf.errors import ConfigAttributeError
 
 from twinrun.app import CONF_DIR
 from twinrun.arms import derive_arms
-from twinrun.config import build
+from twinrun.instantiate import build
 from twinrun.measures.train_override import check_override
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import TINY, run_twinrun
 
-from twinrun.config import objective_of as from_config
 from twinrun.errors import ConfigError
+from twinrun.instantiate import objective_of as from_config
 from twinrun.measures import train_step as ts
 from twinrun.model import DiTDenoiser
 from twinrun.objectives import EDM, OBJECTIVES, VP, Flow, Objective

@@ -29,7 +29,7 @@ from twinrun.analysis.checks import arm_stores, close, load_run, scan_run
 from twinrun.analysis.estimands import SHIFT_VIEW
 from twinrun.analysis.reduction import registered
 from twinrun.analysis.references import cross_estimates, protocol_mismatch, reference_report
-from twinrun.config import STORE_IDENTITY_KEYS, ReduceConfig
+from twinrun.config import ReduceConfig
 from twinrun.errors import (
     EXIT_OK,
     EXIT_REFUSED,
@@ -41,6 +41,7 @@ from twinrun.errors import (
 )
 from twinrun.measures.kind import Measure
 from twinrun.measures.registry import MEASURES, kind_of
+from twinrun.protocol import STORE_IDENTITY_KEYS
 from twinrun.provenance.fingerprint import kernel_path_fields
 from twinrun.publish.render import pm
 from twinrun.storage.header import store_format

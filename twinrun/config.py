@@ -4,22 +4,18 @@ Every dataclass here is registered in Hydra's ConfigStore by `register_configs()
 entry points, never at import). The YAML files in conf/ select and fill these schemas.
 """
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import hydra
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # Hydra's own expansion of a sweep
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING
 
-from twinrun.errors import ConfigError, StoreError
+from twinrun.errors import StoreError
 from twinrun.interventions import INTERVENTIONS, schema
-from twinrun.objectives import EDM, EDM_P_MEAN, EDM_P_STD, OBJECTIVES, Objective
+from twinrun.objectives import OBJECTIVES
 from twinrun.objectives import schema as objective_schema
 from twinrun.plugins import plugin_interventions, plugin_objectives
 
@@ -416,90 +412,6 @@ class TwinrunConfig:
     reference: str | None = None
     # One seed for every random stream (draws are keyed by (seed, bin σ, image, draw)).
     seed: int = 0
-
-
-# ----------------------------------------------------------------------------- the protocol
-# What a measurement is, defined once: two runs (a run and its reference) measure the same thing
-# only if these keys of their resolved configs are equal. Chunking, device and method change the
-# arithmetic, not what is measured (they are in the kernel path instead). The model config is not
-# part of it: weights move between paths and machines, and the parameter layout, which is, is
-# checked store by store.
-PROTOCOL_KEYS = ("data", "objective", "sigma_grid", "seed", "probe.n_images", "probe.n_draws",
-                 "probe.n_folds", "probe.params", "probe.train_mode")
-# A run recorded before objectives were configurable ran edm with its defaults (conf/objective/edm.yaml).
-DEFAULT_OBJECTIVE = {"_target_": "twinrun.objectives.EDM", "p_mean": EDM_P_MEAN, "p_std": EDM_P_STD}
-# The same protocol as each store's metadata records it (n_folds and params become the fold sizes
-# and the parameter layout): every store of a run must agree on these (checks.py, references.py).
-STORE_PROTOCOL_KEYS = ("n_images", "n_draws", "fold_sizes", "layout")
-# What was measured, as each store records it: every store of a run must agree on these, and a
-# reference whose differ is dead for that reason (the model's or the data's), not the environment's.
-STORE_IDENTITY_KEYS = ("model_sha256", "data_sha256", "adapter_sha256")
-
-
-def config_hash(config: dict) -> str:
-    """An arm's resolved config as run.json records it (planning writes it; the job and the reducer check
-    each config.yaml against it). The kernel-pin settings left at their defaults are left out, so a
-    config from before they existed hashes as it did."""
-    det = config.get("determinism") if isinstance(config, dict) else None
-    if isinstance(det, dict) and any(det.get(k) in UNSET_PIN.get(k, ()) for k in det):
-        config = {**config, "determinism": {k: v for k, v in det.items() if v not in UNSET_PIN.get(k, ())}}
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-
-
-UNSET_PIN = {"kernel_path_from": (None,), "cold_check": (False,)}  # defaults config_hash leaves out
-
-
-def _at(config: dict, dotted: str):
-    """The value at a dotted key of a plain config (None where any part is missing)."""
-    node = config
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def protocol_differences(a: dict, b: dict, keys=PROTOCOL_KEYS) -> list[str]:
-    """The protocol keys at which two resolved configs differ (empty: they measure the same thing)."""
-    return [k for k in keys if _protocol_at(a, k) != _protocol_at(b, k)]
-
-
-def _protocol_at(config: dict, dotted: str):
-    value = _at(config, dotted)
-    return DEFAULT_OBJECTIVE if dotted == "objective" and value is None else value
-
-
-def build(node: dict, key: str):
-    """One level of Hydra instantiate (a config node becomes its object), with a one-line error naming
-    the key."""
-    try:
-        return hydra.utils.instantiate(node)
-    except Exception as err:  # noqa: BLE001 — instantiate wraps every builder failure in its own exception
-        cause = err.__cause__ or err
-        msg = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
-        raise ConfigError(f"{key}._target_", node.get("_target_"), f"could not be built: {msg}") from None
-
-
-def objective_of(node: dict | None) -> Objective:
-    """An arm's objective from its resolved config's `objective` node (one level of `_target_`); a config
-    without one (a run recorded before objectives were configurable) is `edm`, which it ran."""
-    if not node:
-        return EDM()
-    obj = build(node, "objective")
-    if not isinstance(obj, Objective):
-        raise ConfigError("objective._target_", node.get("_target_"), "built a "
-                          f"{type(obj).__name__}, not an objective: subclass twinrun.objectives.Objective "
-                          "(docs/objectives.md)")
-    return obj
-
-
-def typed(schema: type, node: dict, where) -> Any:
-    """A plain config node (an arm's resolved config.yaml part) as its schema's dataclass: keys it
-    lacks take the schema's defaults, so no reader restates a default. `where` names the file in the
-    one-line error a node of the wrong shape gives (exit 2)."""
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
-    except OmegaConfBaseException as err:
-        raise StoreError(where, f"does not fit the {schema.__name__} schema "
-                         f"({str(err).splitlines()[0]})") from None
 
 
 def register_configs() -> None:

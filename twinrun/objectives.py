@@ -28,7 +28,7 @@ the level alone, so the probe, whose bin has one level, factors it out of the bi
 applies it per sample. `edm` is exactly the arithmetic twinrun always ran (bit-identical stores).
 
 Your own objective: a dataclass subclass of `Objective` (its fields are its config keys), selected by
-`objective._target_: your.module.YourObjective` (built by `twinrun.config.objective_of`: this module
+`objective._target_: your.module.YourObjective` (built by `twinrun.instantiate.objective_of`: this module
 imports torch alone). `OBJECTIVES` maps the built-in names to their classes;
 a lookup may extend it.
 """

@@ -25,17 +25,16 @@ from twinrun.config import (
     PLUGIN_NODE,
     REPLICATES_NONDETERMINISTIC,
     SIGNAL_ALPHA_TEXT,
-    build,
-    config_hash,
-    protocol_differences,
     replicate_count,
     signal_alpha_ok,
 )
 from twinrun.errors import ConfigError, StoreError, TwinrunError, signals_held
 from twinrun.files import atomic_write, make_dir, write_json
+from twinrun.instantiate import build
 from twinrun.interventions import check_protocol
 from twinrun.measures.kind import Measure
 from twinrun.measures.registry import MEASURES, measure_of
+from twinrun.protocol import config_hash, protocol_differences
 from twinrun.provenance import kernel_pin
 from twinrun.provenance.determinism import MATMUL_PRECISIONS
 from twinrun.provenance.version import twinrun_version

@@ -19,9 +19,9 @@ import pytest
 import torch
 from conftest import run_twinrun
 
-from twinrun.config import config_hash
 from twinrun.errors import EXIT_OK, KernelPathRefused, StoreError
 from twinrun.job import open_pin, record_pin
+from twinrun.protocol import config_hash
 from twinrun.provenance import compile_cache, kernel_pin
 from twinrun.provenance.compile_cache import CACHE_ENV
 from twinrun.provenance.record import setup_determinism

@@ -252,7 +252,7 @@ ALTERNATIVES = {
 
 def digests(run_dir):
     """{store: (sums bytes, (kernel-path digest, protocol))} of a run."""
-    from twinrun.config import STORE_PROTOCOL_KEYS as PROTOCOL_KEYS
+    from twinrun.protocol import STORE_PROTOCOL_KEYS as PROTOCOL_KEYS
 
     out = {}
     for path in sorted(run_dir.glob("arms/*/*.safetensors")):

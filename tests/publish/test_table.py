@@ -10,7 +10,7 @@ from conftest import TINY, run_twinrun
 from rundirs import planned_run
 
 from twinrun import table as table_cli
-from twinrun.config import config_hash
+from twinrun.protocol import config_hash
 from twinrun.publish import table
 
 # the `table` extra (.ci/run installs it); without it only the refusal is tested

@@ -19,16 +19,12 @@ from twinrun.analysis.estimands import check_estimands, check_groups
 from twinrun.analysis.reduction import check, provenance_checks
 from twinrun.analysis.scan import Scan, scan
 from twinrun.analysis.vouch import StoreRules, Voucher
-from twinrun.config import (
-    STORE_IDENTITY_KEYS,
-    STORE_PROTOCOL_KEYS,
-    DigitsDataConfig,
-    ProbeConfig,
-    typed,
-)
+from twinrun.config import DigitsDataConfig, ProbeConfig
 from twinrun.errors import StoreError, TwinrunError
 from twinrun.files import ensure_descriptors
+from twinrun.instantiate import typed
 from twinrun.interventions import rebuild
+from twinrun.protocol import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS
 from twinrun.provenance.record import tensors_sha256
 from twinrun.storage.records import GATE_REPLICATE, ProbeUnit
 from twinrun.storage.rundir import RunDir, RunIndex

@@ -17,9 +17,9 @@ from twinrun.analysis.estimands import ESTIMANDS, SHIFT_VIEW, available
 from twinrun.analysis.estimator import estimate
 from twinrun.analysis.scan import scan
 from twinrun.arms import config_diff, for_compute
-from twinrun.config import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS
 from twinrun.errors import TwinrunError
 from twinrun.files import ensure_descriptors
+from twinrun.protocol import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS
 from twinrun.provenance.fingerprint import kernel_path_diff
 from twinrun.provenance.kernel_pin import decisions_between
 from twinrun.storage.rundir import RunDir

@@ -31,8 +31,9 @@ from twinrun.analysis.reduction import (
 from twinrun.analysis.train_effects import EMA, effect_rows, ema_rows, verdict
 from twinrun.analysis.train_losses import loss_rows, loss_sentence, paired
 from twinrun.analysis.vouch import TWIN, StoreRules, Voucher, check_step_digests
-from twinrun.config import TrainConfig, typed
+from twinrun.config import TrainConfig
 from twinrun.errors import ConfigError, StoreError, TwinrunError
+from twinrun.instantiate import typed
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.train_records import TrainSummary
 from twinrun.storage.train_store import TrainStore, read_train_store

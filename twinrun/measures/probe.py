@@ -21,15 +21,17 @@ from omegaconf import DictConfig, OmegaConf
 from twinrun import caches, conditioning, draws, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.probe_reduce import reduce_run
-from twinrun.config import PROTOCOL_KEYS, DeterminismConfig, ProbeConfig, build, objective_of, typed
+from twinrun.config import DeterminismConfig, ProbeConfig
 from twinrun.errors import ConfigError
 from twinrun.files import memory_bytes
+from twinrun.instantiate import build, objective_of, typed
 from twinrun.interventions import Intervention, Native, attached
 from twinrun.measures import failures, trial
 from twinrun.measures import fold_sums as fs
 from twinrun.measures.kind import Measure, Plan, parse_device
 from twinrun.measures.modes import draws_randomness, set_mode
 from twinrun.measures.probe_cost import check_device_memory, estimate_cost, estimate_memory, out_of_memory
+from twinrun.protocol import PROTOCOL_KEYS
 from twinrun.provenance.determinism import switches_kept
 from twinrun.provenance.record import model_sha256, read_sentinel, tensors_sha256
 from twinrun.publish import probe_rows

@@ -16,9 +16,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from twinrun import conditioning
-from twinrun.config import ProbeConfig, typed
+from twinrun.config import ProbeConfig
 from twinrun.errors import ConfigError, DeviceMemoryError
 from twinrun.files import memory_bytes
+from twinrun.instantiate import typed
 from twinrun.measures import failures, trial
 from twinrun.measures import fold_sums as fs
 from twinrun.measures.kind import parse_device

@@ -23,9 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from twinrun import conditioning
 from twinrun.analysis.sample_reduce import reduce_sample
-from twinrun.config import DeterminismConfig, SampleConfig, build, objective_of, typed
+from twinrun.config import DeterminismConfig, SampleConfig
 from twinrun.draws import keyed_normal
 from twinrun.errors import ConfigError, TwinrunError
+from twinrun.instantiate import build, objective_of, typed
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import samplers
 from twinrun.measures.failures import as_model_error, failing_frame, first_line

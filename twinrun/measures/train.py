@@ -22,9 +22,10 @@ from twinrun import conditioning, objectives
 from twinrun.analysis.estimands import check_estimands, declared_groups
 from twinrun.analysis.train_compare import compare_training, train_side
 from twinrun.analysis.train_reduce import reduce_train
-from twinrun.config import TrainConfig, build, objective_of, typed
+from twinrun.config import TrainConfig
 from twinrun.errors import ConfigError, TwinrunError
 from twinrun.files import memory_bytes
+from twinrun.instantiate import build, objective_of, typed
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts

@@ -9,8 +9,9 @@ is measured rather than how it is trained are refused, each with its reason. doc
 
 from omegaconf import DictConfig, OmegaConf
 
-from twinrun.config import TrainConfig, typed
+from twinrun.config import TrainConfig
 from twinrun.errors import ConfigError
+from twinrun.instantiate import typed
 from twinrun.interventions import Intervention, Override
 from twinrun.measures.train_loop import check_loop
 from twinrun.measures.train_state import validate_optimizer

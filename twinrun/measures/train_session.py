@@ -11,8 +11,9 @@ import torch
 
 from twinrun import caches, conditioning
 from twinrun.arms import chaos_number
-from twinrun.config import TrainConfig, build, objective_of, typed
+from twinrun.config import TrainConfig
 from twinrun.errors import EXIT_GATE, DeviceMemoryError, StoreError, TwinrunError
+from twinrun.instantiate import build, objective_of, typed
 from twinrun.interventions import attached
 from twinrun.measures import train_loop as loop
 from twinrun.measures import train_step as ts

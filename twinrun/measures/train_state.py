@@ -14,8 +14,9 @@ from typing import Any
 import hydra
 import torch
 
-from twinrun.config import ChaosConfig, TrainConfig, build, typed
+from twinrun.config import ChaosConfig, TrainConfig
 from twinrun.errors import ConfigError, StoreError
+from twinrun.instantiate import build, typed
 from twinrun.interventions import Intervention
 from twinrun.measures import fold_sums as fs
 from twinrun.measures import train_loop as loop

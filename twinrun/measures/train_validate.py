@@ -8,8 +8,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from twinrun import conditioning
 from twinrun.analysis.train_reduce import refuse_derived
-from twinrun.config import build
 from twinrun.errors import ConfigError
+from twinrun.instantiate import build
 from twinrun.interventions import Intervention
 from twinrun.measures import train_loop as loop
 from twinrun.measures import trial

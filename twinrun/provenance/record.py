@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from twinrun.config import DeterminismConfig, typed
+from twinrun.config import DeterminismConfig
 from twinrun.errors import KernelPathRefused, StoreError
 from twinrun.files import read_json
+from twinrun.instantiate import typed
 from twinrun.provenance.compile_cache import run_cache_dir
 from twinrun.provenance.determinism import apply_determinism
 from twinrun.provenance.fingerprint import kernel_path_diff

@@ -14,9 +14,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from twinrun.config import config_hash
 from twinrun.errors import StoreError
 from twinrun.files import read_json, read_yaml, write_json
+from twinrun.protocol import config_hash
 from twinrun.storage.lock import update_lock
 from twinrun.storage.records import (
     GATE_REPLICATE,

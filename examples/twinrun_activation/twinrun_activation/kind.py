@@ -35,9 +35,9 @@ from twinrun.analysis.reduction import (
     view_name,
 )
 from twinrun.analysis.vouch import StoreRules, Voucher
-from twinrun.config import build
 from twinrun.errors import ConfigError, StoreError
 from twinrun.files import atomic_write, open_regular
+from twinrun.instantiate import build
 from twinrun.interventions import Intervention, attached
 from twinrun.measures.failures import as_model_error
 from twinrun.measures.kind import Measure, Plan, parse_device

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import submitit
+import torch
 from conftest import TINY, run_twinrun
+from safetensors.torch import load_file
 from test_launch_local import launcher, store_sums, write_failing_module
 
 from twinrun.errors import ConfigError, StoreError
@@ -109,6 +111,28 @@ def test_pair_job_measures_both_arms_in_one_allocation(tmp_path, slurm_args, mod
     again = launch_json(run_dir)
     assert "submitting it again" in resumed.stdout and again["job_id"] != job_id
     assert again["earlier"][0]["job_id"] == job_id and store_sums(run_dir) == store_sums(local_reference)
+
+
+def test_twin_sampling_runs_as_one_slurm_job_with_the_in_process_bits(tmp_path, slurm_args):
+    # A third kind through the same launcher: every arm's chunks in one allocation, one process, and the
+    # stores bit for bit those of the same run measured in the calling shell (one kernel path).
+    small = ["+experiment=sample_pin_sigma", "sample.n_samples=4", "sample.chunk_samples=2", "sample.steps=3",
+             "sample.device=cpu"]
+    here = run_twinrun([*small, f"hydra.run.dir={tmp_path / 'here'}"], cwd=tmp_path)
+    assert here.returncode == 0, here.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    proc = run_twinrun([*small, *slurm_args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = launch_json(run_dir)["job_id"]
+    assert final_state(job_id) == "COMPLETED 0:0"
+    assert_bins_paired_in_one_process(run_dir, job_id)
+    index = RunIndex.load(run_dir)
+    assert {arm for u in index.units for arm in u["stores"]} == {"pin_sigma", "native", "native_replicate",
+                                                                 "pin_sigma_noop"}
+    for arm in ("native", "pin_sigma", "pin_sigma_noop"):
+        for path in sorted((tmp_path / "here" / "arms" / arm).glob("*.safetensors")):
+            mine, theirs = load_file(path), load_file(run_dir / "arms" / arm / path.name)
+            assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), path
 
 
 def test_sweep_is_one_job_array_with_both_arms_in_each_element(tmp_path, slurm_args, model_args,

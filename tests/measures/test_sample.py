@@ -140,6 +140,20 @@ def test_vp_sampling_settings_it_cannot_run_are_refused_before_compute(compose_c
     assert err.value.key == key and said in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("objective", [[], [v for v in VP if not v.startswith("intervention.")]])
+def test_an_intervention_that_feeds_every_step_its_own_level_is_refused_as_a_no_op(compose_cfg, objective):
+    # scale_cond at gamma=1 returns σ itself: its arm would be the twin and its machinery arm would never
+    # run its code (it returns before the scaling): a run of it would measure nothing and vouch for nothing.
+    anchor = "intervention.anchor_sigma=500" if objective else "intervention.anchor_sigma=0.5"
+    cfg = compose_cfg([*SMALL, *objective, "intervention=scale_cond", anchor, "intervention.gamma=1"])
+    with pytest.raises(ConfigError, match="a no-op everywhere") as err:
+        plan_run(cfg, None, dry_run=True)
+    assert err.value.key == "intervention(ScaleCond)" and "\n" not in str(err.value)
+    if not objective:  # under edm any other gamma scales (under vp it feeds no timestep: refused as such)
+        plan_run(compose_cfg([*SMALL, "intervention=scale_cond", anchor, "intervention.gamma=0.5"]), None,
+                 dry_run=True)
+
+
 @pytest.mark.parametrize("overrides,said", REFUSED)
 def test_a_sampler_the_objective_lacks_is_one_line_exit_2_before_compute(tmp_path, overrides, said):
     proc = run_twinrun([*SMALL, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)

@@ -143,13 +143,22 @@ def check_loss_levels(objective, levels: list, model=None) -> None:
 def check_fed(intervention: Intervention, objective, grid: list[float], model=None) -> None:
     """What the intervention feeds the conditioning at every step of the sampler's grid must be a level of
     the objective (σ > 0 under edm, t in (0, 1) under flow, one of the model's timesteps under vp)."""
-    fed = intervention.sigma_cond(torch.tensor(grid[:-1]).float())
+    levels = torch.tensor(grid[:-1]).float()
+    fed = intervention.sigma_cond(levels)
+    key = f"intervention({type(intervention).__name__})"
     try:
         objective.check("σ_cond", [float(v) for v in fed], model)
     except ConfigError as err:
-        raise ConfigError(f"intervention({type(intervention).__name__})", str(intervention), f"feeds the "
-                          f"conditioning a value that is not a level at some step of the sampler's "
-                          f"schedule: {err.fix.split('; e.g.')[0]}") from None
+        raise ConfigError(key, str(intervention), f"feeds the conditioning a value that is not a level at "
+                          f"some step of the sampler's schedule: {err.fix.split('; e.g.')[0]}") from None
+    # One that acts only on σ_cond and feeds every step its own level is a no-op everywhere (scale_cond at
+    # gamma=1): its arm would be the twin, and its machinery arm would never run its code.
+    only_sigma_cond = all(getattr(type(intervention), h) is getattr(Intervention, h)
+                          for h in SAMPLING_HOOKS if h != "sigma_cond")
+    if only_sigma_cond and torch.equal(fed, levels):
+        raise ConfigError(key, str(intervention), "feeds the conditioning each step's own level at every "
+                          "step of the sampler's schedule: a no-op everywhere, nothing to measure; choose "
+                          "settings that change something")
 
 
 def sampling_noop(intervention: Intervention) -> dict | None:

@@ -121,7 +121,7 @@ class ChaosConfig:
     # twin over the steps is the floor no intervention effect can be read below (docs/training.md).
     param: str = "blocks.0.attn.qkv.weight"  # a name from model.named_parameters()
     index: int = 0  # the element of that parameter, in its flattened (row-major) order
-    ulps: int = 1  # how many ulps (± = direction); 0 is refused (the chaos arm would be the twin)
+    ulps: int = 1  # how many ulps (± = direction under "one"; > 0 under "every"); 0 is refused
     # Where the ulps land: "every" moves every nonzero element of every parameter by `ulps` ulps, each
     # up or down by a seeded coin (what one nondeterministic reduction of every gradient leaves
     # behind), so the floor is an average over millions of wobbles and its spread per estimand is

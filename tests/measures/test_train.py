@@ -294,6 +294,10 @@ ONE_ELEMENT = ["train.chaos.weights=one", "train.chaos.arms=1"]
     (["train.chaos.weights=some"], "train.chaos.weights"),
     (["train.chaos.arms=0"], "train.chaos.arms"),
     (["train.chaos.weights=one"], "train.chaos.arms"),
+    # under weights=every each element moves by a seeded coin: a one-element setting would be ignored
+    (["train.chaos.param=blocks.1.mlp.0.weight"], "train.chaos.param"),
+    (["train.chaos.index=7"], "train.chaos.index"),
+    (["train.chaos.ulps=-1"], "train.chaos.ulps"),
     (["intervention.factor=1"], "intervention(ScaleLR)"),
     (["intervention=pin_sigma"], "intervention(PinSigma)"),
     (["reduce.estimands=[all,residual]"], "reduce.estimands"),
@@ -561,3 +565,4 @@ def test_the_floor_is_the_largest_chaos_arm_or_replicate_and_the_margin_grows_wi
     # on a nondeterministic path the replicate's wobble beyond the chaos arms' is the floor
     floor, effect = rows([2e-4, 2e-4], 1e-3, 3e-3)
     assert floor["distance"] == 1e-3 and not effect["above_floor"]
+

@@ -8,6 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from twinrun import conditioning
 from twinrun.analysis.train_reduce import refuse_derived
+from twinrun.config import ChaosConfig
 from twinrun.errors import ConfigError
 from twinrun.instantiate import build
 from twinrun.interventions import Intervention
@@ -51,6 +52,18 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
     if t.chaos.weights == "one" and t.chaos.arms > 1:
         raise ConfigError("train.chaos.arms", t.chaos.arms, "with train.chaos.weights=one every chaos arm "
                           "would move the same element: use 1, or train.chaos.weights=every")
+    if t.chaos.weights == "every":
+        # param, index and the sign of ulps say where one element moves; under "every" each element's
+        # direction is a seeded coin, so a value set there would be silently ignored
+        default = ChaosConfig()
+        for key in ("param", "index"):
+            if getattr(t.chaos, key) != getattr(default, key):
+                raise ConfigError(f"train.chaos.{key}", getattr(t.chaos, key), "places the one-element chaos "
+                                  "arm: set train.chaos.weights=one (and train.chaos.arms=1) to use it; "
+                                  "under weights=every each element moves by a seeded coin")
+        if t.chaos.ulps < 0:
+            raise ConfigError("train.chaos.ulps", t.chaos.ulps, "under train.chaos.weights=every each "
+                              "element's direction is a seeded coin: give a positive number of ulps")
     optimizer = OmegaConf.to_container(t.optimizer, resolve=True) if t.optimizer is not None else None
     validate_optimizer(optimizer)
     loop.check_loop(t)

@@ -66,6 +66,20 @@ def test_a_parked_arm_comes_back_bit_for_bit_and_trains_on_as_if_it_never_left(m
     assert not parking.dir.exists()
 
 
+def test_an_arm_no_segment_trains_again_leaves_the_parking_with_its_file():
+    # arms.replicate_segments: the replicate stops after K segments; its parked copy must not stay for
+    # the rest of the job (host memory under offload=cpu on a GPU, a file under disk).
+    gone, stays = arm(), arm()
+    parking = Parking("disk", torch.device("cpu"))
+    parking.park(gone), parking.park(stays)
+    assert len(list(parking.dir.iterdir())) == 2
+    parking.drop(gone)
+    assert list(parking.held) == [id(stays)] and len(list(parking.dir.iterdir())) == 1
+    parking.unpark(stays)  # the other arm's copy is untouched
+    assert not list(parking.dir.iterdir())
+    parking.close()
+
+
 def test_host_parking_on_a_cpu_run_is_no_copy_at_all():
     s = arm()
     Parking("cpu", torch.device("cpu")).park(s)

@@ -71,6 +71,13 @@ class Parking:
             s.ema.shadow = {n: torch.empty_like(p) for n, p in s.ema.params.items()}
             s.ema.restore(tensors)
 
+    def drop(self, s: ArmState) -> None:
+        """Forget an arm no segment trains again (arms.replicate_segments): its parked copy goes, host
+        memory or file, so the rest of the job holds what the arms still training need."""
+        held = self.held.pop(id(s), None)
+        if held is not None and "path" in held[0]:
+            Path(held[0]["path"]).unlink(missing_ok=True)
+
     def close(self) -> None:
         """Remove the parked files (a job's end; a kill leaves them in the temporary directory)."""
         if self.dir is not None:

@@ -178,7 +178,7 @@ class TrainSession:
     def begin_unit(self, u: UnitEntry) -> None:
         # An arm this unit does not measure is never measured again (units only go forward): its memory goes.
         for gone in [name for name in self.arms if name not in u["stores"]]:
-            del self.arms[gone]
+            self.parking.drop(self.arms.pop(gone))
         # This segment's samples and noise, keyed by (seed, step, sample id): the same for every arm.
         a, b = u["train"]["from_step"], u["train"]["to_step"]
         # Drawn at the widest batch any arm takes: an arm's batch is a prefix of it, so the j-th sample of

@@ -296,6 +296,18 @@ def test_overlapping_segments_in_run_json_are_exit_2_naming_the_field(run, capsy
     refused(reduce.main, [run], capsys, "run.json", "units[2].train.to_step")
 
 
+def test_a_replicate_left_out_by_an_edited_run_json_is_refused_not_dropped_from_the_floor(run, capsys):
+    # `without` is how arms.replicate_segments leaves the replicate out; written into a run planned
+    # without it (its store removed too), the replicates would silently leave the floor.
+    doc = _doc(run)
+    last = doc["units"][-1]
+    rep = next(a for a in last["stores"] if a.endswith("_replicate"))
+    last["without"] = [rep]
+    del last["stores"][rep]
+    (run / "run.json").write_text(json.dumps(doc))
+    refused(reduce.main, [run], capsys, "run.json", "arms.replicate_segments=None")
+
+
 def test_the_compile_cache_marker_never_follows_a_dangling_link(tmp_path):
     root, run_dir = tmp_path / "cache", tmp_path / "run"
     home = Path(compile_cache.run_cache_dir(str(root), run_dir))  # the marker, created

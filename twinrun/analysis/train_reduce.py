@@ -121,6 +121,20 @@ def first_difference(stores: list[dict], arm: str, layout: list[dict]) -> dict:
     return {"arm": arm, "step": None, "first_tensor": None, "n_differ": 0, "n_tensors": len(names)}
 
 
+def check_without(index: RunIndex, replicates: list[str], twin_config: dict) -> None:
+    """The units that leave the replicates out are exactly those after arms.replicate_segments (the twin's
+    config.yaml, held to its hash): a `without` edited into run.json would drop the replicates from the
+    floor, which is the larger of the chaos arms' and the replicates' distances."""
+    k = (twin_config.get("arms") or {}).get("replicate_segments")
+    for u in index.units:
+        expected = set(replicates) if k is not None and u["index"] > k else set()
+        left_out = set(u.get("without", ()))
+        if left_out != expected:
+            raise StoreError(index.run_dir.run_json, f"{u['label']} leaves out {sorted(left_out)} "
+                             f"but the run's arms.replicate_segments={k} leaves out {sorted(expected)}: "
+                             "run.json was edited; use the run directory as twinrun wrote it")
+
+
 def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[dict]]:
     """Read every store once, unit by unit (the arms of one stored step held together, the twin's start
     weights throughout): the run, the per-unit records (metadata and digests), every arm against the
@@ -138,6 +152,7 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
     # a run planned before train.chaos.weights existed had the one-element chaos arm
     chaos_weights = voucher.configs[TWIN]["train"]["chaos"].get("weights", "one")
     groups = index.registered.get("groups") or {}
+    check_without(index, by_role.get("replicate", []), voucher.configs[TWIN])
     records, found, losses, start, sel = [], {}, [], None, None
     for u in index.units:
         stores = {arm: _store(index, u, arm, voucher) for arm in u["stores"]}

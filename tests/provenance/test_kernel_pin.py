@@ -279,3 +279,16 @@ def test_a_replay_takes_the_built_libraries_only_from_its_source_run_s_own_cache
     marker = theirs.parent / compile_cache.RUN_CACHE_MARKER
     marker.write_text(marker.read_text().replace(str(source.resolve()), "/another/run"))
     assert compile_cache.existing_run_cache(str(root), source) is None
+    # Nor is code another user could have written (a node-shared compile_cache_dir): a library anyone may
+    # write is skipped, a cache folder others may write is not adopted, nor one owned by someone else.
+    marker.write_text(marker.read_text().replace("/another/run", str(source.resolve())))
+    assert compile_cache.existing_run_cache(str(root), source) == str(theirs)
+    os.chmod(theirs / "ab" / "cabkey.main.so", 0o666)
+    elsewhere = Path(compile_cache.run_cache_dir(str(root), tmp_path / "replay2")) / "inductor"
+    assert compile_cache.reuse_built_libraries(str(theirs), str(elsewhere))["libraries"] == 0
+    os.chmod(theirs.parent, 0o777)
+    assert compile_cache.existing_run_cache(str(root), source) is None
+    os.chmod(theirs.parent, 0o755)
+    if os.geteuid() == 0:  # (only root can give a file away)
+        os.chown(marker, 65534, 65534)
+        assert compile_cache.existing_run_cache(str(root), source) is None

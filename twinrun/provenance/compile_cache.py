@@ -69,18 +69,31 @@ def mark_twinrun_cache(home: str) -> None:
                     "compile-cache marker")
 
 
+def _ours_alone(path) -> bool:
+    """`path` (not followed) belongs to this user and no one else may write it: a library copied from a
+    cache another user could write would be native code of theirs that Inductor loads."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def existing_run_cache(root: str, run_dir) -> str | None:
-    """The Inductor cache a run compiled into under `root` on this machine, when it is still there and
-    its marker (a regular file) names that run; None otherwise. Nothing is created."""
+    """The Inductor cache a run compiled into under `root` on this machine, when it is still there, its
+    marker (a regular file) names that run, and it is this user's alone (a node-shared compile_cache_dir
+    lets others create a run's predictable folder); None otherwise. Nothing is created."""
     home, text = _run_cache_home(root, run_dir)
     marker = os.path.join(home, RUN_CACHE_MARKER)
+    inductor = os.path.join(home, "inductor")
+    if not all(_ours_alone(p) for p in (home, marker, inductor)):
+        return None
     try:
         st = os.stat(marker, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode) or st.st_size > 4096 or Path(marker).read_text() != text:
             return None
     except (OSError, UnicodeDecodeError):
         return None
-    inductor = os.path.join(home, "inductor")
     return inductor if os.path.isdir(inductor) and not os.path.islink(inductor) else None
 
 
@@ -98,7 +111,7 @@ def reuse_built_libraries(source: str, own: str) -> dict:
         rel = path.relative_to(source).as_posix()
         target = Path(own) / rel
         if (not _LIBRARY.fullmatch(rel) or path.is_symlink() or path.parent.is_symlink() or not path.is_file()
-                or target.exists()):
+                or target.exists() or not (_ours_alone(path) and _ours_alone(path.parent))):
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target, follow_symlinks=False)

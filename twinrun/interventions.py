@@ -91,7 +91,7 @@ class Native(Intervention):
         return list(grid)
 
 
-FOLLOW = 0.0  # a level setting (sigma_pin, anchor_sigma) following each call's own level (never a real one)
+FOLLOW = 0.0  # a level setting following each call's own level (a pin or anchor of 0 is refused by check())
 
 
 def one_level(sigma: torch.Tensor, who: str) -> float:

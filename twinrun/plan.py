@@ -269,7 +269,11 @@ def unit_entry(u: dict, arms: list[Arm]) -> dict:
 def _resume_plan(rd: RunDir, planned: dict) -> RunRecord:
     old = RunIndex.load(rd)
     if [a["config_hash"] for a in old.arms] != [a["config_hash"] for a in planned["arms"]]:
-        raise StoreError(rd.path, "holds a run of a different config; use a new run directory")
+        # The same command line may plan other arms or configs under another twinrun (a key or an arm
+        # added since): the run's own record is what resumes it.
+        raise StoreError(rd.path, "holds a run of a different config (other settings, or planned by another "
+                         f"twinrun version); resume it as planned with `python -m twinrun.resume {rd.path}`, "
+                         "or use a new run directory")
     return old.doc
 
 

@@ -11,6 +11,7 @@ from twinrun.errors import ConfigError
 from twinrun.job import run_job
 from twinrun.measures.train_session import ReplicateLeft
 from twinrun.plan import plan_run, trusted_targets
+from twinrun.publish.train_report import first_lines
 from twinrun.storage.rundir import RunIndex
 from twinrun.storage.train_store import read_train_store
 
@@ -31,6 +32,10 @@ def test_the_replicate_measured_for_the_first_segment_only_leaves_every_other_re
     assert s["passed"] and s["replicate"]["deterministic"], s["checks"]
     assert [r["step"] for r in s["replicate"]["steps"]] == [0, 2]
     assert "measured through step 2 only: arms.replicate_segments" in s["replicate"]["detail"]
+    # where its bits first leave the twin's: not through step 2, which is all it was measured for
+    first = next(f for f in s["first_differing"] if f["arm"] == REP)
+    assert first["step"] is None and first["measured_through"] == 2
+    assert any("not through step 2 (measured there only)" in line for line in first_lines(s)), first_lines(s)
     for arm in ("native", "scale_lr", "scale_lr_noop", "native_chaos"):
         assert last_digests(cheap, arm) == last_digests(full, arm)
     assert [e["floor"] for e in s["effects"]] == [e["floor"] for e in full.summary["effects"]]

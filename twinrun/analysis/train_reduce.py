@@ -103,9 +103,12 @@ def first_difference(stores: list[dict], arm: str, layout: list[dict]) -> dict:
     """The first step at which an arm's weights leave the twin's bits, and the first weight (in the model's
     order) that differs there: from the start stores' tensor digests (step 0), then every step's."""
     names = [g["name"] for g in layout]
+    through = None  # the last step measured, where the arm stops before the run does
     for per in stores:
         if arm not in per:  # a replicate measured in the first segments only (arms.replicate_segments)
-            break
+            return {"arm": arm, "step": None, "first_tensor": None, "n_differ": 0, "n_tensors": len(names),
+                    "measured_through": through}
+        through = per[TWIN]["to_step"]
         mine, twin = per[arm], per[TWIN]
         if per is stores[0]:
             steps = [(0, [mine["digests"][f"weight/{n}"] for n in names],

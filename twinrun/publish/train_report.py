@@ -29,9 +29,15 @@ def yes(flag: bool) -> str:
     return "yes" if flag else "**NO**"
 
 
+def _never(first: dict, said: str) -> str:
+    """`said`, or for an arm measured in the first segments only what was seen: not through its last step."""
+    through = first.get("measured_through")
+    return said if through is None else f"not through step {through} (measured there only)"
+
+
 def first_lines(summary: dict) -> list[str]:
     """Where each arm's bits first leave the twin's (the chaos arm's at step 0 by construction)."""
-    rows = [[f["arm"], "never (bit-identical at every step)" if f["step"] is None else f["step"],
+    rows = [[f["arm"], _never(f, "never (bit-identical at every step)") if f["step"] is None else f["step"],
              f["first_tensor"] or "–", f"{f['n_differ']} / {f['n_tensors']}"]
             for f in summary["first_differing"]]
     return table(["arm", "first step its bits leave the twin's", "first tensor that differs",
@@ -161,7 +167,7 @@ def render_train(summary: dict) -> str:
     if summary.get("replicate"):
         lines += ["", f"replicate: {summary['replicate']['detail']}"]
     lines += ["", "first step each arm's bits leave the twin's:"]
-    lines += [f"  {f['arm']}: never" if f["step"] is None else
+    lines += [f"  {f['arm']}: {_never(f, 'never')}" if f["step"] is None else
               f"  {f['arm']}: step {f['step']} ({f['first_tensor']}, {f['n_differ']} / {f['n_tensors']} "
               "tensors)" for f in summary["first_differing"]]
     if summary["passed"]:

@@ -24,6 +24,8 @@ class FirstDiffering(TypedDict):
     first_tensor: str | None
     n_differ: int
     n_tensors: int
+    # a replicate measured in the first segments only (arms.replicate_segments): the last step it was
+    measured_through: NotRequired[Step | None]
 
 
 class FloorRow(TypedDict):

@@ -51,7 +51,7 @@ from twinrun.model import DEFAULT_ARCH, DiTDenoiser, load_pretrained
 from twinrun.plan import plan_run, trusted_targets
 from twinrun.train import edm_loss, stream_generator
 
-ARMS = 5  # intervention, twin, replicate, machinery, chaos
+ARMS = 6  # intervention, twin, replicate, machinery and two chaos arms (train.chaos.arms, its default)
 
 
 def med(xs) -> float:

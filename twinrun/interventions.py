@@ -94,6 +94,11 @@ class Native(Intervention):
 FOLLOW = 0.0  # a level setting following each call's own level (a pin or anchor of 0 is refused by check())
 
 
+def acts_through(intervention, hooks) -> list[str]:
+    """The hooks among `hooks` an intervention's class overrides: where in a kind it can act at all."""
+    return [h for h in hooks if getattr(type(intervention), h) is not getattr(Intervention, h)]
+
+
 def one_level(sigma: torch.Tensor, who: str) -> float:
     """The one level a call is fed, for a setting at FOLLOW (a sampler step and a probe bin feed one level
     to the whole batch; a float32 σ read as a Python float and filled back as float32 is the same number).

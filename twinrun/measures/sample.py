@@ -27,7 +27,7 @@ from twinrun.config import DeterminismConfig, SampleConfig
 from twinrun.draws import keyed_normal
 from twinrun.errors import ConfigError, TwinrunError
 from twinrun.instantiate import build, objective_of, typed
-from twinrun.interventions import Intervention, attached
+from twinrun.interventions import Intervention, acts_through, attached
 from twinrun.measures import samplers
 from twinrun.measures.failures import as_model_error, failing_frame, first_line
 from twinrun.measures.kind import Measure, Plan, parse_device
@@ -153,9 +153,7 @@ def check_fed(intervention: Intervention, objective, grid: list[float], model=No
                           f"some step of the sampler's schedule: {err.fix.split('; e.g.')[0]}") from None
     # One that acts only on σ_cond and feeds every step its own level is a no-op everywhere (scale_cond at
     # gamma=1): its arm would be the twin, and its machinery arm would never run its code.
-    only_sigma_cond = all(getattr(type(intervention), h) is getattr(Intervention, h)
-                          for h in SAMPLING_HOOKS if h != "sigma_cond")
-    if only_sigma_cond and torch.equal(fed, levels):
+    if acts_through(intervention, SAMPLING_HOOKS) == ["sigma_cond"] and torch.equal(fed, levels):
         raise ConfigError(key, str(intervention), "feeds the conditioning each step's own level at every "
                           "step of the sampler's schedule: a no-op everywhere, nothing to measure; choose "
                           "settings that change something")
@@ -174,7 +172,7 @@ def check_sampling_intervention(intervention: Intervention) -> None:
     """Refuse an intervention that acts nowhere while sampling, or sits at its no-op setting."""
     key = f"intervention({type(intervention).__name__})"
     settings = {k: v for k, v in vars(intervention).items() if not k.startswith("_")}
-    if not any(getattr(type(intervention), h) is not getattr(Intervention, h) for h in SAMPLING_HOOKS):
+    if not acts_through(intervention, SAMPLING_HOOKS):
         raise ConfigError(key, settings, f"acts nowhere while sampling (it overrides none of "
                           f"{', '.join(SAMPLING_HOOKS)}): nothing to measure")
     noop = sampling_noop(intervention)

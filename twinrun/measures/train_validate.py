@@ -11,7 +11,7 @@ from twinrun.analysis.train_reduce import refuse_derived
 from twinrun.config import ChaosConfig
 from twinrun.errors import ConfigError
 from twinrun.instantiate import build
-from twinrun.interventions import Intervention
+from twinrun.interventions import Intervention, acts_through
 from twinrun.measures import train_loop as loop
 from twinrun.measures import trial
 from twinrun.measures.kind import parse_device
@@ -150,7 +150,7 @@ def check_training_intervention(intervention: Intervention) -> None:
                           "bit-identical to the twin at every step; without one nothing vouches for the "
                           "instrument. Declare a no-op setting, or train with an intervention that has one "
                           "(scale_lr: factor=1; weight_sigma: power=0)")
-    if not any(getattr(type(intervention), h) is not getattr(Intervention, h) for h in TRAINING_HOOKS):
+    if not acts_through(intervention, TRAINING_HOOKS):
         raise ConfigError(key, settings, f"acts nowhere in training (it overrides none of "
                           f"{', '.join(TRAINING_HOOKS)}): nothing to measure")
     if all(settings.get(k) == v for k, v in noop.items()):

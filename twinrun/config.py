@@ -14,7 +14,8 @@ from hydra.errors import HydraException
 from omegaconf import MISSING
 
 from twinrun.errors import StoreError
-from twinrun.interventions import INTERVENTIONS, schema
+from twinrun.intervention_nodes import schema
+from twinrun.interventions import INTERVENTIONS
 from twinrun.objectives import OBJECTIVES
 from twinrun.objectives import schema as objective_schema
 from twinrun.plugins import plugin_interventions, plugin_objectives

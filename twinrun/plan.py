@@ -31,7 +31,7 @@ from twinrun.config import (
 from twinrun.errors import ConfigError, StoreError, TwinrunError, signals_held
 from twinrun.files import atomic_write, make_dir, write_json
 from twinrun.instantiate import build
-from twinrun.interventions import check_protocol
+from twinrun.intervention_nodes import check_protocol
 from twinrun.measures.kind import Measure
 from twinrun.measures.registry import MEASURES, measure_of
 from twinrun.protocol import config_hash, protocol_differences

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from matplotlib.patches import Rectangle
 
-from twinrun.interventions import sweep_axis
+from twinrun.intervention_nodes import sweep_axis
 from twinrun.publish.sweep import write_sweep_report
 from twinrun.publish.sweep_plots import (
     CELL_STYLES,

@@ -27,8 +27,8 @@ FLOORS = [
                     "twinrun.caches", "twinrun.lora", "twinrun.models"]),
     ("storage", ["twinrun.storage"]),
     ("provenance", ["twinrun.provenance"]),
-    ("schema", ["twinrun.config", "twinrun.protocol", "twinrun.instantiate", "twinrun.interventions",
-                "twinrun.objectives", "twinrun.errors", "twinrun.files", "twinrun"]),
+    ("schema", ["twinrun.config", "twinrun.protocol", "twinrun.instantiate", "twinrun.intervention_nodes",
+                "twinrun.interventions", "twinrun.objectives", "twinrun.errors", "twinrun.files", "twinrun"]),
 ]
 COMMANDS = set(FLOORS[0][1])
 # Side by side on one floor, neither reads the other: the reducer hands a summary to publish.

@@ -23,7 +23,7 @@ from twinrun.config import DigitsDataConfig, ProbeConfig
 from twinrun.errors import StoreError, TwinrunError
 from twinrun.files import ensure_descriptors
 from twinrun.instantiate import typed
-from twinrun.interventions import rebuild
+from twinrun.intervention_nodes import rebuild
 from twinrun.protocol import STORE_IDENTITY_KEYS, STORE_PROTOCOL_KEYS
 from twinrun.provenance.record import tensors_sha256
 from twinrun.storage.records import GATE_REPLICATE, ProbeUnit

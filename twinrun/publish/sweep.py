@@ -10,7 +10,7 @@ from pathlib import Path
 
 from twinrun.errors import StoreError
 from twinrun.files import atomic_write, write_json
-from twinrun.interventions import sweep_axis
+from twinrun.intervention_nodes import sweep_axis
 from twinrun.provenance.version import twinrun_version
 from twinrun.publish.seeds import TEST_NAME, disagreements, pool_seeds
 from twinrun.publish.sweep_plots import plot_sweep, sweep_caption, swept_variables

@@ -153,7 +153,7 @@ def test_a_conditional_model_runs_pin_sigma_and_its_embeddings_are_what_was_meas
 def test_a_conditional_model_trains_as_twins(tmp_path):
     proc = run_twinrun(["+experiment=train_scale_lr", "model._target_=cond_models.tiny",
                         "data._target_=cond_models.cond_train_data", "train.steps=4", "train.segment_steps=2",
-                        "train.batch_size=4", "train.heldout_images=4", "train.chaos.param=inp.weight",
+                        "train.batch_size=4", "train.heldout_images=4",
                         "objective=flow", f"hydra.run.dir={tmp_path}/run"], cwd=TESTS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "summary.json").is_file()

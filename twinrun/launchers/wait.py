@@ -163,13 +163,14 @@ def _final_state(job, state: str) -> str:
     while True:
         answer = slurm_states([job.job_id])
         queued = queued if answer is None else answer[job.job_id]
-        if queued in SLURM_ENDED or queued == GONE or time.monotonic() > deadline:
-            break
+        left_queue, late = queued in SLURM_ENDED or queued == GONE, time.monotonic() > deadline
+        # slurmdbd records the end after squeue shows it: ask sacct until it agrees, or accounting is off
+        accounted = sacct_state(job.job_id) if left_queue or late else None
+        if accounted and accounted.split()[0] in SLURM_ENDED:
+            return accounted
+        if (left_queue and accounted is None) or late:
+            return queued
         time.sleep(0.5)
-    accounted = sacct_state(job.job_id)
-    if accounted and accounted.split()[0] in SLURM_ENDED:
-        return accounted
-    return queued
 
 
 def _report(e: "Submitted", state: str, tail: list[str]) -> int:

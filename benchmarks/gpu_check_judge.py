@@ -4,8 +4,8 @@ recorded), summary.json beside the work, exit 1 if anything failed.
     python benchmarks/gpu_check_judge.py WORK_DIR cuda|cpu
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from twinrun.measures import fold_sums as fs
@@ -157,7 +157,13 @@ def judge_bench(v: Verdicts, work: Path, device: str) -> None:
 
 
 def main() -> int:
-    work, device = Path(sys.argv[1]), sys.argv[2]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("work", type=Path, help="the work folder benchmarks/gpu_check.sh wrote")
+    ap.add_argument("device", choices=("cuda", "cpu"))
+    args = ap.parse_args()
+    work, device = args.work, args.device
+    if not work.is_dir():
+        ap.error(f"{work}: no such folder (give the work folder benchmarks/gpu_check.sh wrote)")
     v = Verdicts()
     judge_sentinel(v, work, device)
     if ran(v, work, "pytest_gpu") == 0:

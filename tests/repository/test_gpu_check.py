@@ -50,3 +50,13 @@ def test_the_judge_fails_loudly_naming_what_failed(tmp_path):
     assert any(ln.startswith("FAIL vmap_eager: never ran") for ln in lines)
     assert lines[-1].startswith("gpu_check: ") and "FAILED: " in lines[-1] and "pytest_gpu" in lines[-1]
     assert json.loads((tmp_path / "summary.json").read_text())["checks"]
+
+
+def test_the_judge_says_its_usage_and_refuses_a_missing_work_folder_in_one_line(tmp_path):
+    helped = subprocess.run([sys.executable, str(JUDGE), "--help"], capture_output=True, text=True,
+                            check=False, cwd=REPO)
+    assert helped.returncode == 0 and "work" in helped.stdout and "cuda" in helped.stdout
+    missing = subprocess.run([sys.executable, str(JUDGE), str(tmp_path / "nowhere"), "cuda"],
+                             capture_output=True, text=True, check=False, cwd=REPO)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "nowhere: no such folder" in missing.stderr.splitlines()[-1]

@@ -1,6 +1,9 @@
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,6 +78,33 @@ def slow_fsync_env(folder: Path, sleep_s: float) -> dict:
         f"import os, time\n_fsync = os.fsync\n\n\ndef _slow_fsync(fd):\n    time.sleep({sleep_s!r})\n"
         "    _fsync(fd)\n\n\nos.fsync = _slow_fsync\n")
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+
+def kill_when(proc: subprocess.Popen, condition, timeout_s: float = 120) -> None:
+    """SIGKILL a started run the moment `condition()` holds (polled every 5 ms); it must not finish first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"finished before the kill point:\n{proc.stdout.read()}"
+        assert time.monotonic() < deadline, "kill point never reached"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def resumes_killed_at_random(run_dir: Path, cwd: Path, env: dict, rng: random.Random, kills: int,
+                             wait_s: tuple[float, float]) -> tuple[list[str], subprocess.CompletedProcess]:
+    """`twinrun.resume RUN` killed `kills` times after a random wait in `wait_s` (start-up, mid-unit,
+    mid-write: wherever it lands), then one resume left to finish: (the killed ones' outputs, the last)."""
+    outputs = []
+    for _ in range(kills):
+        proc = start_twinrun(["twinrun.resume", str(run_dir)], cwd, env)
+        time.sleep(rng.uniform(*wait_s))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        outputs.append(proc.stdout.read())
+    return outputs, run_twinrun([str(run_dir)], cwd=cwd, module="twinrun.resume")
 
 
 # ----------------------------------------------------------------------------- launching (SLURM, submitit)

@@ -5,12 +5,10 @@ import json
 import os
 import random
 import re
-import signal
 import textwrap
-import time
 
 import pytest
-from conftest import measured, run_twinrun, slow_fsync_env, start_twinrun
+from conftest import kill_when, measured, resumes_killed_at_random, run_twinrun, slow_fsync_env, start_twinrun
 
 from twinrun.errors import StoreError
 from twinrun.job import run_job
@@ -23,15 +21,6 @@ pytestmark = pytest.mark.slow
 # Five bins so that kills land before, between and inside bins.
 FAULT_RUN = ["+experiment=pin_sigma", "probe.n_images=8", "probe.n_draws=3", "probe.n_folds=4",
              "sigma_grid.sigmas=[0.2,0.35,0.5,0.8,1.2]"]
-
-def kill_when(proc, condition, timeout_s=120):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert proc.poll() is None, f"finished before the kill point:\n{proc.stdout.read()}"
-        assert time.monotonic() < deadline, "kill point never reached"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
 
 
 def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path):
@@ -51,15 +40,7 @@ def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path):
     assert (run_dir / ".lock").exists(), "the dead writer's lock is left behind"
 
     # 2. a few resumes killed at random moments, then one left to finish
-    outputs = []
-    for _ in range(3):
-        proc = start_twinrun(["twinrun.resume", str(run_dir)], tmp_path, env)
-        time.sleep(rng.uniform(0.5, 3.0))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        outputs.append(proc.stdout.read())
-    final = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume")
+    outputs, final = resumes_killed_at_random(run_dir, tmp_path, env, rng, kills=3, wait_s=(0.5, 3.0))
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
     # some resume found a killed writer's lock and recovered it (which one depends on where the
     # random kills land: a resume killed while importing never reaches the lock)

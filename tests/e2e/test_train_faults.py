@@ -4,14 +4,13 @@ the default experiment, then status, resume, reduce, compare and diff on it; a S
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run_twinrun, slow_fsync_env, start_twinrun
+from conftest import kill_when, resumes_killed_at_random, run_twinrun, slow_fsync_env, start_twinrun
 
 from twinrun.storage.train_store import read_train_store
 
@@ -37,25 +36,12 @@ def test_kill_9_at_random_instants_then_resume_is_bit_identical(tmp_path):
 
     # 1. the first run, killed mid-write once a segment store is on its way
     proc = start_twinrun(["twinrun", *FAULT_RUN, f"hydra.run.dir={run_dir}"], tmp_path, env)
-    deadline = time.monotonic() + 180
-    while not (list(run_dir.glob("arms/*/.seg*.tmp-*")) and list(run_dir.glob("arms/*/seg*.safetensors"))):
-        assert proc.poll() is None, f"finished before the kill point:\n{proc.stdout.read()}"
-        assert time.monotonic() < deadline, "kill point never reached"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_when(proc, lambda: list(run_dir.glob("arms/*/.seg*.tmp-*")) and
+              list(run_dir.glob("arms/*/seg*.safetensors")), timeout_s=180)
     assert list(run_dir.glob("arms/*/.*.tmp-*")), "killed with a half-written store on disk"
 
     # 2. resumes killed at random instants (start-up, mid-segment, mid-write), then one left to finish
-    outputs = []
-    for _ in range(4):
-        proc = start_twinrun(["twinrun.resume", str(run_dir)], tmp_path, env)
-        time.sleep(rng.uniform(1.0, 6.0))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        outputs.append(proc.stdout.read())
-    final = run_twinrun([str(run_dir)], cwd=tmp_path, module="twinrun.resume")
+    outputs, final = resumes_killed_at_random(run_dir, tmp_path, env, rng, kills=4, wait_s=(1.0, 6.0))
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
     assert any("every arm continues from" in out for out in [*outputs, final.stdout]), outputs
 

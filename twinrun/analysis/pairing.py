@@ -23,6 +23,11 @@ From these blocks (fold-means versions: divided by the folds' sample counts):
   (ab, aa, bb) as a 2×2 form over the arms): unpairing removes the cross-arm draw covariance D from
   the fold noise's covariance Σ, which lowers ζ1 by 2·u_aᵀ D u_b (u = Kμ) and ζ2 by
   2 tr(KΣKJ) − tr(KJKJ) (J: D in the cross blocks). Each term is a U-statistic over folds of the blocks.
+
+Where the draw noise differs across images (so from fold to fold) each term still averages what its folds
+carry: the two variances stay unbiased, and the gain is the run's own, given its images. Over runs with other
+images the gain pools the runs weighted by their variance and a median receipt reads below it
+(docs/estimator.md, "Where draw noise differs across images").
 """
 
 from dataclasses import dataclass, field

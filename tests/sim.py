@@ -99,7 +99,8 @@ def truth_means(snr: float, sizes, cos_true: float, ratio: float, n_params: int 
 
 
 def pairing_grams(rng, images_per_fold, n_draws: int, mu_a, mu_b, image_var, draw_var, rho_image: float,
-                  rho_draw: float, reps: int, paired: bool = True, chunk: int = 200) -> dict:
+                  rho_draw: float, reps: int, paired: bool = True, chunk: int = 200,
+                  draw_scale2=None) -> dict:
     """Fold sums with image and draw noise, explicitly in P = len(mu_a) coordinates, and the blocks of the
     pairing receipt: {"g_ab", "g_aa", "g_bb", "q_aa", "q_ab", "q_ba", "q_bb", "r_aa", "r_ab", "r_bb"}, each
     [reps, F, F] (twinrun.pairing.PairingBlocks' fields).
@@ -107,13 +108,23 @@ def pairing_grams(rng, images_per_fold, n_draws: int, mu_a, mu_b, image_var, dra
     A sample (image i, draw d) of arm x is μ^x + α^x_i + β^x_id: the image's part α (variance image_var
     per coordinate, the arms' correlated rho_image: same images) and the draw's β (draw_var, correlated
     rho_draw when paired, independent when not: the twin's own draws). Fold f sums its images' D draws;
-    H_f = sqrt(k1·k2)·(S_f,1/k1 − S_f,2/k2) over the two halves of the draws."""
+    H_f = sqrt(k1·k2)·(S_f,1/k1 − S_f,2/k2) over the two halves of the draws.
+
+    draw_scale2: each image's draw variance as a multiple of draw_var, [images] (the same images in every
+    run) or [reps, images] (other images each run), images in fold order; None: 1 for every image. Only
+    its sum over a fold's images matters (the fold's draw sums are Gaussian with that variance), so no
+    per-image noise is drawn."""
     k1 = n_draws // 2
     k2 = n_draws - k1
     m = np.asarray(images_per_fold)
     n_samples = (m * n_draws).astype(np.float64)
     mu = np.stack([np.asarray(mu_a, float), np.asarray(mu_b, float)])  # [2, P]
     sd_img, sd_draw = np.sqrt(np.asarray(image_var, float)), np.sqrt(np.asarray(draw_var, float))
+    if draw_scale2 is None:
+        draw_weight = np.broadcast_to(m, (reps, len(m)))  # Σ_{i ∈ f} s_i², here the image count
+    else:
+        scale2 = np.broadcast_to(np.asarray(draw_scale2, float), (reps, m.sum()))
+        draw_weight = np.add.reduceat(scale2, np.concatenate([[0], np.cumsum(m)[:-1]]), axis=1)
     out = {k: [] for k in ("g_ab", "g_aa", "g_bb", "q_aa", "q_ab", "q_ba", "q_bb", "r_aa", "r_ab", "r_bb")}
     for start in range(0, reps, chunk):
         r = min(chunk, reps - start)
@@ -125,7 +136,8 @@ def pairing_grams(rng, images_per_fold, n_draws: int, mu_a, mu_b, image_var, dra
 
         image = pair(rho_image) * (n_draws * np.sqrt(m))[None, None, :, None] * sd_img  # Σ_i D·α_i
         rho_halves = rho_draw if paired else 0.0
-        halves = [pair(rho_halves) * np.sqrt(m * k)[None, None, :, None] * sd_draw for k in (k1, k2)]
+        weight = draw_weight[start:start + r, None, :, None]
+        halves = [pair(rho_halves) * np.sqrt(weight * k) * sd_draw for k in (k1, k2)]
         sums = n_samples[None, None, :, None] * mu[None, :, None, :] + image + halves[0] + halves[1]
         diff = np.sqrt(k1 * k2) * (halves[0] / k1 - halves[1] / k2)  # the images' share cancels
         gram = lambda x, y: np.einsum("rfp,rgp->rfg", x, y)

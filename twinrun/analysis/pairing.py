@@ -23,9 +23,14 @@ From these blocks (fold-means versions: divided by the folds' sample counts):
   (ab, aa, bb) as a 2×2 form over the arms): unpairing removes the cross-arm draw covariance D from
   the fold noise's covariance Σ, which lowers ζ1 by 2·u_aᵀ D u_b (u = Kμ) and ζ2 by
   2 tr(KΣKJ) − tr(KJKJ) (J: D in the cross blocks). Each term is a U-statistic over folds of the blocks.
+
+Where the draw noise differs across images (so from fold to fold) each term still averages what its folds
+carry: the two variances stay unbiased, and the gain is the run's own, given its images. Over runs with other
+images the gain pools the runs weighted by their variance and a median receipt reads below it
+(docs/estimator.md, "Where draw noise differs across images").
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,6 +63,9 @@ class PairingReceipt:
     gain_cos: float | None  # Var(cos | twin unpaired) / Var(cos as measured); None below noise
     gain_ratio: float | None
     gain_effect: float  # the same for the test of no effect, |μ_a − μ_b|²
+    # {"cos", "ratio", "effect"}: (Var as measured, Var unpaired) whose ratio is the gain; each unbiased,
+    # so over many runs their means pool to the variances over those runs (tests/analysis/test_pairing.py)
+    variances: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def _off_diagonal_mean(x: np.ndarray) -> float:
@@ -108,14 +116,16 @@ def hoeffding_parts(means: list[np.ndarray], weights: np.ndarray) -> tuple[float
     return float(zeta1), float(zeta2[0, 0])
 
 
-def gain(means: list[np.ndarray], weights: np.ndarray, q: dict, r: dict) -> float:
-    """Var had the twin's draws been independent / Var as measured, for the U-statistic Σ w_k X_k."""
+def variances(means: list[np.ndarray], weights: np.ndarray, q: dict, r: dict) -> tuple[float, float]:
+    """(Var as measured, Var had the twin's draws been independent) of the U-statistic Σ w_k X_k. Each is
+    unbiased before clipping, also where the draw noise differs from fold to fold: every term is an
+    average over folds or fold pairs of what those folds carry."""
     f = means[0].shape[-1]
     zeta1, zeta2 = hoeffding_parts(means, weights)
     d1, d2 = variance_change(weights, q, r, f)
     paired = max(4 * zeta1 / f, 0.0) + max(2 * zeta2 / (f * (f - 1)), 0.0)
     unpaired = max(4 * (zeta1 - d1) / f, 0.0) + max(2 * (zeta2 - d2) / (f * (f - 1)), 0.0)
-    return unpaired / paired if paired > 0 else float("nan")
+    return paired, unpaired
 
 
 def _correlation(xy: float, xx: float, yy: float) -> float:
@@ -133,12 +143,12 @@ def pairing_receipt(blocks: PairingBlocks, n, printed: bool) -> PairingReceipt:
     draws = [float(np.mean(n * np.diag(r[k]))) for k in ("ab", "aa", "bb")]
     rho = _correlation(traces[0], traces[1], traces[2])
     ab, aa, bb = (u_statistic(m) for m in means)
-    effect = gain(means, np.array([-2.0, 1.0, 1.0]), q, r)
-    gains = (None, None)
+    var = {"effect": variances(means, np.array([-2.0, 1.0, 1.0]), q, r)}
     if printed and aa > 0 and bb > 0:
         cos, ratio = ab / np.sqrt(aa * bb), np.sqrt(aa / bb)
         cos_w = np.array([1 / np.sqrt(aa * bb), -cos / (2 * aa), -cos / (2 * bb)])
         ratio_w = np.array([0.0, ratio / (2 * aa), -ratio / (2 * bb)])
-        gains = (gain(means, cos_w, q, r), gain(means, ratio_w, q, r))
+        var["cos"], var["ratio"] = variances(means, cos_w, q, r), variances(means, ratio_w, q, r)
+    gains = {k: unpaired / paired if paired > 0 else float("nan") for k, (paired, unpaired) in var.items()}
     return PairingReceipt(rho, _correlation(*draws), draws[2] / traces[2] if traces[2] > 0 else float("nan"),
-                          *gains, effect)
+                          gains.get("cos"), gains.get("ratio"), gains["effect"], var)

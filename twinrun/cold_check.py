@@ -78,11 +78,18 @@ def in_fresh_process(work: Path, name: str, mode: str, determinism: bool, bundle
     return read_json(out / "result.json")
 
 
-def cold_check(run: Path | None, mode: str, determinism: bool) -> tuple[bool, list[str]]:
+def cold_check(run: Path | None, mode: str, determinism: bool, trust_bundle: bool = False
+               ) -> tuple[bool, list[str]]:
     """(bit-identical, report lines)."""
-    if run is not None and kernel_pin.recorded_pin(run) is None:
+    record = kernel_pin.recorded_pin(run) if run is not None else None
+    if run is not None and record is None:
         raise TwinrunError(f"--run {run}: it recorded no compile bundle (eager, or from before twinrun "
                            "saved bundles); name a compiled run, or leave --run out")
+    if run is not None and not (trust_bundle or kernel_pin.written_here((record.get("bundle") or {})
+                                                                         .get("sha256"))):
+        raise TwinrunError(f"--run {run}: its compile bundle was not written by a job of yours on this "
+                           "machine, and loading one runs code its writer chose (Inductor's cache entries "
+                           "are pickles); add --trust-bundle if you trust whoever wrote that run")
     with tempfile.TemporaryDirectory(prefix="twinrun-cold-check-") as tmp:
         work = Path(tmp)
         cold = in_fresh_process(work, "cold", mode, determinism, None)
@@ -107,7 +114,7 @@ def cold_check(run: Path | None, mode: str, determinism: bool) -> tuple[bool, li
 def main(args) -> int:
     """From `python -m twinrun.env --cold-check` (its parsed arguments)."""
     try:
-        same, lines = cold_check(args.run, args.compile, args.determinism == "on")
+        same, lines = cold_check(args.run, args.compile, args.determinism == "on", args.trust_bundle)
     except TwinrunError as err:
         fail(err)
     print("\n".join(lines))

@@ -306,6 +306,9 @@ class DeterminismConfig:
     # certificate in run.json says whether any kernel was still chosen here). null: none, unless
     # `reference` names a run that saved one (docs/kernel-paths.md, "Pinning a kernel path").
     kernel_path_from: str | None = None
+    # Load a replayed run's compile bundle although no job of yours wrote it on this machine: a bundle
+    # is code (Inductor's cache entries are pickles), so this vouches for whoever wrote that run.
+    trust_bundle: bool = False
     # Run the cold-against-warm control in the job (`python -m twinrun.env --cold-check` with the job's
     # compile mode and determinism): the sentinel with the default model compiled twice in fresh
     # processes, cold and from the cold compile's bundle; run.json's job record says whether the two

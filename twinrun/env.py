@@ -42,6 +42,9 @@ def main(argv=None) -> int:
                    help="compile the sentinel and the default model cold and from a compile bundle, each in "
                    "a fresh process, and require the same bits (exit 0; 1 when they differ)")
     p.add_argument("--run", type=Path, help="with --cold-check: replay this compiled run's bundle")
+    p.add_argument("--trust-bundle", action="store_true",
+                   help="with --run: load its bundle although no job of yours wrote it on this machine "
+                   "(a bundle is code: Inductor's cache entries are pickles)")
     p.add_argument("--compile", default="max-autotune", choices=("default", "max-autotune"),
                    help="with --cold-check: the torch.compile mode")
     args = p.parse_args(argv)

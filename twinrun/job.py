@@ -325,7 +325,9 @@ def open_pin(index: RunIndex, config: dict, compiles: bool, device: torch.device
     try:
         kernel_pin.refuse_other_capability(source, record.get("capability") or {},
                                            kernel_pin.capability(device))
-    except KernelPathRefused as err:
+        kernel_pin.refuse_untrusted("determinism.kernel_path_from" if explicit else "reference", source,
+                                    record, bool((config.get("determinism") or {}).get("trust_bundle")))
+    except (KernelPathRefused, ConfigError) as err:
         if explicit:
             raise
         # A reference measured elsewhere is still compared (and read dead or alive), just not replayed.

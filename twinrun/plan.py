@@ -117,6 +117,8 @@ def check_pin_source(cfg: DictConfig) -> None:
                           "(eager, or measured before twinrun saved bundles); name a compiled run, or cold")
     here = kernel_pin.capability(None)
     kernel_pin.refuse_other_capability(source, {k: record.get("capability", {}).get(k) for k in here}, here)
+    kernel_pin.refuse_untrusted("determinism.kernel_path_from", source, record,
+                                bool(cfg.determinism.get("trust_bundle")))
 
 
 def check_cold_check(cfg: DictConfig, kind) -> None:

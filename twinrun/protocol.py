@@ -33,7 +33,8 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-UNSET_PIN = {"kernel_path_from": (None,), "cold_check": (False,)}  # defaults config_hash leaves out
+# The kernel-pin settings at their defaults, which config_hash leaves out.
+UNSET_PIN = {"kernel_path_from": (None,), "cold_check": (False,), "trust_bundle": (False,)}
 
 
 def _at(config: dict, dotted: str):

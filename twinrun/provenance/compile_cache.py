@@ -69,7 +69,7 @@ def mark_twinrun_cache(home: str) -> None:
                     "compile-cache marker")
 
 
-def _ours_alone(path) -> bool:
+def ours_alone(path) -> bool:
     """`path` (not followed) belongs to this user and no one else may write it: a library copied from a
     cache another user could write would be native code of theirs that Inductor loads."""
     try:
@@ -86,7 +86,7 @@ def existing_run_cache(root: str, run_dir) -> str | None:
     home, text = _run_cache_home(root, run_dir)
     marker = os.path.join(home, RUN_CACHE_MARKER)
     inductor = os.path.join(home, "inductor")
-    if not all(_ours_alone(p) for p in (home, marker, inductor)):
+    if not all(ours_alone(p) for p in (home, marker, inductor)):
         return None
     try:
         st = os.stat(marker, follow_symlinks=False)
@@ -111,7 +111,7 @@ def reuse_built_libraries(source: str, own: str) -> dict:
         rel = path.relative_to(source).as_posix()
         target = Path(own) / rel
         if (not _LIBRARY.fullmatch(rel) or path.is_symlink() or path.parent.is_symlink() or not path.is_file()
-                or target.exists() or not (_ours_alone(path) and _ours_alone(path.parent))):
+                or target.exists() or not (ours_alone(path) and ours_alone(path.parent))):
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target, follow_symlinks=False)

@@ -10,6 +10,11 @@ A replay (`determinism.kernel_path_from=RUN`, or `reference=RUN` whose reference
 that bundle before the first compile, on a cache of its own, and reads the counters after its
 compiles: no cache miss and no timing decision means no kernel was chosen in this process.
 
+A bundle is code: Inductor's cache entries in it are pickles, unpickled when a graph is looked up, so
+loading one runs what its writer chose. A replay loads only a bundle a job of this user wrote on this
+machine (its sha256 listed in `written_bundles_dir()`, a folder no one else may write), or one the user
+vouches for with `determinism.trust_bundle=true`, as `trust_remote_code` does for a model's code.
+
 Inductor replays a cached graph's counter deltas on a hit (`counters["inductor"] += deltas`), so a
 hit counts the autotuning its graph once did. `Watch` tells the two apart: what a hit replayed is
 kept aside, and only what this process did itself certifies or unpins.
@@ -19,13 +24,16 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import os
+import re
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from twinrun.errors import KernelPathRefused, StoreError
+from twinrun.errors import ConfigError, KernelPathRefused, StoreError
 from twinrun.files import atomic_write, read_json, read_regular
+from twinrun.provenance.compile_cache import ours_alone
 
 BUNDLE_MAX_BYTES = 1 << 30  # a bundle holds generated code and kernels; a larger file is not one of ours
 # Counters that say a graph was compiled in this process instead of read from the bundle.
@@ -150,6 +158,7 @@ def save_bundle(env_dir, watch: Watch, device) -> dict:
     sha = hashlib.sha256(data).hexdigest()
     name = f"compile-{sha[:12]}.bundle"
     atomic_write(env_dir / name, data)
+    remember_written(sha)
     return {"bundle": {"file": f"env/{name}", "sha256": sha, "bytes": len(data)},
             "capability": capability(device),
             "keys": {kind: sorted(keys) for kind, keys in info.artifacts.items()},
@@ -184,6 +193,45 @@ def read_bundle(run_dir, record: dict) -> bytes:
     if hashlib.sha256(data).hexdigest() != bundle.get("sha256"):
         raise StoreError(path, "sha256 differs from the one its job recorded: damaged or replaced")
     return data
+
+
+def written_bundles_dir() -> Path:
+    """Where this user's jobs list the bundles they wrote on this machine (one empty file per sha256)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "twinrun" / "written-bundles"
+
+
+def remember_written(sha256: str) -> None:
+    """List a bundle this job wrote, so its user's replays load it without vouching. A home that cannot
+    be written only costs that: the replay then asks for determinism.trust_bundle."""
+    folder = written_bundles_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if ours_alone(folder):
+            (folder / sha256).touch(mode=0o600)
+    except OSError as err:
+        print(f"twinrun: the compile bundle is not listed as yours in {folder} ({err.strerror or err}); "
+              "a replay of it will ask for determinism.trust_bundle=true", flush=True)
+
+
+def written_here(sha256) -> bool:
+    """Whether a job of this user wrote the bundle with this sha256 on this machine: its entry a regular
+    file of this user's in a folder only this user may write."""
+    if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        return False
+    folder = written_bundles_dir()
+    entry = folder / sha256
+    return ours_alone(folder) and ours_alone(entry) and entry.is_file() and not entry.is_symlink()
+
+
+def refuse_untrusted(key: str, source: str, record: dict, trusted: bool) -> None:
+    """One line, before any compute: a bundle neither written by this user's jobs here nor vouched for."""
+    if trusted or written_here((record.get("bundle") or {}).get("sha256")):
+        return
+    raise ConfigError(key, source, "its compile bundle was not written by a job of yours on this machine, "
+                      "and loading one runs code its writer chose (Inductor's cache entries are pickles); "
+                      "set determinism.trust_bundle=true if you trust whoever wrote that run, or "
+                      "determinism.kernel_path_from=cold")
 
 
 def refuse_other_capability(source: str, recorded: dict, here: dict) -> None:

@@ -13,7 +13,7 @@ pytest.importorskip("diffusers")
 
 from twinrun.measures import fold_sums as fs
 from twinrun.models import pixart, sd3
-from twinrun.models.attention import BatchedSDPA, VmapAttention
+from twinrun.models.attention import BatchedSDPA, VmapAttention, _SDPAUnderVmap
 from twinrun.objectives import OBJECTIVES
 
 G, B, H, LQ, LK, D = 3, 2, 2, 5, 4, 8  # fold groups, batch per group, heads, query/key lengths, head dim
@@ -22,6 +22,15 @@ FALLBACK = "There is a performance drop because we have not yet implemented the 
 
 def batched(q, k, v, mask):
     return BatchedSDPA.apply(q, k, v, mask, 0.0, False, None, False)
+
+
+def routed(q, k, v, mask):
+    """As a diffusers processor calls it inside VmapAttention: under vmap, folded without BatchedSDPA."""
+    with _SDPAUnderVmap():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+ENTRIES = {"autograd.Function": batched, "the processor's call": routed}
 
 
 def tensors(seed: int):
@@ -45,14 +54,17 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("case", CASES)
-def test_vmapped_sdpa_has_the_per_group_loops_bits_forward_and_backward(case):
+def test_vmapped_sdpa_has_the_per_group_loops_bits_forward_and_backward(case, entry, monkeypatch):
+    if entry != "autograd.Function":  # vmap the innermost transform: the direct path, never the Function
+        monkeypatch.setattr(BatchedSDPA, "apply", lambda *a: pytest.fail("BatchedSDPA under plain vmap"))
     dims, shape_mask = CASES[case]
     q, k, v, m = tensors(1)
     mask = None if shape_mask is None else shape_mask(m)
     args = [t if d == 0 or t is None else t[0] for t, d in zip((q, k, v, mask), dims)]
     leaves = [a.clone().requires_grad_() for a in args[:3]]
-    got = vmap(batched, in_dims=dims)(*leaves, args[3])
+    got = vmap(ENTRIES[entry], in_dims=dims)(*leaves, args[3])
     grads = torch.autograd.grad(got.square().sum(), leaves)
 
     ref_leaves = [a.clone().requires_grad_() for a in args[:3]]
@@ -75,6 +87,17 @@ def test_outside_vmap_its_backward_recomputes_sdpas_own_gradient():
     want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=m).sum(), (q, k, v))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_under_another_transform_the_processors_call_goes_through_batched_sdpa(monkeypatch):
+    calls = []
+    monkeypatch.setattr(BatchedSDPA, "apply", lambda *a: calls.append(1) or F.scaled_dot_product_attention(
+        *a[:3], attn_mask=a[3]))
+    q, k, v, m = (t[0] for t in tensors(4))
+    torch.func.grad(lambda q: routed(q, k, v, m).sum())(q)  # grad innermost: not vmap's level to fold
+    assert calls == [1]
+    vmap(routed)(*tensors(4))
+    assert calls == [1]
 
 
 def sums_and_warnings(kind: str, vmap_attention: bool):

@@ -157,13 +157,18 @@ def fold_sums(
     d_chunk = n_draws if chunk_draws < 1 else min(chunk_draws, n_draws)
     weight = bin_weight(objective, model, sigma)
 
-    def group_loss(p, x, e, mask, c):  # x [k,C,H,W], e [k,d,C,H,W], mask [k], c {name: [k, ...]}
+    ties = aliases(model)
+
+    def group_loss(p, x, e, mask, c):  # p per name, x [k,C,H,W], e [k,d,C,H,W], mask [k], c {name: [k, ...]}
         clean = x.unsqueeze(1).expand_as(e).reshape(-1, *x.shape[1:])
         sig = torch.full((clean.shape[0],), float(sigma), dtype=x.dtype, device=x.device)
         flat = e.flatten(0, 1)
         noisy = objective.noisy(model, clean, flat, sig)
-        out = functional_call(model, (p, frozen), (noisy, sig, sigma_cond.to(x.dtype).expand_as(sig)),
-                              conditioning.per_draw(c, e.shape[1]))
+        values = {**dict(zip(names, p)), **frozen}
+        for alias, name in ties:  # what functional_call's tie_weights would find again on every call
+            values[alias] = values[name]
+        out = functional_call(model, values, (noisy, sig, sigma_cond.to(x.dtype).expand_as(sig)),
+                              conditioning.per_draw(c, e.shape[1]), tie_weights=False)
         per_sample = (out - objective.target(model, clean, flat, sig)).square().flatten(1).mean(1)
         return weight * (per_sample.view(e.shape[:2]) * mask.unsqueeze(1)).sum()
 
@@ -172,6 +177,7 @@ def fold_sums(
     sums = torch.zeros(n_folds, ends[-1], dtype=accumulator, device=images.device)
     second = None if second_from is None else torch.zeros_like(sums)
     pieces = draw_pieces(n_draws, d_chunk, second_from)
+    copies: dict[int, tuple] = {}  # number of groups -> the probed parameters' expanded leaves
     for start in range(0, len(groups), per_call):
         chunk = groups[start : start + per_call]
         # Pad every group to k images with copies of its first image, weighted 0.
@@ -182,19 +188,36 @@ def fold_sums(
         # One group per fold, folds in a row (equal folds): add in place, float32 into the accumulator.
         rows = slice(folds[0], folds[-1] + 1) if folds == list(range(folds[0], folds[-1] + 1)) else None
         fold_index = torch.tensor(folds, device=images.device)
+        if len(chunk) not in copies:  # leaves outlive a backward: every call of this many groups reuses them
+            copies[len(chunk)] = tuple(probed[n].expand(len(chunk), *probed[n].shape).requires_grad_()
+                                       for n in names)
+        leaves = copies[len(chunk)]  # a tuple, not a dict: vmap flattens its inputs on every call
         for d0, d1, into in pieces:
-            copies = {n: p.expand(len(chunk), *p.shape).requires_grad_() for n, p in probed.items()}
-            loss = vmap(group_loss)(copies, images[index], eps[index, d0:d1], mask,
+            loss = vmap(group_loss)(leaves, images[index], eps[index, d0:d1], mask,
                                     conditioning.take(cond, index)).sum()
-            grads = torch.autograd.grad(loss, [copies[n] for n in names])
+            grads = torch.autograd.grad(loss, leaves)
             for (lo, hi), g in zip(columns, grads):  # per parameter: no [G, P] temporaries
+                # Widened once, before the add: a float32 + float64 add casts element by element
+                # (several times slower); the widening is exact, so the sums' bits are the same.
+                g = g.to(accumulator)
                 for acc in (sums, second)[into[0]:into[1]]:
                     if rows is not None:
                         target = acc[rows, lo:hi].view(g.shape)  # g may be strided: add it as it is
                         target += g
                     else:
-                        acc[:, lo:hi].index_add_(0, fold_index, g.reshape(len(chunk), -1).to(accumulator))
+                        acc[:, lo:hi].index_add_(0, fold_index, g.reshape(len(chunk), -1))
     return sums.float() if second is None else (sums.float(), second.double())
+
+
+def aliases(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(alias, name) for every parameter or buffer the model registers under more than one name (tied
+    weights): `name` is the one named_parameters / named_buffers give, `alias` another. The same ties
+    functional_call(tie_weights=True) looks up on every call, found once."""
+    first: dict[int, str] = {}
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        first.setdefault(id(t), name)
+    every = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    return [(name, first[id(t)]) for name, t in every if first[id(t)] != name]
 
 
 def bin_weight(objective: Objective, model: torch.nn.Module, sigma: float) -> float:

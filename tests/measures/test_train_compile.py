@@ -62,3 +62,31 @@ def test_a_compiled_run_keeps_its_gates_and_resumes_bit_identically(tmp_path, mo
     proc = run_twinrun([*RUN, f"hydra.run.dir={eager_dir}"], cwd=tmp_path, env=env)
     assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert last_digests(eager_dir)["native"] != whole["native"]
+
+
+def test_a_compiled_run_parked_on_disk_is_bit_identical_to_all_resident_and_resumes_so(tmp_path, monkeypatch):
+    # Parking empties every parameter in place and refills it with new memory at the arm's next segment:
+    # the compiled module must run on the refilled weights exactly as on weights that never left.
+    for name in compile_cache.CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    env = {"PYTHONPATH": str(TESTS)}
+    compiled = [*RUN, "train.compile=default", f"determinism.compile_cache_dir={tmp_path / 'cache'}"]
+    resident, parked = tmp_path / "resident", tmp_path / "parked"
+    for run_dir, layout in ((resident, "none"), (parked, "disk")):
+        proc = run_twinrun([*compiled, f"train.offload={layout}", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                           env=env)
+        assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
+    whole = last_digests(resident)
+    assert last_digests(parked) == whole  # every arm's last store, tensor by tensor
+
+    # The parked run interrupted after its first segment and resumed in a new process: the same bits.
+    run = json.loads((parked / "run.json").read_text())
+    for arm, entry in run["units"][-1]["stores"].items():
+        (parked / "arms" / arm / entry["file"]).unlink()
+        entry.update(status="pending", sha256=None)
+    (parked / "run.json").write_text(json.dumps(run))
+    resumed = run_twinrun([str(parked), "--trust", "fault_models"], cwd=tmp_path, module="twinrun.resume",
+                          env=env)
+    assert resumed.returncode == EXIT_OK, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "every arm continues from segment 1" in resumed.stdout
+    assert last_digests(parked) == whole

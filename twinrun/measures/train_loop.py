@@ -241,7 +241,7 @@ def arm_salt(arm: str) -> int:
 
 def loop_step(arm, step_fn, x: torch.Tensor, ids: list[int], sigma: torch.Tensor, eps: torch.Tensor,
               seed: int, step: int, common_fn=None, cond: dict | None = None,
-              objective=None) -> tuple[torch.Tensor, torch.Tensor]:
+              objective=None, before_update=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step of one arm (its own settings `arm.t`): `accumulate` micro-batches of
     `batch_size`, each forward and backward in chunks of ≤ `chunk_samples` (the memory knob), the loss
     the mean of the per-sample losses over the step's samples (an intervention's loss weight applied);
@@ -249,7 +249,9 @@ def loop_step(arm, step_fn, x: torch.Tensor, ids: list[int], sigma: torch.Tensor
     batch's loss under the common objective: the twin's step, unweighted), both 0-d and detached.
     `common_fn`: the twin's step where it is not the arm's (None: the arm's own, read from its forward).
     `cond`: the step's samples' conditioning rows (aligned with `x`); `objective`: the run's (None: edm).
-    A step function sees both in its batch (`batch["cond"]`, `batch["objective"]`)."""
+    A step function sees both in its batch (`batch["cond"]`, `batch["objective"]`). `before_update`: called
+    once the forwards and backwards are done, before anything writes a weight (the last step's digests,
+    computed meanwhile on another thread, are waited for there)."""
     t, model, intervention = arm.t, arm.model, arm.intervention
     forward = model if arm.forward is None else arm.forward  # its compiled module (train.compile)
     n, micro = x.shape[0], t.batch_size
@@ -277,6 +279,8 @@ def loop_step(arm, step_fn, x: torch.Tensor, ids: list[int], sigma: torch.Tensor
             loss = losses.sum() / n
             (loss if arm.scaler is None else arm.scaler.scale(loss)).backward()
             total += loss.detach()
+    if before_update is not None:
+        before_update()
     if arm.scaler is not None:  # fp16: the gradients unscaled before clipping; a step with inf skipped
         arm.scaler.unscale_(arm.optimizer)
     if t.clip_norm is not None:

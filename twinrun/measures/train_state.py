@@ -224,10 +224,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], t
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
-def build_arm(start: torch.nn.Module, train: dict, intervention: Intervention) -> ArmState:
-    """An arm's model (a copy of the start), optimizer, scheduler, EMA, step and fp16 grad scaler, from its
-    own training settings `train` (the twin's, or an override's)."""
-    model = copy.deepcopy(start)
+def build_arm(start: torch.nn.Module, train: dict, intervention: Intervention, own: bool = False) -> ArmState:
+    """An arm's model (a copy of the start; `own`: the start itself, a copy the caller made for this arm
+    alone), optimizer, scheduler, EMA, step and fp16 grad scaler, from its own training settings `train`
+    (the twin's, or an override's)."""
+    model = start if own else copy.deepcopy(start)
     optimizer = build_optimizer(train["optimizer"], model, intervention)
     t = typed(TrainConfig, train, "train")
     device = next(model.parameters()).device

@@ -26,6 +26,20 @@ def last_digests(run_dir: Path) -> dict:
             for arm, e in unit["stores"].items()}
 
 
+def resume_without_the_last_segment(run_dir, cwd, env) -> None:
+    """The run as if interrupted after its first segment (the last one pending again, its stores gone),
+    then resumed in a new process, which restores every arm from the first segment's stores."""
+    run = json.loads((run_dir / "run.json").read_text())
+    for arm, entry in run["units"][-1]["stores"].items():
+        (run_dir / "arms" / arm / entry["file"]).unlink()
+        entry.update(status="pending", sha256=None)
+    (run_dir / "run.json").write_text(json.dumps(run))
+    resumed = run_twinrun([str(run_dir), "--trust", "fault_models"], cwd=cwd, module="twinrun.resume",
+                          env=env)
+    assert resumed.returncode == EXIT_OK, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "every arm continues from segment 1" in resumed.stdout
+
+
 def test_a_compiled_run_keeps_its_gates_and_resumes_bit_identically(tmp_path, monkeypatch):
     # An in-process run earlier in the session sets the cache variables in this process's environment;
     # inherited, they would be a user's choice the child keeps, and its caches no longer the run's own.
@@ -46,15 +60,7 @@ def test_a_compiled_run_keeps_its_gates_and_resumes_bit_identically(tmp_path, mo
     # Interrupted after the first segment: the last one pending again, its stores gone; a new process
     # restores every arm from the first segment's stores, finds the run's cache as it left it, and
     # trains the last segment to the same bits.
-    run = json.loads((run_dir / "run.json").read_text())
-    for arm, entry in run["units"][-1]["stores"].items():
-        (run_dir / "arms" / arm / entry["file"]).unlink()
-        entry.update(status="pending", sha256=None)
-    (run_dir / "run.json").write_text(json.dumps(run))
-    resumed = run_twinrun([str(run_dir), "--trust", "fault_models"], cwd=tmp_path, module="twinrun.resume",
-                          env=env)
-    assert resumed.returncode == EXIT_OK, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert "every arm continues from segment 1" in resumed.stdout
+    resume_without_the_last_segment(run_dir, tmp_path, env)
     assert last_digests(run_dir) == whole
 
     # The compiled path is not the eager one (Inductor's fused kernels round differently on this CPU).
@@ -80,13 +86,5 @@ def test_a_compiled_run_parked_on_disk_is_bit_identical_to_all_resident_and_resu
     assert last_digests(parked) == whole  # every arm's last store, tensor by tensor
 
     # The parked run interrupted after its first segment and resumed in a new process: the same bits.
-    run = json.loads((parked / "run.json").read_text())
-    for arm, entry in run["units"][-1]["stores"].items():
-        (parked / "arms" / arm / entry["file"]).unlink()
-        entry.update(status="pending", sha256=None)
-    (parked / "run.json").write_text(json.dumps(run))
-    resumed = run_twinrun([str(parked), "--trust", "fault_models"], cwd=tmp_path, module="twinrun.resume",
-                          env=env)
-    assert resumed.returncode == EXIT_OK, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert "every arm continues from segment 1" in resumed.stdout
+    resume_without_the_last_segment(parked, tmp_path, env)
     assert last_digests(parked) == whole

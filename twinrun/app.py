@@ -31,7 +31,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from twinrun.config import TwinrunConfig, expand_sweep, register_configs
+from twinrun.config import TwinrunConfig, register_configs
 from twinrun.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -49,6 +49,7 @@ from twinrun.pipeline import Point, check_launcher, run_point, submit_sweep
 from twinrun.plan import plan_run
 from twinrun.publish.sweep import write_sweep_summary
 from twinrun.storage.rundir import RunDir
+from twinrun.storage.sweepdir import expand_sweep
 
 
 def _conf_dir() -> Path:

@@ -7,13 +7,9 @@ entry points, never at import). The YAML files in conf/ select and fill these sc
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # Hydra's own expansion of a sweep
 from hydra.core.config_store import ConfigStore
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
 from omegaconf import MISSING
 
-from twinrun.errors import StoreError
 from twinrun.intervention_nodes import schema
 from twinrun.interventions import INTERVENTIONS
 from twinrun.objectives import OBJECTIVES
@@ -445,11 +441,3 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="cache_train", node=CacheTrainDataConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
     cs.store(group="schema/tracker", name="tracker", node=TrackerConfig)
-
-
-def expand_sweep(task: list[str]) -> list[list[str]]:
-    """A sweep's command-line overrides expanded into each point's, in job order (Hydra's basic sweeper)."""
-    try:
-        return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)[0]
-    except HydraException as err:
-        raise StoreError("sweep overrides", str(err).splitlines()[0]) from None

@@ -7,7 +7,10 @@ regular files of plausible size, and a point's overrides that cannot be read are
 
 from pathlib import Path
 
-from twinrun.config import expand_sweep
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # Hydra's own expansion of a sweep
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
 from twinrun.errors import StoreError
 from twinrun.files import read_yaml
 from twinrun.storage.rundir import RunDir
@@ -16,6 +19,14 @@ MULTIRUN_YAML = "multirun.yaml"
 SWEEP_SUMMARY_JSON = "sweep_summary.json"
 SWEEP_REPORT_MD = "sweep_report.md"
 HEATMAP_PNG = "sweep_effect.png"
+
+
+def expand_sweep(task: list[str]) -> list[list[str]]:
+    """A sweep's command-line overrides expanded into each point's, in job order (Hydra's basic sweeper)."""
+    try:
+        return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)[0]
+    except HydraException as err:
+        raise StoreError("sweep overrides", str(err).splitlines()[0]) from None
 
 
 class SweepDir:

@@ -85,11 +85,9 @@ def cold_check(run: Path | None, mode: str, determinism: bool, trust_bundle: boo
     if run is not None and record is None:
         raise TwinrunError(f"--run {run}: it recorded no compile bundle (eager, or from before twinrun "
                            "saved bundles); name a compiled run, or leave --run out")
-    if run is not None and not (trust_bundle or kernel_pin.written_here((record.get("bundle") or {})
-                                                                         .get("sha256"))):
-        raise TwinrunError(f"--run {run}: its compile bundle was not written by a job of yours on this "
-                           "machine, and loading one runs code its writer chose (Inductor's cache entries "
-                           "are pickles); add --trust-bundle if you trust whoever wrote that run")
+    if run is not None:
+        kernel_pin.refuse_untrusted("--run", run, record, trust_bundle,
+                                    vouch="leave --run out, or add --trust-bundle")
     with tempfile.TemporaryDirectory(prefix="twinrun-cold-check-") as tmp:
         work = Path(tmp)
         cold = in_fresh_process(work, "cold", mode, determinism, None)

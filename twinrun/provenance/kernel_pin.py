@@ -224,14 +224,16 @@ def written_here(sha256) -> bool:
     return ours_alone(folder) and ours_alone(entry) and entry.is_file() and not entry.is_symlink()
 
 
-def refuse_untrusted(key: str, source: str, record: dict, trusted: bool) -> None:
-    """One line, before any compute: a bundle neither written by this user's jobs here nor vouched for."""
+def refuse_untrusted(key: str, source, record: dict, trusted: bool,
+                     vouch: str = "compile afresh (determinism.kernel_path_from=cold), or set "
+                                  "determinism.trust_bundle=true") -> None:
+    """One line, before any compute: a bundle neither written by this user's jobs here nor vouched for
+    (`vouch`: how the user vouches where they asked)."""
     if trusted or written_here((record.get("bundle") or {}).get("sha256")):
         return
-    raise ConfigError(key, source, "its compile bundle was not written by a job of yours on this machine, "
-                      "and loading one runs code its writer chose (Inductor's cache entries are pickles); "
-                      "set determinism.trust_bundle=true if you trust whoever wrote that run, or "
-                      "determinism.kernel_path_from=cold")
+    raise ConfigError(key, str(source), "its compile bundle was not written by a job of yours on this "
+                      "machine, and loading one runs code its writer chose (Inductor's cache entries are "
+                      f"pickles); {vouch} if you trust whoever wrote that run")
 
 
 def refuse_other_capability(source: str, recorded: dict, here: dict) -> None:

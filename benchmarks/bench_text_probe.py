@@ -10,17 +10,20 @@ same N·D samples (the floor: one forward and backward giving only the mean grad
 (target ≤ 1.5x on the CPU, eager). vmap runs twice: with the adapter's default attention, batched
 under vmap (twinrun.models.attention), and with diffusers' own (model.vmap_attention=false: torch
 loops over the fold groups in every attention, the figure before the batched one), and the two are
-checked bit for bit. Then the peak RSS of one probe call at 12 and 48 draws per image,
-each in a fresh process: the conditioning is repeated per draw only within a chunk, so 48 draws must
-cost no more memory than 12 beyond noise.
+checked bit for bit. Then the peak RSS of one probe call at 12, 24 and 48 draws per image (one chunk
+of draws, two, four), each in a fresh process, with glibc's allocator as it comes and with its mmap
+threshold fixed (ALLOCATORS says why): the conditioning is repeated per draw only within a chunk, so
+more draws must cost no more memory than one chunk's beyond the allocator's own.
 
-The network and its inputs are the example's (examples/text_to_image/conf/model/sd3_example.yaml:
-latents, text length and widths); timings interleave the methods repetition by repetition and report
-medians, because the machine is shared and its load drifts.
+The network, its inputs and the probe's chunk are the example's (examples/text_to_image/conf/:
+the latents, text length and widths of model/sd3_example.yaml, the chunk of experiment/t2i_pin_t.yaml).
+Timings interleave the methods repetition by repetition and report medians, because the machine is
+shared and its load drifts.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,12 +43,18 @@ from twinrun.objectives import Flow
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_MODEL = REPO / "examples" / "text_to_image" / "conf" / "model" / "sd3_example.yaml"
+EXAMPLE_EXPERIMENT = REPO / "examples" / "text_to_image" / "conf" / "experiment" / "t2i_pin_t.yaml"
 N_IMAGES, N_DRAWS, N_FOLDS = 40, 12, 10  # the issue's protocol: 40 images x 12 draws per bin
 TEXT_TOKENS = 16  # the example encoder's sequence length
 T_BIN, T_COND, SEED = 0.5, 0.3, 0  # a flow bin (t) and a pinned t_cond off it: the arm differs from its twin
-RSS_DRAWS = (12, 48)
-CHUNK_IMAGES, CHUNK_DRAWS = 120, 4  # conf/probe/default.yaml's chunk
+RSS_DRAWS = (12, 24, 48)  # one chunk of draws, two, four
 SMOKE = {"N_IMAGES": 4, "N_DRAWS": 2, "N_FOLDS": 2, "RSS_DRAWS": (2, 4)}
+# glibc raises its mmap threshold to the size of a large block once one is freed, so the second chunk's
+# buffers (as large as the first's) come from the heap beside the first's freed ones: about +75 MB of
+# resident set at two chunks or more that is the allocator's, not the probe's. A fixed threshold (glibc's
+# tunable, 128 KiB) keeps every chunk's large buffers mapped and shows what the probe itself holds.
+ALLOCATORS = {"glibc default": {}, "glibc, fixed mmap threshold (MALLOC_MMAP_THRESHOLD_=131072)":
+              {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 
 
 def example_kwargs() -> dict:
@@ -53,6 +62,16 @@ def example_kwargs() -> dict:
     node = yaml.safe_load(EXAMPLE_MODEL.read_text())
     return {k: v for k, v in node.items() if not k.startswith("_") and k not in ("adapter", "pretrained",
                                                                                  "subfolder")}
+
+
+def example_chunk() -> tuple[int, int]:
+    """The example's probe chunk (images, draws per call): what its pin_t run measures with."""
+    probe_node = yaml.safe_load(EXAMPLE_EXPERIMENT.read_text())["probe"]
+    return probe_node["chunk_images"], probe_node["chunk_draws"]
+
+
+CHUNK_IMAGES, CHUNK_DRAWS = example_chunk()
+DEFAULT_CHUNK = (120, 4)  # conf/probe/default.yaml's chunk, the example's before it set its own
 
 
 def setup(n_draws: int, vmap_attention: bool = True):
@@ -71,9 +90,10 @@ def setup(n_draws: int, vmap_attention: bool = True):
     return model, probe.select_params(model, ["*"]), latents, cond, eps, fold_of_image
 
 
-def twinrun_probe(method, model, names, latents, cond, eps, fold_of_image):
+def twinrun_probe(method, model, names, latents, cond, eps, fold_of_image, chunk=None):
+    chunk_images, chunk_draws = chunk or (CHUNK_IMAGES, CHUNK_DRAWS)
     return probe.fold_sums(model, names, latents, eps, T_BIN, torch.tensor(T_COND), fold_of_image, N_FOLDS,
-                           CHUNK_IMAGES, CHUNK_DRAWS, method=method, objective=Flow(), cond=cond)
+                           chunk_images, chunk_draws, method=method, objective=Flow(), cond=cond)
 
 
 def batched_backward(model, names, latents, cond, eps, fold_of_image) -> None:
@@ -115,6 +135,14 @@ def rss_child(n_draws: int) -> None:
     print(json.dumps({"n_draws": n_draws, "setup_mb": before, "peak_mb": peak_rss_mb()}))
 
 
+def rss_row(n_draws: int, args, env: dict) -> dict:
+    """One probe call's peak RSS in a fresh process under the allocator settings `env`."""
+    cmd = [sys.executable, __file__, "--rss-child", str(n_draws), "--threads", str(args.threads)]
+    out = subprocess.run([*cmd, *(["--smoke"] if args.smoke else [])], capture_output=True, text=True,
+                         check=True, env={**os.environ, **env})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     global N_IMAGES, N_DRAWS, N_FOLDS, RSS_DRAWS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -138,9 +166,11 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"bench_text_probe: torch {torch.__version__}, {args.threads} threads; SD3 MMDiT {n_params:,} "
           f"parameters, latents {tuple(latents.shape[1:])}, text {TEXT_TOKENS} tokens; {N_IMAGES} images x "
-          f"{N_DRAWS} draws, {N_FOLDS} folds, objective=flow")
+          f"{N_DRAWS} draws, {N_FOLDS} folds, objective=flow; probe chunk {CHUNK_IMAGES} images x "
+          f"{CHUNK_DRAWS} draws (the example's t2i_pin_t)")
     fns = {"vmap": lambda: twinrun_probe("vmap", *inputs), "folds": lambda: twinrun_probe("folds", *inputs),
-           "vmap_loop": lambda: twinrun_probe("vmap", *looped), "floor": lambda: batched_backward(*inputs)}
+           "vmap_loop": lambda: twinrun_probe("vmap", *looped), "floor": lambda: batched_backward(*inputs),
+           "vmap_default_chunk": lambda: twinrun_probe("vmap", *inputs, chunk=DEFAULT_CHUNK)}
     warm = {k: f() for k, f in fns.items()}  # warm-up: first calls pay for allocation and dispatch caches
     same = torch.equal(warm["vmap"], warm["vmap_loop"])
     times = interleaved(fns, args.reps)
@@ -148,25 +178,22 @@ def main() -> None:
     print("speed, one bin and arm (median of reps; ratio = median of per-rep ratios to the floor):")
     print(f"  {'plain batched backward':<50} {floor * 1e3:8.1f} ms   (floor: mean gradient only)")
     labels = {"vmap": "probe, method=vmap", "folds": "probe, method=folds",
-              "vmap_loop": "probe, method=vmap, diffusers' attention (before)"}
-    for method in ("vmap", "folds", "vmap_loop"):
+              "vmap_loop": "probe, method=vmap, diffusers' attention (before)",
+              "vmap_default_chunk": "probe, method=vmap, chunk {} x {} (before)".format(*DEFAULT_CHUNK)}
+    for method in ("vmap", "folds", "vmap_loop", "vmap_default_chunk"):
         ratio = statistics.median(a / b for a, b in zip(times[method], times["floor"]))
         print(f"  {labels[method]:<50} {statistics.median(times[method]) * 1e3:8.1f} ms   "
               f"{ratio:.2f}x the floor   (target ≤ 1.50x)")
     print(f"  vmap with batched attention vs torch's loop: fold sums bit-identical: {same}")
 
     print("peak RSS, one probe call in a fresh process (setup = after imports, model, data and draws):")
-    rows = []
-    for d in RSS_DRAWS:
-        extra = ["--smoke"] if args.smoke else []
-        out = subprocess.run([sys.executable, __file__, "--rss-child", str(d), "--threads", str(args.threads),
-                              *extra], capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    for r in rows:
-        print(f"  {r['n_draws']:4d} draws/image: peak {r['peak_mb']:7.1f} MB (setup {r['setup_mb']:.1f} MB; "
-              f"probe {r['peak_mb'] - r['setup_mb']:+.1f} MB)   vs {rows[0]['n_draws']} draws: "
-              f"{100 * (r['peak_mb'] / rows[0]['peak_mb'] - 1):+.1f}%")
-
+    for allocator, env in ALLOCATORS.items():
+        rows = [rss_row(d, args, env) for d in RSS_DRAWS]
+        print(f"  {allocator}:")
+        for r in rows:
+            print(f"  {r['n_draws']:4d} draws/image: peak {r['peak_mb']:7.1f} MB (setup {r['setup_mb']:.1f} "
+                  f"MB; probe {r['peak_mb'] - r['setup_mb']:+.1f} MB)   vs {rows[0]['n_draws']} draws: "
+                  f"{100 * (r['peak_mb'] / rows[0]['peak_mb'] - 1):+.1f}%")
 
 if __name__ == "__main__":
     main()

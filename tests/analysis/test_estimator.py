@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import run_twinrun
 
-from twinrun.analysis.estimator import estimate, estimate_batch, residual_gram
+from twinrun.analysis.estimator import SHAPED_SHARE, estimate, estimate_batch, residual_gram
 from twinrun.analysis.fold_moments import (
     corrected_variance,
     debiased_inner,
@@ -20,6 +20,7 @@ from twinrun.analysis.fold_moments import (
     signal_threshold,
     t_quantile,
 )
+from twinrun.analysis.selective import shaped_by_selection
 
 ALPHA = 0.05
 
@@ -364,3 +365,14 @@ def test_the_residual_gives_every_bin_one_vote_in_the_mean_direction():
         within, cross = np.einsum("bafp,bcgp->bafcg", t, t), np.einsum("bafp,cgp->bafcg", t, t[:, 1])
         views.append(residual_gram(within, cross, 1, 40.0))
     np.testing.assert_allclose(views[0][1:], views[1][1:], rtol=1e-9)
+
+
+def test_a_row_is_marked_where_an_end_moved_more_than_a_tenth_of_the_plain_half_width():
+    """near_boundary's rule on hand-made ends (rows: cos [lo, hi], then ratio [lo, hi]): a cosine end moved
+    by 0.2 of a half-width of 0.5 is marked, by 0.04 not; a ratio end open where the plain one is closed,
+    or closed where the plain one is open, is marked; both open on the same side is not."""
+    inf = np.inf
+    plain = np.array([[-0.5] * 5, [0.5] * 5, [1.0] * 5, [2.0, 2.0, inf, inf, 2.0]])
+    printed = np.array([[-0.6, -0.52, -0.5, -0.5, -0.5], [0.5] * 5, [1.0] * 5, [2.0, 2.0, 3.0, inf, inf]])
+    marked = shaped_by_selection(printed, plain, SHAPED_SHARE)
+    assert marked.tolist() == [True, False, True, False, True]

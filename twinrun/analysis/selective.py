@@ -219,5 +219,6 @@ def shaped_by_selection(printed: np.ndarray, plain: np.ndarray, share: float) ->
                 end = scale(printed, k)
                 same = end == p_end  # also both open on the same side (±inf)
                 gap = np.abs(end - p_end)
-                moved |= ~same & ~(gap <= share * np.where(np.isfinite(half), half, np.inf))
+                # an open plain side leaves no half-width to compare a finite move against
+                moved |= ~same & (np.isinf(gap) | ~(gap <= share * np.where(np.isfinite(half), half, np.inf)))
     return moved

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from conftest import run_twinrun
 
-from twinrun.analysis.estimator import estimate, estimate_batch, residual_gram
+from twinrun.analysis.estimator import SHAPED_SHARE, estimate, estimate_batch, residual_gram
 from twinrun.analysis.fold_moments import (
     corrected_variance,
     debiased_inner,
-    fold_means_gram,
     fold_pair_variance,
     jackknife_se,
     kernel_moments,
@@ -20,9 +19,8 @@ from twinrun.analysis.fold_moments import (
     pair_corrected_se,
     signal_threshold,
     t_quantile,
-    u_statistic,
 )
-from twinrun.analysis.selective import replicates, selective_intervals
+from twinrun.analysis.selective import shaped_by_selection
 
 ALPHA = 0.05
 
@@ -281,14 +279,12 @@ def test_the_test_of_no_effect_holds_its_level_and_finds_an_effect():
 
 
 def test_far_above_the_threshold_the_interval_is_the_plain_fieller_one():
-    """The test of signal shapes only the intervals of rows it could have withheld: more than 4 SEs above
-    it the selective interval is the unadjusted one (threshold −∞) to a hundredth of its half-width in
-    every row, and near_boundary is False. (Reading the pull from the replicates of |μ|²/SE instead of the
-    margin shifted such rows by a third of their half-width: that swing is the SE's noise, not the
-    selection.)"""
+    """The test of signal shapes only the intervals of rows it could have withheld: more than 6 SEs above
+    it the printed interval is the plain Fieller one to the bit (the hybrid's projection leaves the
+    selection nothing to bound there), and near_boundary is False. The purely conditional interval
+    (beta_share 0) moved every such row, by up to 3e-5 of its half-width."""
     rng = np.random.default_rng(15)
     sizes, folds = [10] * 10, 10
-    n = np.asarray(sizes, dtype=np.float64)
     cases = []
     for _ in range(60):
         mu_a, mu_b = two_arms_with_cosine(rng, 0.8, signal_norm=3.0)
@@ -298,19 +294,12 @@ def test_far_above_the_threshold_the_interval_is_the_plain_fieller_one():
         cases.append(grams(sa, sb))
     g = [np.stack(x) for x in zip(*cases)]
     v = estimate_batch(*g, sizes, sizes, ALPHA).fields
-    means = [fold_means_gram(x, n, n) for x in g]
-    x = np.stack([u_statistic(m) for m in means], -1)
-    se = np.stack([v["norm2_a_se"], v["norm2_b_se"]], -1)
-    c = signal_threshold(folds, ALPHA)
-    far = (x[:, 1:] / se).min(-1) - c > 4
+    margin = np.minimum(v["norm2_a"] / v["norm2_a_se"], v["norm2_b"] / v["norm2_b_se"])
+    far = margin - signal_threshold(folds, ALPHA) > 6
     assert far.sum() >= 30
-    jack, zeta2 = kernel_moments([m[far] for m in means])
-    rest = (v["cos"][far], v["norm_ratio"][far], v["se"][far], v["norm_ratio_se"][far], folds,
-            replicates([m[far] for m in means], c))
-    chosen = selective_intervals(x[far], jack, zeta2, se[far], c, *rest)
-    plain = selective_intervals(x[far], jack, zeta2, se[far], -1e12, *rest)
-    half_width = np.repeat([(plain[1] - plain[0]) / 2, (plain[3] - plain[2]) / 2], 2, axis=0)
-    assert np.max(np.abs(chosen - plain) / half_width) < 0.01
+    for name in ("cos_lo", "cos_hi", "ratio_lo", "ratio_hi"):
+        plain = v[name.replace("_", "_plain_")]
+        assert np.array_equal(v[name][far], plain[far]), name
     assert not v["near_boundary"][far].any()
 
 
@@ -376,3 +365,14 @@ def test_the_residual_gives_every_bin_one_vote_in_the_mean_direction():
         within, cross = np.einsum("bafp,bcgp->bafcg", t, t), np.einsum("bafp,cgp->bafcg", t, t[:, 1])
         views.append(residual_gram(within, cross, 1, 40.0))
     np.testing.assert_allclose(views[0][1:], views[1][1:], rtol=1e-9)
+
+
+def test_a_row_is_marked_where_an_end_moved_more_than_a_tenth_of_the_plain_half_width():
+    """near_boundary's rule on hand-made ends (rows: cos [lo, hi], then ratio [lo, hi]): a cosine end moved
+    by 0.2 of a half-width of 0.5 is marked, by 0.04 not; a ratio end open where the plain one is closed,
+    or closed where the plain one is open, is marked; both open on the same side is not."""
+    inf = np.inf
+    plain = np.array([[-0.5] * 5, [0.5] * 5, [1.0] * 5, [2.0, 2.0, inf, inf, 2.0]])
+    printed = np.array([[-0.6, -0.52, -0.5, -0.5, -0.5], [0.5] * 5, [1.0] * 5, [2.0, 2.0, 3.0, inf, inf]])
+    marked = shaped_by_selection(printed, plain, SHAPED_SHARE)
+    assert marked.tolist() == [True, False, True, False, True]

@@ -34,13 +34,13 @@ from twinrun.analysis.selective import (
     _t_cdf,
     replicates,
     selective_intervals,
+    shaped_by_selection,
 )
 
-# A row whose weaker arm's |μ|² sits less than this many SEs above the signal threshold is marked
-# near_boundary: there the test of signal visibly shapes the interval. Measured (42 cells of isotropic
-# and few-direction noise, 23 342 printed rows): with a margin of 2.5-3 SEs the test moved an interval end
-# by more than a tenth of its half-width in 46% of rows, at 3-4 in 15%, at 4-6 in 1% (docs/estimator.md).
-BOUNDARY_MARGIN_SE = 3.0
+# A printed row is marked near_boundary where the test of signal visibly shaped its interval: an end moved
+# from the plain interval's by more than this share of the plain half-width (docs/estimator.md counts how
+# often, by the weaker arm's margin over the threshold).
+SHAPED_SHARE = 0.1
 
 
 @dataclass
@@ -61,9 +61,9 @@ class Estimate:
     # A side the data do not bound reads -1 or 1 for the cosine, 0 or inf for the ratio. None below noise.
     cos_interval: tuple[float, float] | None = None
     norm_ratio_interval: tuple[float, float] | None = None
-    # Printed, but the weaker arm's |μ|² is < BOUNDARY_MARGIN_SE SEs above the signal threshold: the test of
-    # signal shaped the intervals, and cos and norm_ratio read as selected (the ratio low, the cosine
-    # towards the noise correlation: docs/estimator.md); show |μ|² ± SE beside the row.
+    # Printed, and the test of signal visibly shaped an interval (an end moved by > SHAPED_SHARE of the plain
+    # half-width): the weaker arm is near the threshold, and cos and norm_ratio read as selected (the ratio
+    # low, the cosine towards the noise correlation: docs/estimator.md); show |μ|² ± SE beside the row.
     near_boundary: bool = False
     # The row's test of "no effect" (μ^a = μ^b over the estimand's columns): the debiased |μ^a − μ^b|² and
     # the one-sided p-value of its t test. Defined for every row, printed or not (twinrun.family).
@@ -129,8 +129,9 @@ def estimate_batch(g_ab: np.ndarray, g_aa: np.ndarray, g_bb: np.ndarray, n_a, n_
 
 
 def _printed_fields(means, x, norm_se, printed, f: int, alpha: float) -> dict:
-    """cos, ratio, their SEs and selective intervals where printed (NaN elsewhere), and near_boundary."""
-    names = ("cos", "se", "norm_ratio", "norm_ratio_se", "cos_lo", "cos_hi", "ratio_lo", "ratio_hi")
+    """cos, ratio, their SEs, printed and plain intervals where printed (NaN elsewhere), near_boundary."""
+    names = ("cos", "se", "norm_ratio", "norm_ratio_se", "cos_lo", "cos_hi", "ratio_lo", "ratio_hi",
+             "cos_plain_lo", "cos_plain_hi", "ratio_plain_lo", "ratio_plain_hi")
     out = {k: np.full(printed.shape, np.nan) for k in names}
     out["near_boundary"] = np.zeros(printed.shape, dtype=bool)
     # Rows that did not print keep NaN: an effect below noise has no cos or ratio, never a made-up 0.
@@ -150,17 +151,17 @@ def _printed_fields(means, x, norm_se, printed, f: int, alpha: float) -> dict:
     # folds there are no replicates to read that selection from.
     reps = replicates(m, signal_threshold(f, alpha)) if f >= REPLICATE_MIN_FOLDS else None
     threshold = signal_threshold(f, alpha)
-    ends = selective_intervals(xp, jack, zeta2, se_p, threshold, cos, ratio, cos_se, ratio_se, f, reps)
+    ends, plain = selective_intervals(xp, jack, zeta2, se_p, threshold, cos, ratio, cos_se, ratio_se, f, reps)
     exact = (cos_se == 0) | (ratio_se == 0)  # identical arms, or folds that agree exactly: nothing to bound
     ends[:2] = np.where(exact, cos, ends[:2])
     ends[2:] = np.where(exact, ratio, ends[2:])
-    # How far, in SEs, the weaker arm's |μ|² clears the signal threshold: near it the cosine reads towards the
-    # arms' noise correlation, and the report says so.
-    margin = (xp[:, 1:] / np.where(se_p > 0, se_p, np.nan)).min(-1) - signal_threshold(f, alpha)
     values = {"cos": cos, "se": cos_se, "norm_ratio": ratio, "norm_ratio_se": ratio_se, "cos_lo": ends[0],
               "cos_hi": ends[1], "ratio_lo": ends[2], "ratio_hi": ends[3],
+              # the plain Fieller interval (no selection), which the printed one is read against
+              "cos_plain_lo": plain[0], "cos_plain_hi": plain[1], "ratio_plain_lo": plain[2],
+              "ratio_plain_hi": plain[3],
               # an exact row (arms bit-identical: a gate) has nothing the selection could shape
-              "near_boundary": (np.nan_to_num(margin, nan=np.inf) < BOUNDARY_MARGIN_SE) & ~exact}
+              "near_boundary": shaped_by_selection(ends, plain, SHAPED_SHARE) & ~exact}
     for k, v in values.items():
         out[k][printed] = v
     return out

@@ -1,13 +1,15 @@
 """Intervals given printing: a cosine and a norm ratio print only where both arms pass the test of
 signal, so their intervals are built conditional on it. Fieller-type pivots, linear in the three inner
 products, inverted through their distribution truncated to the cases that pass; the test's pull is read
-from leave-one-fold-out replicates. docs/estimator.md states the rule and its calibration.
+from leave-one-fold-out replicates. The intervals are hybrid: the pivot's distribution is truncated also
+to the plain interval at a small level β, so that a row the test of signal could not have withheld reads
+the plain interval exactly. docs/estimator.md states the rule and its calibration.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import special
+from scipy import special, stats
 
 from twinrun.analysis.fold_moments import (
     INTERVAL_LEVEL,
@@ -17,6 +19,13 @@ from twinrun.analysis.fold_moments import (
     leave_one_out_inner,
     u_statistic,
 )
+
+# The hybrid's share of the miss rate (Andrews, Kitagawa & McCloskey's hybrid confidence sets): the pivot is
+# conditioned also on lying inside its plain 1 − β interval, and the rest of the miss rate, (α − β)/(1 − β),
+# is spent given both. Far from the threshold the selection bounds nothing inside that interval and the
+# hybrid is the plain 1 − α interval exactly; near it the miss given printing is at most about
+# α − β + β/P(print). β = α/10 measured (docs/estimator.md): coverage stays in the band at the boundary.
+HYBRID_BETA_SHARE = 0.1
 
 
 def _t_cdf(df: int, x: np.ndarray) -> np.ndarray:
@@ -85,7 +94,8 @@ def selection_slopes(jack, weights, sd, n_folds: int, reps: Replicates | None):
 
 
 def selective_cdf(x: np.ndarray, jack: np.ndarray, zeta2: np.ndarray, norm_se: np.ndarray, threshold: float,
-                  weights: np.ndarray, n_folds: int, reps: Replicates | None = None) -> np.ndarray:
+                  weights: np.ndarray, n_folds: int, reps: Replicates | None = None,
+                  projection_t: float = np.inf, selected: np.ndarray | bool = True) -> np.ndarray:
     """Where the observed pivot T = wᵀx falls in its null distribution given that the row printed.
 
     x: (ab, aa, bb) (..., 3); norm_se: aa's and bb's jackknife SEs (..., 2); the row printed because
@@ -93,7 +103,9 @@ def selective_cdf(x: np.ndarray, jack: np.ndarray, zeta2: np.ndarray, norm_se: n
     value; T is studentised by corrected_variance to t. Write m_k = W_k + κ_k·t with W_k uncorrelated
     with t (κ: selection_slopes): given W, printing bounds t to an interval, and t is a t_{F−1}
     truncated to it (the polyhedral lemma of selective inference, with the moments estimated from the
-    folds)."""
+    folds). projection_t bounds t further to |t| ≤ projection_t (the hybrid's plain interval); a pivot
+    outside it reads 0 or 1 (rejected). Where selected is False the selection's bound is left out (the
+    plain interval, for comparison)."""
     sd = np.sqrt(np.maximum(corrected_variance(jack, zeta2, weights, n_folds), 1e-300))
     t_obs = np.einsum("...k,...k->...", weights, x) / sd
     slopes = selection_slopes(jack, weights, sd, n_folds, reps)
@@ -102,9 +114,11 @@ def selective_cdf(x: np.ndarray, jack: np.ndarray, zeta2: np.ndarray, norm_se: n
         margin = x[..., k + 1] - threshold * norm_se[..., k]  # ≥ 0: the row printed
         with np.errstate(divide="ignore", invalid="ignore"):
             bound = t_obs - margin / slopes[..., k]
-        lo = np.where(slopes[..., k] > 0, np.maximum(lo, bound), lo)
-        hi = np.where(slopes[..., k] < 0, np.minimum(hi, bound), hi)
-    return truncated_t_cdf(t_obs, lo, hi, n_folds - 1)
+        lo = np.where(selected & (slopes[..., k] > 0), np.maximum(lo, bound), lo)
+        hi = np.where(selected & (slopes[..., k] < 0), np.minimum(hi, bound), hi)
+    lo, hi = np.maximum(lo, -projection_t), np.minimum(hi, projection_t)
+    inside = truncated_t_cdf(t_obs, lo, hi, n_folds - 1)
+    return np.where(t_obs > projection_t, 1.0, np.where(t_obs < -projection_t, 0.0, inside))
 
 
 def _ratio_weights(log_ratio: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -145,33 +159,66 @@ LOG_RATIO_LIMIT = 30.0  # |log r| beyond this is "unbounded": the ratio interval
 
 
 def selective_intervals(x, jack, zeta2, norm_se, threshold, cos, ratio, cos_se, ratio_se, n_folds: int,
-                        reps: Replicates | None, level: float = INTERVAL_LEVEL) -> np.ndarray:
-    """(4, n): the cosine's lower and upper ends, then the norm ratio's, given that each of the n rows
-    printed. Each end is where selective_cdf of the row's pivot, as the tested value moves, crosses
-    (1 ± level)/2. The cosine is searched over [−1, 1], the ratio over log r (a side that reaches the
-    limit is unbounded: 0 or inf). All four searches per row share one vectorised root finder."""
-    tail = (1 - level) / 2
+                        reps: Replicates | None, level: float = INTERVAL_LEVEL,
+                        beta_share: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """((4, n) printed, (4, n) plain): the cosine's lower and upper ends, then the norm ratio's, given that
+    each of the n rows printed (hybrid, at level), and the same ends without the selection (the plain
+    Fieller interval at level, for comparison). Each end is where selective_cdf of the row's pivot, as the
+    tested value moves, crosses its target. The cosine is searched over [−1, 1], the ratio over log r (a
+    side that reaches the limit is unbounded: 0 or inf). All eight searches per row share one vectorised
+    root finder. beta_share (default HYBRID_BETA_SHARE) = 0 gives the purely conditional interval."""
+    alpha = 1 - level
+    beta_share = HYBRID_BETA_SHARE if beta_share is None else beta_share
+    beta = beta_share * alpha
+    # Given |t| ≤ q_β the rest of the miss, (α − β)/(1 − β), is split between the tails; with no selection
+    # these targets land exactly on the plain 1 − α interval's t quantiles.
+    tail = (alpha - beta) / (1 - beta) / 2
+    projection = float(stats.t.ppf(1 - beta / 2, n_folds - 1)) if beta > 0 else np.inf
     n = len(cos)
-    is_cos = np.repeat([True, True, False, False], n)
-    four = lambda a: None if a is None else np.concatenate([a] * 4)
-    target = np.repeat([1 - tail, tail, 1 - tail, tail], n)
-    # All four ends of every row in one vector: one vectorised search instead of 4n scalar ones. The ratio is
+    is_cos = np.tile(np.repeat([True, True, False, False], n), 2)
+    selected = np.repeat([True, False], 4 * n)
+    eight = lambda a: None if a is None else np.concatenate([a] * 8)
+    target = np.tile(np.repeat([1 - tail, tail, 1 - tail, tail], n), 2)
+    # All eight ends of every row in one vector: one vectorised search instead of 8n scalar ones. The ratio is
     # searched on log r, so that its unbounded sides, 0 and inf, are finite limits.
-    start = np.concatenate([np.clip(cos, -1, 1)] * 2 + [np.log(ratio)] * 2)
-    step = np.concatenate([cos_se] * 2 + [ratio_se / ratio] * 2)
+    start = np.tile(np.concatenate([np.clip(cos, -1, 1)] * 2 + [np.log(ratio)] * 2), 2)
+    step = np.tile(np.concatenate([cos_se] * 2 + [ratio_se / ratio] * 2), 2)
     lo = np.where(is_cos, -1.0, -LOG_RATIO_LIMIT)
     hi = np.where(is_cos, 1.0, LOG_RATIO_LIMIT)
-    xs, js, zs, ses = four(x), four(jack), four(zeta2), four(norm_se)
+    xs, js, zs, ses = eight(x), eight(jack), eight(zeta2), eight(norm_se)
     rs = None
     if reps is not None:
-        rs = Replicates(four(reps.x), four(reps.jack), four(reps.zeta2), four(reps.margin))
+        rs = Replicates(eight(reps.x), eight(reps.jack), eight(reps.zeta2), eight(reps.margin))
 
     def fun(theta):
         w = np.where(is_cos[:, None], _cos_weights(theta, xs), _ratio_weights(theta, xs))
-        return selective_cdf(xs, js, zs, ses, threshold, w, n_folds, rs)
+        return selective_cdf(xs, js, zs, ses, threshold, w, n_folds, rs, projection, selected)
 
-    roots = _decreasing_root(fun, start, np.where(step > 0, step, 1.0), lo, hi, target).reshape(4, n)
+    roots = _decreasing_root(fun, start, np.where(step > 0, step, 1.0), lo, hi, target).reshape(8, n)
     # A side that reached the limit is unbounded: reported as 0 or inf, never as the number the search stopped
     # at.
-    roots[2:] = np.exp(np.where(np.abs(roots[2:]) >= LOG_RATIO_LIMIT, np.sign(roots[2:]) * np.inf, roots[2:]))
-    return roots
+    for r in (roots[2:4], roots[6:8]):
+        r[:] = np.exp(np.where(np.abs(r) >= LOG_RATIO_LIMIT, np.sign(r) * np.inf, r))
+    return roots[:4], roots[4:]
+
+
+def shaped_by_selection(printed: np.ndarray, plain: np.ndarray, share: float) -> np.ndarray:
+    """(n,): rows where the selection visibly shaped the interval: an end of the printed interval (4, n)
+    moved from the plain one's by more than share of the plain half-width, on the cosine's scale and on
+    log r (an end open in one and not the other counts as moved)."""
+    def scale(ends, k):
+        with np.errstate(divide="ignore"):
+            return ends[k] if k < 2 else np.log(ends[k])
+
+    moved = np.zeros(printed.shape[1], dtype=bool)
+    for pair in ((0, 1), (2, 3)):
+        p_lo, p_hi = (scale(plain, k) for k in pair)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            half = (p_hi - p_lo) / 2
+            for k, p_end in zip(pair, (p_lo, p_hi)):
+                end = scale(printed, k)
+                same = end == p_end  # also both open on the same side (±inf)
+                gap = np.abs(end - p_end)
+                # an open plain side leaves no half-width to compare a finite move against
+                moved |= ~same & (np.isinf(gap) | ~(gap <= share * np.where(np.isfinite(half), half, np.inf)))
+    return moved

@@ -237,3 +237,33 @@ def test_kernel_path_names_every_installed_package_that_chooses_a_models_kernels
         except importlib.metadata.PackageNotFoundError:
             continue  # an optional extra not installed here: nothing of it can run
         assert packages.get(name) == version, name
+
+
+def test_installed_packages_read_as_importlib_metadata_reads_them(tmp_path, monkeypatch):
+    """The scan parses each metadata file's headers only: the same names and versions as importlib.metadata's
+    full parse, for every installed distribution and for planted ones whose long description (the body)
+    holds header-like lines, an old egg-info file and a PKG-INFO."""
+    import importlib.metadata
+    import re
+
+    from twinrun.provenance.machine import _installed_packages
+
+    body = "Name: not-this\nVersion: 9.9\n\n" * 200  # a README that quotes metadata
+    wheel = tmp_path / "Twin_Planted-1.2.post3.dist-info"
+    wheel.mkdir()
+    (wheel / "METADATA").write_text(f"Metadata-Version: 2.1\nName: Twin_Planted\nVersion: 1.2.post3\n"
+                                    f"Summary: a\n  folded summary\n\n{body}")
+    (tmp_path / "old.planted-0.1-py3.11.egg-info").write_text("Name: old.planted\nVersion: 0.1\n\n" + body)
+    egg = tmp_path / "pkginfo_planted.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Name: pkginfo-planted\r\nVersion: 4.0\r\n\r\n" + body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    expected = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            expected[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
+    found = _installed_packages()
+    assert found == expected
+    planted = (found["twin-planted"], found["old-planted"], found["pkginfo-planted"])
+    assert planted == ("1.2.post3", "0.1", "4.0")

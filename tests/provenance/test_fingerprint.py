@@ -242,7 +242,8 @@ def test_kernel_path_names_every_installed_package_that_chooses_a_models_kernels
 def test_installed_packages_read_as_importlib_metadata_reads_them(tmp_path, monkeypatch):
     """The scan parses each metadata file's headers only: the same names and versions as importlib.metadata's
     full parse, for every installed distribution and for planted ones whose long description (the body)
-    holds header-like lines, an old egg-info file and a PKG-INFO."""
+    holds header-like lines, an old egg-info file, a PKG-INFO with Windows line ends, a line that is no
+    header."""
     import importlib.metadata
     import re
 
@@ -257,6 +258,9 @@ def test_installed_packages_read_as_importlib_metadata_reads_them(tmp_path, monk
     egg = tmp_path / "pkginfo_planted.egg-info"
     egg.mkdir()
     (egg / "PKG-INFO").write_text("Name: pkginfo-planted\r\nVersion: 4.0\r\n\r\n" + body)
+    odd = tmp_path / "odd_planted-5.dist-info"  # a line that is no header ends the headers there
+    odd.mkdir()
+    (odd / "METADATA").write_text("Name: odd-planted\nVersion: 5\nnot a header\nVersion: 6\n\nbody\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     expected = {}
     for dist in importlib.metadata.distributions():
@@ -265,5 +269,31 @@ def test_installed_packages_read_as_importlib_metadata_reads_them(tmp_path, monk
             expected[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
     found = _installed_packages()
     assert found == expected
-    planted = (found["twin-planted"], found["old-planted"], found["pkginfo-planted"])
-    assert planted == ("1.2.post3", "0.1", "4.0")
+    names = ("twin-planted", "old-planted", "pkginfo-planted", "odd-planted")
+    assert [found[n] for n in names] == ["1.2.post3", "0.1", "4.0", "5"]
+
+
+@pytest.mark.parametrize("text", [
+    "Name: a\r\nVersion: 1\r\n\r\nVersion: 2\r\n",  # Windows line ends: "\r\n" is one, not two
+    "Summary: x\r \rName: a\r\rVersion: 3\r",  # old Mac ones; a blank-looking continuation line
+    "Name: a\n\rVersion: 4\n",  # mixed: an empty line of its own end
+    "\nName: a\nVersion: 5\n",  # empty at once: no headers
+    "Name: a\nVersion: 6",  # no line end at all
+])
+def test_metadata_headers_end_where_the_email_parser_ends_them(text):
+    """A distribution whose finder hands over its metadata text as it is (no universal newlines): the
+    headers read up to the first empty line are the full parse's, whatever the line ends."""
+    import email
+    import importlib.metadata
+
+    from twinrun.provenance.machine import _metadata_headers
+
+    class Raw(importlib.metadata.Distribution):
+        def read_text(self, filename):
+            return text if filename == "METADATA" else None
+
+        def locate_file(self, path):
+            return path
+
+    full = email.message_from_string(text)
+    assert _metadata_headers(Raw()).items() == full.items()

@@ -116,10 +116,24 @@ def _installed_packages() -> dict:
 
 def _metadata_headers(dist: importlib.metadata.Distribution) -> email.message.Message:
     """The distribution's metadata file, the one `Distribution.metadata` reads (METADATA, else PKG-INFO,
-    else an old egg-info file itself), parsed up to its headers' end by the same parser: the same headers.
-    None found: no headers (the distribution has no name, so is left out)."""
+    else an old egg-info file itself), parsed by the same parser up to its first empty line, where that
+    parser's headers end: the same headers. None found: no headers (no name, so left out)."""
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or dist.read_text("") or ""
-    return email.parser.HeaderParser().parsestr(text)
+    return email.parser.HeaderParser().parsestr(text[:_headers_end(text)])
+
+
+# The email parser's line ends (feedparser's NLCRE_crack): "\r\n" is one, a lone "\r" or "\n" another.
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+def _headers_end(text: str) -> int:
+    """Where the first empty line starts (the text's end if none): nothing after it is a header."""
+    line_start = 0
+    for eol in _EOL.finditer(text):
+        if eol.start() == line_start:
+            return line_start
+        line_start = eol.end()
+    return len(text)
 
 
 def _first_version(packages: dict, *prefixes: str) -> str | None:

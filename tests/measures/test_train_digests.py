@@ -66,3 +66,30 @@ def test_a_step_of_your_own_is_hashed_at_once():
     with torch.no_grad():
         arm.model.lin.weight.add_(1.0)
     assert meanwhile.digests != [ts.weight_digests(arm.model)]
+
+
+def test_digests_follow_a_parameter_to_other_memory_and_copy_a_strided_one_every_step():
+    """The parameters' views are made once and reused while each keeps its memory: one whose memory is
+    swapped (as parking swaps it) is read where it is now, and a strided one (no view of its bytes) is
+    copied afresh at every step, so an in-place update of either is seen."""
+    arm = arm_of(Tiny())
+    meanwhile, expected = ts.DigestsMeanwhile(arm.model), []
+    weight, bias = arm.model.lin.weight, arm.model.lin.bias
+
+    def step(change):
+        with torch.no_grad():
+            change()
+        expected.append(ts.weight_digests(arm.model))
+        meanwhile.after_step()
+        meanwhile.wait()
+
+    step(lambda: bias.add_(1.0))  # in place: the views made at the first step see it
+    step(lambda: bias.add_(1.0))
+    step(lambda: setattr(weight, "data", weight.data + 1.0))  # other memory
+    step(lambda: weight.add_(1.0))
+    step(lambda: setattr(weight, "data", (weight.data + 1.0).t().contiguous().t()))  # strided: no view
+    step(lambda: weight.add_(1.0))
+    step(lambda: weight.add_(1.0))
+    assert not weight.is_contiguous()
+    assert meanwhile.digests == expected
+    assert len({tuple(d) for d in expected}) == len(expected)  # every change moved a digest

@@ -237,3 +237,63 @@ def test_kernel_path_names_every_installed_package_that_chooses_a_models_kernels
         except importlib.metadata.PackageNotFoundError:
             continue  # an optional extra not installed here: nothing of it can run
         assert packages.get(name) == version, name
+
+
+def test_installed_packages_read_as_importlib_metadata_reads_them(tmp_path, monkeypatch):
+    """The scan parses each metadata file's headers only: the same names and versions as importlib.metadata's
+    full parse, for every installed distribution and for planted ones whose long description (the body)
+    holds header-like lines, an old egg-info file, a PKG-INFO with Windows line ends, a line that is no
+    header."""
+    import importlib.metadata
+    import re
+
+    from twinrun.provenance.machine import _installed_packages
+
+    body = "Name: not-this\nVersion: 9.9\n\n" * 200  # a README that quotes metadata
+    wheel = tmp_path / "Twin_Planted-1.2.post3.dist-info"
+    wheel.mkdir()
+    (wheel / "METADATA").write_text(f"Metadata-Version: 2.1\nName: Twin_Planted\nVersion: 1.2.post3\n"
+                                    f"Summary: a\n  folded summary\n\n{body}")
+    (tmp_path / "old.planted-0.1-py3.11.egg-info").write_text("Name: old.planted\nVersion: 0.1\n\n" + body)
+    egg = tmp_path / "pkginfo_planted.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Name: pkginfo-planted\r\nVersion: 4.0\r\n\r\n" + body)
+    odd = tmp_path / "odd_planted-5.dist-info"  # a line that is no header ends the headers there
+    odd.mkdir()
+    (odd / "METADATA").write_text("Name: odd-planted\nVersion: 5\nnot a header\nVersion: 6\n\nbody\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    expected = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            expected[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
+    found = _installed_packages()
+    assert found == expected
+    names = ("twin-planted", "old-planted", "pkginfo-planted", "odd-planted")
+    assert [found[n] for n in names] == ["1.2.post3", "0.1", "4.0", "5"]
+
+
+@pytest.mark.parametrize("text", [
+    "Name: a\r\nVersion: 1\r\n\r\nVersion: 2\r\n",  # Windows line ends: "\r\n" is one, not two
+    "Summary: x\r \rName: a\r\rVersion: 3\r",  # old Mac ones; a blank-looking continuation line
+    "Name: a\n\rVersion: 4\n",  # mixed: an empty line of its own end
+    "\nName: a\nVersion: 5\n",  # empty at once: no headers
+    "Name: a\nVersion: 6",  # no line end at all
+])
+def test_metadata_headers_end_where_the_email_parser_ends_them(text):
+    """A distribution whose finder hands over its metadata text as it is (no universal newlines): the
+    headers read up to the first empty line are the full parse's, whatever the line ends."""
+    import email
+    import importlib.metadata
+
+    from twinrun.provenance.machine import _metadata_headers
+
+    class Raw(importlib.metadata.Distribution):
+        def read_text(self, filename):
+            return text if filename == "METADATA" else None
+
+        def locate_file(self, path):
+            return path
+
+    full = email.message_from_string(text)
+    assert _metadata_headers(Raw()).items() == full.items()

@@ -2,6 +2,8 @@
 build and the numerics packages installed, the measuring GPU, the CPU and its vector ISA, thread
 counts, the BLAS/oneDNN/OpenMP backend (twinrun/provenance/fingerprint.py says why each can move bits)."""
 
+import email.message
+import email.parser
 import hashlib
 import importlib.metadata
 import platform
@@ -99,12 +101,39 @@ def _backend() -> dict:
 
 
 def _installed_packages() -> dict:
+    """{normalised name: version} of every installed distribution, read from its metadata's headers (as
+    importlib.metadata's `metadata["Name"]` and `version` read them). Only the headers are parsed: the
+    body after them is a package's long description, and parsing it whole, twice (once for the name and
+    again for the version), was nearly all of a fingerprint's time (0.15 s of 0.17 s, 183 packages)."""
     packages = {}
     for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"]
+        headers = _metadata_headers(dist)
+        name = headers["Name"]
         if name:
-            packages[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
+            packages[re.sub(r"[-_.]+", "-", name).lower()] = headers["Version"]
     return packages
+
+
+def _metadata_headers(dist: importlib.metadata.Distribution) -> email.message.Message:
+    """The distribution's metadata file, the one `Distribution.metadata` reads (METADATA, else PKG-INFO,
+    else an old egg-info file itself), parsed by the same parser up to its first empty line, where that
+    parser's headers end: the same headers. None found: no headers (no name, so left out)."""
+    text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or dist.read_text("") or ""
+    return email.parser.HeaderParser().parsestr(text[:_headers_end(text)])
+
+
+# The email parser's line ends (feedparser's NLCRE_crack): "\r\n" is one, a lone "\r" or "\n" another.
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+def _headers_end(text: str) -> int:
+    """Where the first empty line starts (the text's end if none): nothing after it is a header."""
+    line_start = 0
+    for eol in _EOL.finditer(text):
+        if eol.start() == line_start:
+            return line_start
+        line_start = eol.end()
+    return len(text)
 
 
 def _first_version(packages: dict, *prefixes: str) -> str | None:

@@ -35,6 +35,7 @@ import torch
 import yaml
 
 from twinrun import draws
+from twinrun.config import ProbeConfig
 from twinrun.job import SDPA_UNDER_VMAP
 from twinrun.measures import fold_sums as probe
 from twinrun.measures.probe import fold_sizes
@@ -71,7 +72,7 @@ def example_chunk() -> tuple[int, int]:
 
 
 CHUNK_IMAGES, CHUNK_DRAWS = example_chunk()
-DEFAULT_CHUNK = (120, 4)  # conf/probe/default.yaml's chunk, the example's before it set its own
+DEFAULT_CHUNK = (ProbeConfig.chunk_images, ProbeConfig.chunk_draws)  # the example's before it set its own
 
 
 def setup(n_draws: int, vmap_attention: bool = True):

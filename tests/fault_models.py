@@ -1,5 +1,8 @@
 """Small models that misbehave the way real ones do, built through `model._target_` in subprocess tests."""
 
+import os
+import signal
+
 import torch
 from torch import nn
 
@@ -63,6 +66,30 @@ def fails_above_sigma(path=None):
 
 def always_fails(path=None):
     return AlwaysFails()
+
+
+def half_done_cleanup() -> None:
+    """A library call that SIGTERM interrupts and whose cleanup then fails on its half-done state, as
+    OmegaConf's does when a signal lands inside a merge: its AttributeError takes the signal's place."""
+    flags = None
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the job's handler raises Interrupted at the next bytecode
+        flags = {}
+    finally:
+        flags["cache"] = None  # TypeError: the signal's Interrupted is now only this error's __context__
+
+
+class SignalUnwindsAboveSigma(ChannelsLastQuery):
+    """For σ > 1, SIGTERM arrives inside a library call whose cleanup then fails (`half_done_cleanup`)."""
+
+    def forward(self, x, sigma, sigma_cond):
+        if float(sigma.reshape(-1)[0]) > 1.0:
+            half_done_cleanup()
+        return self.net(x, sigma, sigma_cond)
+
+
+def signal_unwinds_above_sigma(path=None):
+    return SignalUnwindsAboveSigma()
 
 
 class NotDeterministicAboveSigma(ChannelsLastQuery):

@@ -41,6 +41,8 @@ from twinrun.errors import (
     TwinrunError,
     fail,
     raise_on_signals,
+    raise_signal_in,
+    signal_first,
 )
 from twinrun.files import refuse_links
 from twinrun.job import warn_once
@@ -107,9 +109,10 @@ def _task(cfg: DictConfig) -> Point:
     sweeping = hc.mode == RunMode.MULTIRUN
     run_dir = Path(hc.runtime.output_dir)
     try:
-        refuse_unknown_additions(list(hc.overrides.task), set(hc.runtime.choices))
-        with tee_output(run_dir / f"{hc.job.name}.log"):
-            point = run_point(cfg, run_dir, reproduce_command(), sweeping)
+        with signal_first():
+            refuse_unknown_additions(list(hc.overrides.task), set(hc.runtime.choices))
+            with tee_output(run_dir / f"{hc.job.name}.log"):
+                point = run_point(cfg, run_dir, reproduce_command(), sweeping)
     except Interrupted as err:
         discard_unplanned(run_dir)  # cut short while planning: nothing stays; once planned, it resumes
         if not sweeping and not RunDir(run_dir).is_run():  # no run to resume: say so, not "resume with"
@@ -140,7 +143,8 @@ def _loud(method):
     def wrapper(*args, **kwargs):
         try:
             return method(*args, **kwargs)
-        except Exception:  # noqa: BLE001 — re-raised as the exit below, after the traceback
+        except Exception as err:  # noqa: BLE001 — re-raised as the exit below, after the traceback
+            raise_signal_in(err)  # unless a signal's unwinding became it: then the signal ends the run
             traceback.print_exc()
             raise SystemExit(1) from None
 

@@ -21,9 +21,17 @@ EXIT_PIPE_CLOSED = 141  # stdout's reader left early (`| head`): 128 + SIGPIPE, 
 
 
 class TwinrunError(Exception):
-    """A user mistake or unusable input: printed as one line, never as a traceback."""
+    """A user mistake or unusable input: printed as one line, never as a traceback.
+
+    Never made out of a signal: one made while a signal's Interrupted unwinds (see `signal_in`) raises
+    that Interrupted instead, so no `except TwinrunError` that records a failure in run.json, or goes on
+    past one point's error to the next, can swallow a signal or give it another exit code."""
 
     exit_code = EXIT_USAGE
+
+    def __init__(self, *args):
+        raise_signal_in(sys.exc_info()[1])
+        super().__init__(*args)
 
 
 class ModelError(TwinrunError):
@@ -67,7 +75,47 @@ class Interrupted(BaseException):
                  "`python -m twinrun.resume RUN_DIR`"):
         name = "SIGINT" if exit_code == EXIT_INTERRUPTED else "SIGTERM"
         super().__init__(f"interrupted by {name}; {detail}")
-        self.exit_code = exit_code
+        self.exit_code, self.detail = exit_code, detail
+
+
+def signal_in(err: BaseException | None) -> Interrupted | None:
+    """The Interrupted a signal raised, if `err` is what its unwinding turned into; else None.
+
+    Python raises a signal's Interrupted at whatever bytecode the main thread is on, inside a library
+    too. A library's cleanup (a `finally`, an `__exit__`) may then fail on its half-done state and raise
+    its own error in the Interrupted's place: OmegaConf does in about 5% of signals that land inside a
+    merge (an AttributeError from a half-set flag, an UnboundLocalError), and then wraps it in one of its
+    own errors. What happened is the signal, so every handler that records, converts or carries on past
+    an error asks this first. Python keeps the replaced exception as `__context__` (`raise ... from None`
+    only hides it from tracebacks), so the chain says it."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, Interrupted):
+            return e
+        seen.add(id(e))
+        todo += [e.__context__, e.__cause__]
+    return None
+
+
+def raise_signal_in(err: BaseException | None) -> None:
+    """Raise (a copy of) the Interrupted that `err` unwound from, if any (`signal_in`)."""
+    found = signal_in(err)
+    if found is not None:
+        raise Interrupted(found.exit_code, found.detail) from None
+
+
+@contextmanager
+def signal_first():
+    """Around a command's work: an error that a signal's unwinding turned into leaves as that signal
+    (exit 130 / 143, run.json "interrupted"), never as a traceback or another exit code."""
+    try:
+        yield
+    except Exception as err:
+        raise_signal_in(err)
+        raise
 
 
 SIGNAL_EXIT = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
@@ -170,7 +218,10 @@ def exit_as_command(main) -> None:
     commands write nothing a run reads, so nothing is left half-done."""
     try:
         try:
-            code = main()
+            with signal_first():
+                code = main()
+        except Interrupted as err:  # an error a signal's unwinding became, left past main's own handlers
+            fail(err)
         finally:  # argparse's --help ends in SystemExit: its buffered text still has to reach the pipe
             sys.stdout.flush()  # the last lines may still be buffered: their write is where the pipe breaks
     except BrokenPipeError:

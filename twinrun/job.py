@@ -28,6 +28,7 @@ from twinrun.errors import (
     Interrupted,
     KernelPathRefused,
     TwinrunError,
+    signal_first,
 )
 from twinrun.files import make_dir, read_json, write_json
 from twinrun.measures.failures import failure_record, to_model_error
@@ -67,7 +68,8 @@ def run_job(run_dir: str | Path, trusted=(), units: list[int] | None = None,
                 stale.unlink(missing_ok=True)
         index = load_index(rd)[0]
         try:
-            return _measure(index, load_arms(index, trusted), units, gpus)
+            with signal_first():
+                return _measure(index, load_arms(index, trusted), units, gpus)
         except (KeyboardInterrupt, Interrupted) as err:
             index.mark_interrupted(units)
             if isinstance(err, KeyboardInterrupt):

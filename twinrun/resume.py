@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinrun.errors import EXIT_INTERRUPTED, Interrupted, TwinrunError, fail, raise_on_signals
+from twinrun.errors import EXIT_INTERRUPTED, Interrupted, TwinrunError, fail, raise_on_signals, signal_first
 from twinrun.pipeline import reduce_sweep, resume_run
 from twinrun.storage.rundir import RunDir
 from twinrun.storage.sweepdir import SweepDir
@@ -33,9 +33,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     raise_on_signals()
     try:
-        if not RunDir(args.run_dir).is_run() and SweepDir(args.run_dir).multirun_yaml.exists():  # a sweep
-            return reduce_sweep(args.run_dir, True, args.local, args.trust)
-        return resume_run(RunDir(args.run_dir).require(), args.local, args.trust)
+        with signal_first():
+            if not RunDir(args.run_dir).is_run() and SweepDir(args.run_dir).multirun_yaml.exists():  # a sweep
+                return reduce_sweep(args.run_dir, True, args.local, args.trust)
+            return resume_run(RunDir(args.run_dir).require(), args.local, args.trust)
     except KeyboardInterrupt:
         fail(Interrupted(EXIT_INTERRUPTED))
     except (TwinrunError, Interrupted) as err:

@@ -15,7 +15,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinrun.errors import EXIT_INTERRUPTED, Interrupted, StoreError, TwinrunError, fail, raise_on_signals
+from twinrun.errors import (
+    EXIT_INTERRUPTED,
+    Interrupted,
+    StoreError,
+    TwinrunError,
+    fail,
+    raise_on_signals,
+    signal_first,
+)
 from twinrun.pipeline import reduce_sweep
 from twinrun.storage.sweepdir import SweepDir
 
@@ -31,9 +39,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     raise_on_signals()
     try:
-        if not SweepDir(args.sweep_dir).is_sweep():
-            raise StoreError(args.sweep_dir, "not a twinrun sweep directory (no numbered run directories)")
-        return reduce_sweep(args.sweep_dir, args.resume, args.local, args.trust)
+        with signal_first():
+            if not SweepDir(args.sweep_dir).is_sweep():
+                raise StoreError(args.sweep_dir,
+                                 "not a twinrun sweep directory (no numbered run directories)")
+            return reduce_sweep(args.sweep_dir, args.resume, args.local, args.trust)
     except KeyboardInterrupt:
         fail(Interrupted(EXIT_INTERRUPTED))
     except (TwinrunError, Interrupted) as err:

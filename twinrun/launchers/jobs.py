@@ -14,7 +14,7 @@ from pathlib import Path
 
 import submitit
 
-from twinrun.errors import EXIT_OK, Interrupted, TwinrunError, raise_on_signals
+from twinrun.errors import EXIT_OK, Interrupted, TwinrunError, raise_on_signals, signal_first
 from twinrun.job import run_job
 from twinrun.storage.rundir import RunIndex
 
@@ -158,7 +158,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     run_dir, trusted = argv[0], argv[1:]
     try:
-        PairJob(run_dir, trusted)()
+        with signal_first():
+            PairJob(run_dir, trusted)()
     except TwinrunError as err:  # PairJob printed its line; run.json records the failure
         return err.exit_code
     except Interrupted as err:  # the pack stopped it (SIGTERM): run.json says interrupted, the pack requeues

@@ -14,7 +14,7 @@ import torch
 
 from twinrun import conditioning
 from twinrun.config import ProbeConfig
-from twinrun.errors import ConfigError
+from twinrun.errors import ConfigError, raise_signal_in
 from twinrun.interventions import Intervention, attached
 from twinrun.measures import fold_sums as fs
 from twinrun.measures.failures import (
@@ -207,6 +207,7 @@ def run_trial(
                 with attached((interventions or {}).get(arm, Intervention()), model):
                     tiny_probe(model, forward, names, images, sigma, sigma_cond, candidate, objective, cond)
         except Exception as err:  # any failure of user code is reported, not raised as is
+            raise_signal_in(err)  # a signal, not the method's failure: never a reason to try the next one
             # Neither memory nor determinism is a reason to take another method: `auto` is a rule
             # about the model (does it run under vmap), so each is reported as what it is.
             if is_out_of_memory(err):

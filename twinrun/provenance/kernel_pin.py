@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from twinrun.errors import ConfigError, KernelPathRefused, StoreError
+from twinrun.errors import ConfigError, KernelPathRefused, StoreError, raise_signal_in
 from twinrun.files import atomic_write, read_json, read_regular
 from twinrun.provenance.compile_cache import ours_alone
 
@@ -111,6 +111,7 @@ def _feedback(timings, name, input_nodes, choices, profiled, precompile_times) -
         sizes = ["×".join(str(s) for s in node.get_size()) for node in input_nodes]  # symbols stay symbols
         ms = {_candidate(c): float(t) for c, t in timings.items()}
     except Exception as err:  # noqa: BLE001 — a record we cannot read is recorded as such
+        raise_signal_in(err)  # unless a signal's unwinding made it: that ends the compile, as it should
         _decisions.append({"op": str(name), "shapes": [], "timings_ms": {}, "winner": None,
                            "unreadable": f"{type(err).__name__}: {err}"[:200]})
         return

@@ -1,0 +1,100 @@
+"""A signal's Interrupted that a library's cleanup turned into another error is still the signal: never a
+one-line error of ours (exit 2), a model error recorded in run.json (exit 4), a traceback (exit 1), nor a
+reason for the trial to try the next method. Real signals, sent to this process."""
+
+import random
+import signal
+
+import pytest
+import torch
+from fault_models import ChannelsLastQuery, half_done_cleanup
+from omegaconf import OmegaConf
+
+from twinrun.config import ProbeConfig
+from twinrun.errors import (
+    EXIT_TERMINATED,
+    Interrupted,
+    StoreError,
+    TwinrunError,
+    raise_on_signals,
+    signal_first,
+    signal_in,
+)
+from twinrun.instantiate import typed
+from twinrun.measures import fold_sums, trial
+
+
+@pytest.fixture(autouse=True)
+def entry_point_handlers():
+    """As an entry point has them (raise_on_signals); pytest's own handlers back afterwards."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    raise_on_signals()
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+def test_the_cleanup_error_hides_the_signal_only_as_its_context():
+    with pytest.raises(TypeError) as err:
+        half_done_cleanup()
+    assert signal_in(err.value).exit_code == EXIT_TERMINATED
+    assert signal_in(TypeError("unrelated")) is None
+
+
+def test_an_error_of_ours_made_while_a_signal_unwinds_is_the_signal():
+    with pytest.raises(Interrupted) as err:
+        try:
+            half_done_cleanup()
+        except TypeError as cleanup:
+            raise StoreError("run/arms/native/bin00.safetensors", f"does not fit ({cleanup})") from None
+    assert err.value.exit_code == EXIT_TERMINATED
+    with pytest.raises(StoreError):  # and with no signal behind it, it is what it says
+        try:
+            raise TypeError("a damaged field")
+        except TypeError:
+            raise StoreError("run/arms/native/bin00.safetensors", "does not fit") from None
+
+
+def test_signal_first_lets_other_errors_through_unchanged():
+    with pytest.raises(Interrupted), signal_first():
+        half_done_cleanup()
+    with pytest.raises(ValueError), signal_first():
+        raise ValueError("a bug of ours stays a traceback")
+    with pytest.raises(TwinrunError), signal_first():
+        raise TwinrunError("bad input stays one line")
+
+
+def test_the_trial_does_not_take_a_signal_for_the_method_failing():
+    class Unwinds(ChannelsLastQuery):  # the signal lands under vmap; folds would run
+        def forward(self, x, sigma, sigma_cond):
+            if torch._C._functorch.is_batchedtensor(x):
+                half_done_cleanup()
+            return self.net(x, sigma, sigma_cond)
+
+    model = Unwinds()
+    images = torch.zeros(4, 1, 8, 8)
+    with pytest.raises(Interrupted):  # not "vmap failed: take folds"
+        trial.run_trial(model, fold_sums.select_params(model, ["*"]), images, 0.5,
+                        {"native": torch.tensor(0.5)}, "auto", None)
+
+
+def test_real_signals_landing_inside_omegaconf_end_as_the_signal():
+    """SIGALRM's handler raises Interrupted, as SIGTERM's does, at a random instant of a config merge
+    (`typed`, where the CI run met it): every one ends as Interrupted, and some landed in a cleanup."""
+    signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(signal.SIGTERM))
+    node = OmegaConf.to_container(OmegaConf.structured(ProbeConfig))
+    rng, in_cleanup, outcomes = random.Random(0), 0, set()
+    for _ in range(4000):
+        try:
+            with signal_first():
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, 0.004))
+                while True:
+                    typed(ProbeConfig, node, "probe")
+        except BaseException as err:  # noqa: BLE001 — the outcome is what is tested
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            outcomes.add(type(err).__name__)
+            in_cleanup += isinstance(err.__context__, Exception)  # signal_first found it behind an error
+        if in_cleanup >= 10:
+            break
+    assert outcomes == {"Interrupted"} and in_cleanup >= 10, (outcomes, in_cleanup)

@@ -171,6 +171,46 @@ def step_pair(a, data, n_steps: int, settings: dict | None = None) -> tuple[floa
     return (t1 - t0) / n_steps, (t2 - t1) / n_steps
 
 
+# Trained in the frozen-base section: the attention output projections alone (7% of the weights of
+# the memory section's DiT), as a LoRA adapter or a partial fine-tune trains a small part of a large base.
+TRAINED = ".attn.proj."
+
+
+RULES = ("plain", "segment", "every")
+
+
+def frozen_pair(a, data, n_steps: int, first: int = 0) -> dict[str, float]:
+    """Seconds per step of one arm that trains a small part of a larger DiT (the memory section's size),
+    three ways over the same steps: `plain` (no digests), `segment` (twinrun's: the frozen weights hashed
+    once a segment, DigestsMeanwhile) and `every` (every weight after every step, as before); `first`
+    rotates which runs first."""
+    (train_x, train_ids), _ = data
+    t = TrainConfig(batch_size=a.batch)
+    seg = draw_segment(0, list(range(1, n_steps + 1)), train_ids, a.batch, tuple(train_x.shape[1:]))
+    ids = [[train_ids[p] for p in row] for row in seg.positions.tolist()]
+    out = {}
+    for rule in RULES[first:] + RULES[:first]:
+        model = model_for(a.mem_width, a.mem_depth)
+        for name, param in model.named_parameters():
+            param.requires_grad_(TRAINED in name)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        arm = ArmState(model, opt, Native(), 0, t, None, None, loop.twinrun_step)
+        digests = ts.DigestsMeanwhile(model)
+        if rule == "every":
+            digests.frozen = [False] * len(digests.frozen)
+        t0 = time.perf_counter()
+        for k, step in enumerate(seg.steps):
+            x, sigma = train_x[seg.positions[k]], ts.sigma_of(seg.normal[k])
+            before = digests.wait if rule != "plain" else None
+            loop.loop_step(arm, arm.step_fn, x, ids[k], sigma, seg.eps[k], 0, step, before_update=before)
+            if rule != "plain":
+                digests.after_step()
+        if rule != "plain":
+            digests.finish()
+        out[rule] = (time.perf_counter() - t0) / n_steps
+    return out
+
+
 # ----------------------------------------------------------------------------- sections
 
 
@@ -179,6 +219,13 @@ def per_step(a, data, settings=None) -> dict:
     pairs = [step_pair(a, data, a.segment, settings) for _ in range(a.reps)]
     return {"plain_ms": 1e3 * med(p for p, _ in pairs), "twinrun_ms": 1e3 * med(m for _, m in pairs),
             "ratio": med(m / p for p, m in pairs)}
+
+
+def frozen_base(a, data) -> dict:
+    frozen_pair(a, data, 2)  # warm-up
+    reps = [frozen_pair(a, data, a.segment, i % len(RULES)) for i in range(max(a.reps, len(RULES)))]
+    return {"plain_ms": 1e3 * med(r["plain"] for r in reps),
+            **{rule: med(r[rule] / r["plain"] for r in reps) for rule in ("segment", "every")}}
 
 
 def whole_run(a, data, overrides=()) -> dict:
@@ -244,8 +291,9 @@ def main(argv=None) -> None:
     p.add_argument("--mem-width", type=int, default=256)
     p.add_argument("--mem-depth", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="every section on a tiny run (seconds)")
-    p.add_argument("--only", choices=("all", "offload"), default="all",
-                   help="offload: only the offloaded whole run and its peak memory, each against a plain run")
+    p.add_argument("--only", choices=("all", "offload", "frozen"), default="all",
+                   help="offload: only the offloaded whole run and its peak memory, each against a plain "
+                   "run; frozen: only the per-step digests of a partly frozen model")
     p.add_argument("--memory-side", choices=("plain", "twin", "offload"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.width = a.depth = None
@@ -262,6 +310,9 @@ def main(argv=None) -> None:
     if a.smoke:
         print("bench_train: --smoke runs every section on a tiny run: its ratios measure start-up only")
     data = load_train_and_heldout()
+    if a.only == "frozen":
+        frozen(a, data)
+        return
     if a.only == "all":
         in_memory(a, data)
     offloaded(a, data)
@@ -277,10 +328,19 @@ def in_memory(a, data) -> None:
     s = per_step(a, data, loop_settings)
     print(f"per step with schedule, clipping, accumulation (2) and bf16 autocast: plain {s['plain_ms']:.2f} "
           f"ms, one twinrun arm {s['twinrun_ms']:.2f} ms: {s['ratio']:.3f}x (target ≤ 1.05)")
+    frozen(a, data)
     w = whole_run(a, data)
     print(f"whole run: one plain run {w['plain_s']:.2f} s, the twin run with its four companion arms "
           f"{w['twin_s']:.2f} s: {w['ratio']:.2f}x (target ≤ 5.3); per arm and step, amortised: "
           f"{w['per_arm_step_ratio']:.3f}x")
+
+
+def frozen(a, data) -> None:
+    """Per step, an arm that trains a small part of a larger model: its digests against a plain step."""
+    f = frozen_base(a, data)
+    print(f"per step, training {TRAINED!r} alone of a DiT width {a.mem_width}, depth {a.mem_depth}: "
+          f"plain {f['plain_ms']:.2f} ms; with the weights' digests, frozen ones once a segment: "
+          f"{f['segment']:.3f}x; every weight after every step (before): {f['every']:.3f}x")
 
 
 def offloaded(a, data) -> None:

@@ -21,7 +21,7 @@ import torch
 from train_runs import compose_cfg, tiny_cfg, train_run
 
 from twinrun.analysis.train_effects import effect_rows
-from twinrun.analysis.train_reduce import Run, compare_stores, gate_rows, reduce_train
+from twinrun.analysis.train_reduce import Run, compare_stores, first_difference, gate_rows, reduce_train
 from twinrun.errors import ConfigError, DeviceMemoryError, TwinrunError
 from twinrun.job import run_job
 from twinrun.measures import train as train_kind
@@ -430,6 +430,79 @@ def test_a_no_op_that_moves_only_a_buffer_fails_the_gate():
     row = gate_rows(run, records, found, "replicate")[0]
     assert not row["passed"] and row["rule"] == "not a no-op on a deterministic path"
     assert row["first_tensor"] == "buffer/bn.running_mean"
+
+
+def test_a_frozen_weight_that_leaves_the_twin_is_found_at_its_segments_last_step():
+    # Synthetic records: weight f frozen (blank before the segment's last step), w trained and equal.
+    def store(f_last: str) -> dict:
+        return {"from_step": 2, "to_step": 5, "step_digests": [["a", ""], ["b", ""], ["c", f_last]]}
+
+    start = {"from_step": 0, "to_step": 0, "digests": {"weight/w": "0", "weight/f": "1"}}
+    layout = [{"name": "w"}, {"name": "f"}]
+    stores = [{"native": start, "x_noop": start}, {"native": store("f0"), "x_noop": store("f1")}]
+    assert first_difference(stores, "x_noop", layout)["step"] == 5  # after step 5, not before
+    assert first_difference(stores, "x_noop", layout)["first_tensor"] == "f"
+    stores[1]["x_noop"] = store("f0")
+    assert first_difference(stores, "x_noop", layout)["step"] is None
+
+
+LEAK_INTO_FROZEN = textwrap.dedent("""
+    import torch
+    from twinrun.interventions import ScaleLR
+
+    class LeakIntoFrozen(ScaleLR):
+        # At its no-op setting, writes a relative 1e-6 into a frozen weight before a segment's first
+        # training forward (not the held-out loss's: a write there is another rule's).
+        def attach(self, model):
+            if self.factor != 1:
+                return []
+            weight, done = model.pos_embed, []
+
+            def leak(module, args):
+                if module.training and not done:
+                    with torch.no_grad():
+                        weight.mul_(1 + 1e-6)
+                    done.append(True)
+
+            return [model.register_forward_pre_hook(leak)]
+""")
+
+
+def test_a_leak_written_during_the_heldout_loss_fails_the_gate_not_the_stores_checks(tmp_path, monkeypatch):
+    """A hook that writes a weight in eval mode (the held-out loss) leaves the store holding what it wrote;
+    its last step's digests say so, so the run reads as a failed gate, not as a forged store."""
+    # the held-out loss after the first segment's training, not the start's (its store is read whole)
+    after_training = "not module.training and getattr(self, 'trained', False)"
+    leak = LEAK_INTO_FROZEN.replace("if module.training and not done:", f"if {after_training} and not done:")
+    leak = leak.replace("def leak(module, args):\n", "def leak(module, args):\n"
+                        "            self.trained = getattr(self, 'trained', False) or module.training\n")
+    (tmp_path / "leak_eval.py").write_text(leak)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    red = train_run(tmp_path / "leak", ["intervention._target_=leak_eval.LeakIntoFrozen"])
+    failed = [g for g in red.summary["gates"] if not g["passed"]]
+    assert failed and not red.summary["passed"] and "INSTRUMENT BROKEN" in red.summary["verdict"]
+    firsts = {f["arm"]: f for f in red.summary["first_differing"]}
+    assert firsts["scale_lr_noop"]["step"] == 2 and firsts["scale_lr_noop"]["first_tensor"] == "pos_embed"
+    sys.modules.pop("leak_eval", None)
+
+
+def test_with_frozen_weights_the_gate_still_catches_a_leak_into_one(tmp_path, monkeypatch):
+    """Frozen weights are hashed once a segment; a machinery arm that writes into one still fails."""
+    frozen = ["train.params=[blocks.*]"]
+    red = train_run(tmp_path / "clean", frozen)
+    assert red.summary["passed"], red.summary["checks"]
+    meta = read_train_store(red.index.store_path(red.index.units[-1], "native")).meta
+    blank = [not d for d in meta["step_digests"][0]]
+    names = [w["name"] for w in meta["layout"]]
+    assert blank == [not n.startswith("blocks.") for n in names] and any(blank) and not all(blank)
+    assert all(meta["step_digests"][-1])
+
+    (tmp_path / "leak_frozen.py").write_text(LEAK_INTO_FROZEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    red = train_run(tmp_path / "leak", [*frozen, "intervention._target_=leak_frozen.LeakIntoFrozen"])
+    failed = [g for g in red.summary["gates"] if not g["passed"]]
+    assert failed and not red.summary["passed"] and "INSTRUMENT BROKEN" in red.summary["verdict"]
+    sys.modules.pop("leak_frozen", None)
 
 
 # ----------------------------------------------------------------------------- where researchers work

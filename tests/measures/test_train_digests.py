@@ -93,3 +93,26 @@ def test_digests_follow_a_parameter_to_other_memory_and_copy_a_strided_one_every
     assert not weight.is_contiguous()
     assert meanwhile.digests == expected
     assert len({tuple(d) for d in expected}) == len(expected)  # every change moved a digest
+
+
+def test_a_frozen_weight_is_hashed_once_after_the_segments_last_step():
+    """A frozen weight (requires_grad False) reads FROZEN at every step but the last, where it is the
+    weight's digest: a leak written into it at the first step is found there, after the last step. The
+    trained weight's digests are every step's, as before. Neither path hashes it per step."""
+    for meanwhile_on in (True, False):
+        arm = arm_of(Tiny(), lr=0.5)
+        arm.model.lin.bias.requires_grad_(False)
+        meanwhile, steps = ts.DigestsMeanwhile(arm.model, meanwhile=meanwhile_on), []
+        for k in range(3):
+            x, sigma, eps = batch(8, seed=k)
+            loop.loop_step(arm, arm.step_fn, x, list(range(8)), sigma, eps, 7, k + 1,
+                           before_update=meanwhile.wait)
+            if k == 0:
+                with torch.no_grad():
+                    arm.model.lin.bias.mul_(1 + 1e-6)  # a leak into the frozen weight, at the first step
+            steps.append(ts.weight_digests(arm.model))
+            meanwhile.after_step()
+        digests = meanwhile.finish()
+        assert [d[0] for d in digests] == [s[0] for s in steps]  # the trained weight: every step
+        assert [d[1] for d in digests] == [ts.FROZEN, ts.FROZEN, steps[-1][1]]  # the frozen one: the last
+        assert digests[-1] == ts.weight_digests(arm.model)

@@ -118,6 +118,17 @@ def test_a_step_digest_edited_inside_a_unit_is_refused_not_blamed_on_the_interve
     assert "CANNOT" not in line and "not a no-op" not in line
 
 
+def test_a_blank_step_digest_at_a_units_last_step_is_refused(run, capsys):
+    """Blank is a frozen weight's digest before the unit's last step (hashed once a segment); at the last
+    step every weight is hashed, so a blank there would vouch for any weight the store holds."""
+    def edit(tensors, meta):
+        meta["step_digests"][-1][0] = ""
+
+    rewrite_store(run, "native", _last(run), edit)
+    refused(reduce.main, [run], capsys, "native", "step_digests[1]",
+            "blank digests must be a frozen weight's")
+
+
 # ----------------------------------------------------------------------------- 5. store metadata
 
 

@@ -211,9 +211,12 @@ class TrainSession:
         self.parking.unpark(s)
         with self.memory_named(arm, u):
             (losses, common), digests, global_steps = as_model_error(arm, u, self._train, s, seg, arm)
+            versions = ts.weight_versions(s.model)
             forward = s.model if s.forward is None else s.forward  # its compiled module (train.compile)
             held = as_model_error(arm, u, ts.heldout_losses, forward, s.intervention, self.held_x,
                                   self.held_normal, self.held_eps, self.chunk, self.objective, self.held_cond)
+            if digests:  # (the start unit has no step: its store's own digests are read there)
+                digests[-1] = ts.rehash_written(s.model, versions, digests[-1])
         loop.check_finite(arm, u, losses, held, s.model, seg.steps)
         self.hold_replicate(arm, u, digests)
         s.step = u["train"]["to_step"]
@@ -298,8 +301,7 @@ class TrainSession:
                 # Step: which bits the weights hold now (the first step an arm leaves the twin's), hashed
                 # while the next step's forward and backward run.
                 meanwhile.after_step()
-            meanwhile.wait()
-        digests = meanwhile.digests
+            digests = meanwhile.finish()
         s.optimizer.zero_grad(set_to_none=True)  # only the arm training now holds gradients
         stacked = [torch.stack(v).float().cpu() if v else torch.zeros(0) for v in (losses, commons)]
         return tuple(stacked), digests, global_steps

@@ -83,8 +83,29 @@ def _host(p: torch.Tensor):
     return t.numpy()
 
 
+def weight_versions(model: torch.nn.Module) -> list[int]:
+    """Each parameter's version counter: torch bumps it at every in-place write, under no_grad too."""
+    return [p._version for p in model.parameters()]
+
+
+def rehash_written(model: torch.nn.Module, versions: list[int], last: list[str]) -> list[str]:
+    """The last step's digests with every weight written since `versions` were read hashed again: a hook
+    that writes a weight during the held-out loss (eval mode) leaves the store holding what it wrote, and
+    the step digests must say so, or the store reads as forged (its last step's digest not its weight's)
+    instead of as an arm that left the twin (the gate)."""
+    params = list(model.parameters())
+    written = [i for i, (p, v) in enumerate(zip(params, versions, strict=True)) if p._version != v]
+    if not written:
+        return last
+    fresh = dict(zip(written, _digests_of([_host(params[i]) for i in written]), strict=True))
+    return [fresh.get(i, d) for i, d in enumerate(last)]
+
+
+FROZEN = ""  # a frozen weight's step digest before the segment's last step (DigestsMeanwhile)
+
+
 def _digests_of(arrays: list) -> list[str]:
-    return [hashlib.sha256(a).hexdigest()[:DIGEST_HEX] for a in arrays]
+    return [FROZEN if a is None else hashlib.sha256(a).hexdigest()[:DIGEST_HEX] for a in arrays]
 
 
 class DigestsMeanwhile:
@@ -93,7 +114,13 @@ class DigestsMeanwhile:
     `wait()`, called before the next update writes them and at the segment's end, collects the digests.
     The same digests as weight_digests, in the same order; a sha256 of the committed model's weights is
     about 3% of its step on two cores. `meanwhile=False` (a step of your own, which might write a weight
-    in its forward): each step's digests are taken at once, as weight_digests does."""
+    in its forward): each step's digests are taken at once, as weight_digests does.
+
+    A frozen weight (requires_grad False at the segment's start: outside train.params, a LoRA adapter's
+    base) is hashed once, after the segment's last step, and reads FROZEN ("") at the steps before: no
+    optimizer writes it, so only a leak can, and a leak stays in the weight, so the segment's end finds
+    it (and the trained weights, which it feeds, differ from the step after). Hashing a 2 B-parameter
+    base after every step was gigabytes of sha256, and from a GPU a copy to the host, per step and arm."""
 
     def __init__(self, model: torch.nn.Module, meanwhile: bool = True):
         self.model, self.meanwhile = model, meanwhile
@@ -104,6 +131,7 @@ class DigestsMeanwhile:
         # place; parking, which swaps it, runs between segments): listing and viewing them every step
         # was a tenth of a millisecond, about 1% of the committed model's step.
         self.params = list(model.parameters()) if meanwhile else None
+        self.frozen = [not p.requires_grad for p in model.parameters()]
         self.views: list | None = None
         self.where: list[int] | None = None
 
@@ -115,16 +143,31 @@ class DigestsMeanwhile:
             self.wait()
 
     def _hosts(self) -> list:
+        """The trained weights' host bytes (None for a frozen one: not hashed at this step)."""
         if self.params is None:  # a step of your own: the parameters as they are now
-            return [_host(p) for p in self.model.parameters()]
+            return self._trained(self.model.parameters())
         where = [p.data_ptr() for p in self.params]
         if where != self.where:  # the first step, or a parameter that moved to other memory
             own = all(p.device.type == "cpu" and p.is_contiguous() for p in self.params)
-            self.views, self.where = ([_host(p) for p in self.params] if own else None), where
+            self.views, self.where = (self._trained(self.params) if own else None), where
         # elsewhere copies, every step (from a GPU, or of a strided tensor)
-        return self.views if self.views is not None else [_host(p) for p in self.params]
+        return self.views if self.views is not None else self._trained(self.params)
+
+    def _trained(self, params) -> list:
+        return [None if f else _host(p) for p, f in zip(params, self.frozen, strict=True)]
 
     def wait(self) -> None:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self.digests.append(pending.result())
+
+    def finish(self) -> list[list[str]]:
+        """After the segment's last step: every step's digests, the frozen weights' hashed now into the
+        last step's (read_train_store holds that step to the weights the store holds)."""
+        self.wait()
+        if self.digests and any(self.frozen):
+            params = self.model.parameters() if self.params is None else self.params
+            frozen = [_host(p) for p, f in zip(params, self.frozen, strict=True) if f]
+            hashed = iter(_digests_of(frozen))
+            self.digests[-1] = [next(hashed) if f else d for d, f in zip(self.digests[-1], self.frozen)]
+        return self.digests

@@ -12,6 +12,8 @@ from twinrun.provenance.record import kernel_path_sha256
 from twinrun.storage.records import HexDigest
 from twinrun.storage.typed import Checker, check_typed, show
 
+StepDigest = Annotated[str, "hex digest or blank"]  # a weight's sha256 prefix after a step; blank: frozen
+
 # ----------------------------------------------------------------------------- store metadata
 
 
@@ -74,8 +76,9 @@ class TrainStoreMeta(TypedDict):
     heldout_digest: str  # sha256 of the held-out images and noise the held-out loss read
     heldout_ids: NotRequired[list[int]]  # the held-out images' ids (the reducer holds them to the data)
     # per step of the unit, per weight (layout order): sha256 prefix of the weight after that step (the
-    # last step's is a prefix of the stored weight's own digest: read_train_store checks it)
-    step_digests: list[list[HexDigest]]
+    # last step's is a prefix of the stored weight's own digest: read_train_store checks it); blank at
+    # the steps before the last for a frozen weight, hashed once a segment (train_step.DigestsMeanwhile)
+    step_digests: list[list[StepDigest]]
     data_files: NotRequired[dict[str, str]]  # {path: sha256} of the caches the data were read from
     env: NotRequired[dict | None]
     kernel_path: NotRequired[dict | None]
@@ -122,6 +125,13 @@ def validate_train_store_meta(path: Path, meta: dict, n_tensors: dict[str, list[
     if (len(digests) != meta["to_step"] - meta["from_step"]
             or any(len(d) != len(meta["layout"]) for d in digests)):
         c.fail("metadata.step_digests", "not one digest per weight for every step of the unit")
+    # A frozen weight is blank at every step but the last, where every weight is hashed.
+    frozen = [not d for d in digests[0]] if len(digests) > 1 else [False] * len(meta["layout"])
+    for k, step in enumerate(digests):
+        blank = [not d for d in step]
+        if blank != (frozen if k < len(digests) - 1 else [False] * len(step)):
+            c.fail(f"metadata.step_digests[{k}]", "blank digests must be a frozen weight's, at every step "
+                   "but the unit's last, where every weight is hashed")
     _validate_kernel_path(c, meta)
     return meta
 def _validate_kernel_path(c: Checker, meta: ProbeStoreMeta) -> None:

@@ -155,6 +155,8 @@ def _python_types(base) -> tuple:
 def _check_mark(c: Checker, value, field: str, mark: str) -> None:
     if mark == "hex digest" and not HEX.fullmatch(value):
         c.fail(field, f"{show(value)} is not a hex digest")
+    elif mark == "hex digest or blank" and value and not HEX.fullmatch(value):
+        c.fail(field, f"{show(value)} is neither a hex digest nor blank")
     elif mark == "positive" and not (math.isfinite(value) and value > 0):
         c.fail(field, f"{show(value)} must be finite and > 0")
     elif mark == "not nan" and math.isnan(value):

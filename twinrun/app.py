@@ -7,7 +7,6 @@ with the reducer's code (0 ok, 1 a gate/check failed, 2 bad input), the worst ov
 A sweep's state lives in its Hydra callback (SweepCallback, registered in conf/hydra/callbacks/).
 """
 
-import contextlib
 import functools
 import io
 import logging
@@ -15,7 +14,6 @@ import os
 import re
 import secrets
 import shlex
-import stat
 import sys
 import traceback
 from pathlib import Path
@@ -50,6 +48,7 @@ from twinrun.measures.registry import load_index, measure_names
 from twinrun.pipeline import Point, check_launcher, run_point, submit_sweep
 from twinrun.plan import plan_run
 from twinrun.publish.sweep import write_sweep_summary
+from twinrun.run_log import tee_output
 from twinrun.storage.rundir import RunDir
 from twinrun.storage.sweepdir import expand_sweep
 
@@ -253,53 +252,6 @@ def refuse_unknown_additions(overrides: list[str], groups: set[str]) -> None:
                 raise ConfigError(f"+{key}", o.value(), f"{where} has no key {part!r} (a typo?); its keys "
                                   f"are {', '.join(node.keys())}; override an existing key without '+'")
             node = node._get_node(part)
-
-
-@contextlib.contextmanager
-def tee_output(log: Path):
-    """What this process prints also goes to the run's log file (Hydra's job log, else empty)."""
-    try:
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    except OSError:
-        yield  # no log beats no run (a link at its name is never written through); errors come later, named
-        return
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link: its other name is outside the run
-        os.close(fd)
-        yield
-        return
-    f = os.fdopen(fd, "a", encoding="utf-8")
-    streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Tee(streams[0], f), _Tee(streams[1], f)
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = streams
-        f.close()
-
-
-class _Tee:
-    """A text stream writing to the terminal and to a log file (the log never breaks the run)."""
-
-    def __init__(self, stream, log):
-        self.stream, self.log = stream, log
-
-    def write(self, text: str) -> int:
-        try:
-            self.log.write(text)
-        except (OSError, ValueError):
-            pass
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-        try:
-            self.log.flush()
-        except (OSError, ValueError):
-            pass
-
-    def __getattr__(self, name):  # isatty, fileno, encoding... are the terminal's
-        return getattr(self.stream, name)
 
 
 def check_sweep(points: list[list[str]], choices: set[str], sweep_dir: Path | None = None) -> None:

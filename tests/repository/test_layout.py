@@ -28,7 +28,8 @@ FLOORS = [
     ("storage", ["twinrun.storage"]),
     ("provenance", ["twinrun.provenance"]),
     ("schema", ["twinrun.config", "twinrun.protocol", "twinrun.instantiate", "twinrun.intervention_nodes",
-                "twinrun.interventions", "twinrun.objectives", "twinrun.errors", "twinrun.files", "twinrun"]),
+                "twinrun.interventions", "twinrun.objectives", "twinrun.errors", "twinrun.files",
+                "twinrun.run_log", "twinrun"]),
 ]
 COMMANDS = set(FLOORS[0][1])
 # Side by side on one floor, neither reads the other: the reducer hands a summary to publish.

@@ -3,7 +3,7 @@ make its stronger wording false (no seed pair to pool, rejected rows that print 
 bounded on neither side) and must say what it can."""
 
 from twinrun.publish.probe_report import effect_table, family_line
-from twinrun.publish.render import family_text, interval_text, render
+from twinrun.publish.render import family_text, interval_text, reading_text, render
 from twinrun.publish.sweep import agreement_sentence
 
 
@@ -62,3 +62,33 @@ def test_an_interval_bounded_on_neither_side_says_why():
                "passed": True, "effects": [_printed([None, None], [0.9, 1.3])]}
     printed = render(summary)
     assert "every value from −1 to 1" in printed and "0 to ∞" not in printed
+
+
+def _near_row(sigma, twin_z, arm_z=40.0, near=True, ratio=(3.2, None), share=0.2):
+    return {"sigma": sigma, "estimand": "all", "below_noise": False, "gate": False, "near_boundary": near,
+            "norm2": arm_z, "norm2_se": 1.0, "norm2_base": twin_z, "norm2_base_se": 1.0,
+            "cos_interval": [-0.5, -0.2], "norm_ratio_interval": list(ratio), "draw_share": share}
+
+
+def test_the_reading_names_the_weak_arm_and_claims_only_what_every_near_row_bounds():
+    # the default run's shape: the twin barely detected in every row, the ratio bounded below only
+    rows = [_near_row(0.2, 2.3), _near_row(0.8, 3.9, ratio=(5.0, 13.0), share=0.12),
+            {"sigma": 0.5, "estimand": "all", "below_noise": False, "gate": True}]
+    text = reading_text(rows)
+    assert text.startswith("2 rows print a number: 2 of 2 cosine intervals and 1 of 2 norm-ratio")
+    assert "2 of 2 sit near the detection boundary: there the twin's |μ|² is only 2.3–3.9 SE" in text
+    assert "at least 3.2× the twin's" in text
+    assert "12–20% of the twin's noise" in text and "more images would" in text
+    # a lower end at or under 1 bounds no change of size: no "clear" claim
+    assert "clear" not in reading_text([_near_row(0.2, 2.3, ratio=(0.9, None))])
+    # where the intervention's |μ|² is the weak one, the size claim (about the twin) is not made
+    weak_arm = reading_text([_near_row(0.2, 30.0, arm_z=2.5)])
+    assert "the intervention's |μ|² is only 2.5 SE" in weak_arm and "at least" not in weak_arm
+    # where the draws carry most of the noise, more draws would help: the images sentence is not said
+    assert "more images" not in reading_text([_near_row(0.2, 2.3, share=0.7)])
+    # far from the boundary: counts only
+    far = reading_text([_near_row(0.2, 30.0, near=False, ratio=(5.0, 9.0))])
+    assert far == ("1 row prints a number: 1 of 1 cosine intervals and 1 of 1 norm-ratio intervals are "
+                   "bounded on both sides.")
+    assert reading_text([{**_near_row(0.2, 1.0), "below_noise": True}]) is None
+

@@ -12,7 +12,7 @@ from twinrun.files import atomic_write
 from twinrun.provenance.version import version_text
 from twinrun.publish.environment import env_summary
 from twinrun.publish.probe_plots import effect_caption, plot_effect
-from twinrun.publish.render import family_text, interval_text, noise_note, pm
+from twinrun.publish.render import family_text, interval_text, noise_note, pm, reading_text
 from twinrun.storage.run_paths import EFFECT_PNG, REPORT_MD
 from twinrun.storage.rundir import RunIndex
 
@@ -155,7 +155,9 @@ def write_report(out_dir: Path, summary: dict, index: RunIndex) -> Path:
         png = plot_effect(summary, out_dir / EFFECT_PNG, **plot_context(index))
         lines += ["", "## Effects", "", f"![effect vs σ]({png.name})", "", effect_caption(summary), ""]
         lines += family_line(summary)
-        lines += ["", INTERVAL_NOTE, ""] + effect_table(summary["effects"])
+        reading = reading_text(summary["effects"])
+        lines += ["", INTERVAL_NOTE, ""] + ([f"**Reading.** {reading}", ""] if reading else [])
+        lines += effect_table(summary["effects"])
         lines += receipt_table(summary["effects"])
     if summary.get("reference"):
         lines += reference_lines(summary["reference"], summary["effects"])

@@ -51,6 +51,55 @@ def family_text(family: dict, effects: list[dict]) -> str:
             f"effect: `residual` tests what `all` tests); {holm}: {found}.")
 
 
+def reading_text(effects: list[dict]) -> str | None:
+    """What the printed rows say together, in a few sentences (None: no row printed a number). Where rows
+    sit near the detection boundary it says which arm's |μ|² put them there, what is still bounded (the
+    ratio's lower ends) and, from the pairing receipt's draw share, whether more draws or more images
+    would sharpen them (docs/estimator.md, "Rows near the boundary")."""
+    rows = [e for e in effects if not e["gate"] and not e["below_noise"]]
+    if not rows:
+        return None
+    n = len(rows)
+    bounded = lambda key: sum(1 for e in rows if e.get(key) and None not in e[key])
+    said = [(f"{n} {'row prints' if n == 1 else 'rows print'} a number: {bounded('cos_interval')} of {n} "
+             f"cosine intervals and {bounded('norm_ratio_interval')} of {n} norm-ratio intervals are bounded "
+             "on both sides.")]
+    near = [e for e in rows if e.get("near_boundary")]
+    if not near:
+        return " ".join(said)
+    weak = [_weaker_arm(e) for e in near]
+    twin_weak = sum(1 for arm, _ in weak if arm == "twin")
+    who = ("the twin's" if twin_weak == len(near) else "the intervention's" if not twin_weak
+           else f"the weaker arm's (the twin's in {twin_weak})")
+    said.append(f"{len(near)} of {n} sit near the detection boundary: there {who} |μ|² is only "
+                f"{_span([z for _, z in weak], '.1f')} SE above zero, so the test of signal shaped their "
+                "intervals.")
+    lows = [e["norm_ratio_interval"][0] for e in near if e.get("norm_ratio_interval")]
+    if twin_weak == len(near) and lows and None not in lows and min(lows) > 1:
+        said.append(f"The change of size is still clear: in each of them the intervention's |μ| is at "
+                    f"least {min(lows):.3g}× the twin's (the ratio's lower ends); what the data do not bound "
+                    "is how much larger.")
+    shares = [e["draw_share"] for e in near if e.get("draw_share") is not None]
+    if shares and max(shares) < 0.5:
+        said.append(f"The draws carry {_span([100 * x for x in shares], '.0f')}% of the twin's noise and the "
+                    "images the rest, so more draws (probe.n_draws) would barely sharpen these rows; more "
+                    "images would (probe.n_images, up to the held-out set).")
+    return " ".join(said)
+
+
+def _weaker_arm(row: dict) -> tuple[str, float]:
+    """The arm whose debiased |μ|² stands fewer SEs above zero, and how many."""
+    z = {"twin": row["norm2_base"] / row["norm2_base_se"] if row["norm2_base_se"] else float("inf"),
+         "intervention": row["norm2"] / row["norm2_se"] if row["norm2_se"] else float("inf")}
+    arm = min(z, key=z.get)
+    return arm, z[arm]
+
+
+def _span(values: list[float], spec: str) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:{spec}}" if f"{lo:{spec}}" == f"{hi:{spec}}" else f"{lo:{spec}}–{hi:{spec}}"
+
+
 def noise_note(row: dict) -> str:
     """Each arm's debiased squared norm ± SE (what decided "below noise")."""
     return (f"|μ|² = {row['norm2']:.2e} ± {row['norm2_se']:.1e}, "
@@ -96,6 +145,9 @@ def render(summary: dict) -> str:
                      f"{interval_text(x.get('cos_interval')):>18} "
                      f"{pm(x['norm_ratio'], x['norm_ratio_se']):>22} "
                      f"{interval_text(x.get('norm_ratio_interval'), whole='0 to ∞'):>18}{near}")
+    reading = reading_text(summary["effects"])
+    if reading:
+        lines += ["", f"reading: {reading}"]
     if summary.get("family"):
         lines += ["", f"family-wise: {family_text(summary['family'], summary['effects'])}"]
     return "\n".join(lines)

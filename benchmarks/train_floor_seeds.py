@@ -12,11 +12,13 @@ every-weight arms (max/min) and each scale_lr arm's distance in floors of each k
 
 import argparse
 import os
+from types import SimpleNamespace
 
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from twinrun.analysis.train_effects import effect_rows
 from twinrun.analysis.train_reduce import pair_stats, selections
 from twinrun.app import CONF_DIR
 from twinrun.arms import Arm, chaos_name
@@ -64,9 +66,10 @@ def one_seed(seed: int, a) -> None:
     last = max(i for i, _ in weights)
     sel = selections(session.layout, ESTIMANDS, {})
     start, twin = weights[0, "native"], weights[last, "native"]
+    found = {(1, arm.name, name): pair_stats(weights[last, arm.name], twin, start, sel[name])
+             for arm in arms[1:] for name in ESTIMANDS}
     for name in ESTIMANDS:
-        d = {arm.name: pair_stats(weights[last, arm.name], twin, start, sel[name])["distance"]
-             for arm in arms[1:]}
+        d = {arm.name: found[1, arm.name, name]["distance"] for arm in arms[1:]}
         every = [d[chaos_name(k)] for k in range(1, a.chaos_arms + 1)]
         lo, hi = min(every), max(every)
         lr = {f: d[f"scale_lr {f:g}"] for f in FACTORS}
@@ -76,6 +79,23 @@ def one_seed(seed: int, a) -> None:
         spread = hi / lo if lo > 0 else float("inf")
         print(f"seed {seed}  {name:>4}  one {d['chaos one']:.3e}  every {listed} (max/min {spread:.2f})  "
               f"{ratios}", flush=True)
+    # The reducer's reading at the defaults (the first train.chaos.arms every-weight arms), per scope.
+    for scope in SCOPES:
+        print(f"seed {seed}  floor_scope={scope:<8}  " + "  ".join(
+            f"{e['estimand']} ×{f:g} {e['floor_ratio']:.3g}/{e['margin']:.3g} "
+            f"{'A' if e['above_floor'] else 'c'}"
+            for f in FACTORS for e in read(found, f, scope, cfg, a.chaos_arms)), flush=True)
+
+
+SCOPES = ("estimand", "model")
+
+
+def read(found: dict, factor: float, scope: str, cfg, n_arms: int) -> list[dict]:
+    """effect_rows over one stored step, the scale_lr arm at `factor` as the intervention."""
+    chaos = [chaos_name(k) for k in range(1, min(n_arms, cfg.train.chaos.arms) + 1)]
+    run = SimpleNamespace(roles={"intervention": f"scale_lr {factor:g}"}, margin=cfg.train.floor_margin,
+                          floor_scope=scope, all_of=lambda role: chaos if role == "chaos" else [])
+    return effect_rows(run, [{}, {"native": {"to_step": cfg.train.steps}}], found, ESTIMANDS)[1]
 
 
 def main() -> None:

@@ -293,6 +293,7 @@ ONE_ELEMENT = ["train.chaos.weights=one", "train.chaos.arms=1"]
     ([*ONE_ELEMENT, "train.chaos.index=99999999"], "train.chaos.index"),
     (["train.chaos.weights=some"], "train.chaos.weights"),
     (["train.chaos.arms=0"], "train.chaos.arms"),
+    (["train.floor_scope=weights"], "train.floor_scope"),
     (["train.chaos.weights=one"], "train.chaos.arms"),
     # under weights=every each element moves by a seeded coin: a one-element setting would be ignored
     (["train.chaos.param=blocks.1.mlp.0.weight"], "train.chaos.param"),
@@ -622,6 +623,7 @@ def test_the_floor_is_the_largest_chaos_arm_or_replicate_and_the_margin_grows_wi
     # Known truth, per estimand: two chaos arms, a replicate, an intervention at known distances.
     def rows(chaos, replicate, effect):
         run = SimpleNamespace(roles={"intervention": "x", "chaos": "native_chaos"}, margin=10.0,
+                              floor_scope="estimand",
                               all_of=lambda role: {"chaos": ["native_chaos", "native_chaos_2"],
                                                    "replicate": ["native_replicate"]}.get(role, []))
         found = {(1, "x", "e"): {"distance": effect, "cos": 1.0, "norm_ratio": 1.0},
@@ -639,3 +641,33 @@ def test_the_floor_is_the_largest_chaos_arm_or_replicate_and_the_margin_grows_wi
     floor, effect = rows([2e-4, 2e-4], 1e-3, 3e-3)
     assert floor["distance"] == 1e-3 and not effect["above_floor"]
 
+
+
+def test_with_the_model_scope_an_estimand_is_read_against_the_larger_of_its_floor_and_the_models():
+    # Known truth: `cond`'s chaos 1e-5 (spread 1), the model's (`all`) 2.5e-3 (spread 1.2); an effect of
+    # 1.4e-3 in `cond` is 140 of its own floors but half the model's: it is not told from chaos.
+    chaos = {"all": (2.5e-3, 2.5e-3 / 1.2), "cond": (1e-5, 1e-5)}
+
+    def rows(scope, effect, names=("all", "cond")):
+        run = SimpleNamespace(roles={"intervention": "x"}, margin=10.0, floor_scope=scope,
+                              all_of=lambda role: {"chaos": ["native_chaos", "native_chaos_2"]}.get(role, []))
+        found = {(1, a, n): {"distance": d, "cos": 1.0, "norm_ratio": 1.0} for n, ds in chaos.items()
+                 for a, d in zip(("native_chaos", "native_chaos_2"), ds)}
+        found |= {(1, "x", n): {"distance": e, "cos": 1.0, "norm_ratio": 1.0} for n, e in effect.items()}
+        return {e["estimand"]: e for e in effect_rows(run, [{}, {"native": {"to_step": 2}}], found,
+                                                      list(names))[1]}
+
+    small = rows("model", {"all": 1e-3, "cond": 1.4e-3})
+    assert not small["cond"]["above_floor"] and small["cond"]["floor"] == 2.5e-3
+    assert small["cond"]["margin"] == pytest.approx(12.0)  # the model's spread sets the margin it reads
+    assert small["cond"]["floor_from"] == "all" and small["cond"]["own_floor_ratio"] == pytest.approx(140)
+    assert "floor_from" not in small["all"]  # the model's own floor: nothing else to say
+    assert rows("estimand", {"all": 1e-3, "cond": 1.4e-3})["cond"]["above_floor"]  # its own floor: 140×
+    # an effect above the model's floor × margin reads above in every estimand, whatever the scope
+    large = rows("model", {"all": 0.14, "cond": 0.15})
+    assert large["all"]["above_floor"] and large["cond"]["above_floor"]
+    # the model's floor is read even where `all` is not a registered estimand; a larger own floor stays
+    assert rows("model", {"cond": 1.4e-3}, names=("cond",))["cond"]["floor"] == 2.5e-3
+    chaos["cond"] = (4e-3, 4e-3)
+    own = rows("model", {"all": 1e-3, "cond": 1e-2})["cond"]
+    assert own["floor"] == 4e-3 and "floor_from" not in own

@@ -5,6 +5,7 @@ EMA weights' rows the same way, and the verdict's sentence. docs/training.md.
 
 import math
 
+from twinrun.analysis.estimands import SHIFT_VIEW
 from twinrun.analysis.vouch import TWIN
 
 
@@ -12,33 +13,57 @@ def effect_rows(run, records: list[dict], found: dict, names: list[str]) -> tupl
     """(floor rows, effect rows) per stored step after the start and estimand. Per estimand and step the
     floor is the largest distance of the chaos arms and the replicates, and the margin is
     train.floor_margin times the chaos arms' spread there (largest / smallest: 1 with one arm), so an
-    estimand whose chaos lands unevenly asks for more before it reads "above" (docs/training.md)."""
+    estimand whose chaos lands unevenly asks for more before it reads "above". With train.floor_scope=model
+    an estimand is read against the whole model's floor (every trained weight's: `all`) where that is the
+    larger, with its margin: chaos that has reached the model's update that far is what a longer run
+    carries into every part of it (docs/training.md)."""
     inter, chaos = run.roles["intervention"], run.all_of("chaos")
     floor, effects = [], []
     for i, per in enumerate(records[1:], start=1):
         step = per[TWIN]["to_step"]
+        scoped = [MODEL] if run.floor_scope == "model" else []
+        own = {name: _floor_at(run, found, i, name) for name in dict.fromkeys([*names, *scoped])}
         for name in names:
             c = [found[i, a, name] for a in chaos]
             e = found[i, inter, name]
-            floor_d = floor_of([x["distance"] for x in c],
-                               [found[i, r, name]["distance"] for r in run.all_of("replicate")
-                                if (i, r, name) in found])  # (arms.replicate_segments: first segments only)
-            spread = chaos_spread([x["distance"] for x in c])
-            margin = run.margin * spread
+            floor_d, spread = own[name]
+            read = name
+            if run.floor_scope == "model" and _larger(own[MODEL][0], floor_d):
+                read = MODEL
+            floor_r, spread_r = own[read]
+            margin = run.margin * spread_r
             if c:
                 worst = max(c, key=lambda x: -math.inf if x["distance"] is None else x["distance"])
                 floor.append({"step": step, "estimand": name, "distance": floor_d, "cos": worst["cos"],
-                              "norm_ratio": worst["norm_ratio"], "spread": spread, "margin": margin,
+                              "norm_ratio": worst["norm_ratio"], "spread": spread,
+                              "margin": run.margin * spread,
                               "chaos_distances": [x["distance"] for x in c]})
-            above = e["distance"] is not None and floor_d is not None and e["distance"] > margin * floor_d
-            effects.append({"step": step, "estimand": name, "cos": e["cos"], "norm_ratio": e["norm_ratio"],
-                            "distance": e["distance"], "floor": floor_d, "margin": margin,
-                            "floor_ratio": _ratio(e["distance"], floor_d),
-                            "above_floor": bool(above),
-                            **{f"{role}_distance": _largest(found[i, a, name]["distance"] for a in
-                                                            run.all_of(role) if (i, a, name) in found)
-                               for role in ("machinery", "replicate") if role in run.roles}})
+            above = e["distance"] is not None and floor_r is not None and e["distance"] > margin * floor_r
+            row = {"step": step, "estimand": name, "cos": e["cos"], "norm_ratio": e["norm_ratio"],
+                   "distance": e["distance"], "floor": floor_r, "margin": margin,
+                   "floor_ratio": _ratio(e["distance"], floor_r), "above_floor": bool(above),
+                   **{f"{role}_distance": _largest(found[i, a, name]["distance"] for a in run.all_of(role)
+                                                   if (i, a, name) in found)
+                      for role in ("machinery", "replicate") if role in run.roles}}
+            if read != name:  # read against the model's floor: its own beside it
+                row.update(floor_from=read, own_floor=floor_d, own_floor_ratio=_ratio(e["distance"], floor_d))
+            effects.append(row)
     return floor, effects
+
+
+MODEL = SHIFT_VIEW  # the whole model's floor (train.floor_scope=model): every trained weight's chaos
+
+
+def _floor_at(run, found: dict, i: int, name: str) -> tuple[float | None, float]:
+    """(floor, chaos arms' spread) of one estimand at stored step i."""
+    c = [found[i, a, name]["distance"] for a in run.all_of("chaos")]
+    # (arms.replicate_segments: the replicates are measured in the first segments only)
+    reps = [found[i, r, name]["distance"] for r in run.all_of("replicate") if (i, r, name) in found]
+    return floor_of(c, reps), chaos_spread(c)
+
+
+def _larger(a: float | None, b: float | None) -> bool:
+    return a is not None and (b is None or a > b)
 
 
 def _largest(values) -> float | None:
@@ -64,6 +89,10 @@ def chaos_spread(chaos: list) -> float:
     return max(known) / min(known) if min(known) > 0 else math.inf
 
 
+def _num(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3g}"
+
+
 def _ratio(distance: float | None, floor: float | None) -> float | None:
     """The intervention's distance in floors (inf over a zero floor: a chaos arm back on the twin's bits)."""
     if distance is None or floor is None:
@@ -79,8 +108,10 @@ def verdict(effects: list[dict], name: str, margin: float) -> str:
     last = rows[-1]
     above = [e["step"] for e in rows if e["above_floor"]]
     times = "–" if last["floor_ratio"] is None else f"{last['floor_ratio']:.3g}"
+    model = (f", the whole model's (`{last['floor_from']}`: train.floor_scope=model; {name}'s own "
+             f"{_num(last['own_floor'])}, {_num(last['own_floor_ratio'])}×)" if "floor_from" in last else "")
     where = (f"at step {last['step']} its distance from the twin is {last['distance']:.3g}, the chaos floor "
-             f"{last['floor']:.3g} ({times}×; a margin of {last['margin']:.3g}× is required: "
+             f"{last['floor']:.3g}{model} ({times}×; a margin of {last['margin']:.3g}× is required: "
              f"train.floor_margin={margin:g} × the chaos arms' spread)")
     if not above:
         return (f"the intervention CANNOT be told from chaos ({name}): {where}; a one-ulp wobble moves this "

@@ -53,6 +53,7 @@ class Run:
     by_role: dict = field(default_factory=dict)  # role -> every arm of it (replicates: several)
     chaos_weights: str = "one"  # train.chaos.weights: one element of chaos_param, or every nonzero element
     nonzero: dict = field(default_factory=dict)  # at the start: trained weight -> its nonzero elements
+    floor_scope: str = "estimand"  # train.floor_scope: each estimand's own floor, or the model's where larger
 
     def all_of(self, role: str) -> list[str]:
         return self.by_role.get(role) or ([self.roles[role]] if role in self.roles else [])
@@ -183,8 +184,10 @@ def scan(run_dir: Path, names: list[str]) -> tuple[Run, list[dict], dict, list[d
                         for arm, s in stores.items()})
         losses.append({arm: {k: s.tensors[k] for k in ("train_loss", "heldout_loss", "train_loss_common")
                              if k in s.tensors} for arm, s in stores.items()})
+    # a run planned before train.floor_scope existed read every estimand against its own floor
+    scope = voucher.configs[TWIN]["train"].get("floor_scope", "estimand")
     run = Run(index, roles, layout, t.floor_margin, records, t.chaos.param, moved, by_role, chaos_weights,
-              {n: k for n, k in nonzero.items() if k})
+              {n: k for n, k in nonzero.items() if k}, scope)
     return run, records, found, losses
 
 

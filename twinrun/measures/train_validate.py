@@ -21,6 +21,9 @@ from twinrun.measures.train_state import validate_optimizer
 
 # Where an intervention can act in training; one that overrides none of these acts nowhere.
 TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight", "train_settings")
+# Which floor an estimand is read against (train.floor_scope): the larger of its own and the model's,
+# or its own.
+FLOOR_SCOPES = ("model", "estimand")
 # Where the chaos arms' ulps land (train.chaos.weights): every weight, or one element of one.
 CHAOS_WEIGHTS = ("every", "one")
 
@@ -40,6 +43,9 @@ def validate(cfg: DictConfig, intervention: Intervention) -> tuple:
         raise ConfigError("train.chunk_samples", t.chunk_samples, "must be ≥ 1, or -1 for the whole batch")
     if not (math.isfinite(t.floor_margin) and t.floor_margin >= 1):
         raise ConfigError("train.floor_margin", t.floor_margin, "must be a finite factor ≥ 1 "
+                          "(docs/training.md)")
+    if t.floor_scope not in FLOOR_SCOPES:
+        raise ConfigError("train.floor_scope", t.floor_scope, f"must be one of {', '.join(FLOOR_SCOPES)} "
                           "(docs/training.md)")
     if t.chaos.ulps == 0:
         raise ConfigError("train.chaos.ulps", t.chaos.ulps, "must be a nonzero number of ulps (the chaos arm "

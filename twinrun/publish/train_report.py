@@ -59,11 +59,20 @@ def replicate_lines(rep: dict) -> list[str]:
 
 
 def effect_lines(summary: dict) -> list[str]:
-    rows = [[e["step"], e["estimand"], num(e["distance"]), num(e["floor"]), num(e["floor_ratio"], ".3g"),
+    rows = [[e["step"], e["estimand"], num(e["distance"]), _floor_cell(e), num(e["floor_ratio"], ".3g"),
              "**yes**" if e["above_floor"] else "no", num(e["cos"], ".6f"), num(e["norm_ratio"], ".4f")]
             for e in summary["effects"]]
     return table(["step", "estimand", "distance to twin", "chaos floor", "× floor", "above floor × margin",
                   "cos of updates", "norm ratio of updates"], rows)
+
+
+def _floor_cell(e: dict) -> str:
+    """The floor an effect row was read against; the model's (train.floor_scope=model) says so, with the
+    estimand's own beside it."""
+    if "floor_from" not in e:
+        return num(e["floor"])
+    return (f"{num(e['floor'])} (`{e['floor_from']}`'s; own {num(e['own_floor'])}, "
+            f"{num(e['own_floor_ratio'], '.3g')}×)")
 
 
 def loss_lines(summary: dict) -> list[str]:
@@ -103,7 +112,9 @@ def _floor_lines(summary: dict) -> list[str]:
             "`train.chaos.weights`): its distance from the twin is how far this training run carries a "
             "rounding-sized wobble by each step. The floor is the largest of the chaos arms' distances and "
             "the replicates'; the margin an effect must clear is train.floor_margin × the chaos arms' spread "
-            "(largest / smallest) in that estimand (docs/training.md).")
+            "(largest / smallest) in that estimand. With train.floor_scope=model (the default) an estimand "
+            "is read against the whole model's floor (`all`'s) where that is the larger, and its margin "
+            "(docs/training.md).")
     header = ["step", "estimand", "floor (distance to twin)", "cos of its update to the twin's",
               "chaos arms' spread", "margin"]
     return [said, "", f"![distance to the twin]({DISTANCE_PNG})", ""] + table(header, rows)
@@ -175,7 +186,7 @@ def render_train(summary: dict) -> str:
         for e in summary["effects"]:
             last[e["estimand"]] = e
         lines += ["", "at the last stored step (distance to the twin; the chaos floor; × floor):"]
-        lines += [f"  {n:<9} {num(e['distance'])}  floor {num(e['floor'])}  {num(e['floor_ratio'], '.3g')}×  "
+        lines += [f"  {n:<9} {num(e['distance'])}  floor {_floor_cell(e)}  {num(e['floor_ratio'], '.3g')}×  "
                   f"cos of updates {num(e['cos'], '.6f')}  norm ratio {num(e['norm_ratio'], '.4f')}"
                   for n, e in last.items()]
     lines += ["", f"verdict: {summary['verdict']}"]

@@ -51,6 +51,10 @@ class TrainEffectRow(TypedDict):
     margin: Num
     floor_ratio: Num | None
     above_floor: bool
+    # train.floor_scope=model where the model's floor was the larger: whose it is, and the estimand's own
+    floor_from: NotRequired[str]
+    own_floor: NotRequired[Num | None]
+    own_floor_ratio: NotRequired[Num | None]
 
 
 class LossRow(TypedDict):

@@ -4,6 +4,8 @@ reason for the trial to try the next method. Real signals, sent to this process.
 
 import random
 import signal
+import sys
+import time
 
 import pytest
 import torch
@@ -28,11 +30,13 @@ from twinrun.measures import fold_sums, trial
 def entry_point_handlers():
     """As an entry point has them (raise_on_signals); pytest's own handlers back afterwards."""
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    hook = sys.unraisablehook
     raise_on_signals()
     yield
     signal.setitimer(signal.ITIMER_REAL, 0)
     for s, handler in before.items():
         signal.signal(s, handler)
+    sys.unraisablehook = hook
 
 
 def test_the_cleanup_error_hides_the_signal_only_as_its_context():
@@ -110,3 +114,38 @@ def test_real_signals_landing_inside_omegaconf_end_as_the_signal():
             break
     assert outcomes == {"Interrupted"} and in_cleanup >= 10, (outcomes, in_cleanup, swallowed)
     assert swallowed <= 10, swallowed
+
+
+def test_a_signal_python_swallows_in_a_finalizer_is_sent_again_and_ends_the_work():
+    """Python cannot raise out of a finalizer or a gc callback (torch installs one): a signal whose
+    handler runs there is printed as "Exception ignored" and lost. raise_on_signals' unraisablehook sends
+    it again, so the work after the finalizer ends as the signal."""
+
+    class SignalledWhileFinalized:
+        def __del__(self):
+            signal.raise_signal(signal.SIGTERM)  # its handler raises Interrupted here, inside __del__
+            sum(range(10))
+
+    with pytest.raises(Interrupted) as err:
+        SignalledWhileFinalized()  # finalized at once: the Interrupted is swallowed inside __del__
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the work goes on ... until the signal arrives again
+            sum(range(100))
+    assert err.value.exit_code == EXIT_TERMINATED
+
+
+def test_other_unraisables_still_reach_the_hook_before():
+    seen = []
+    before = sys.unraisablehook
+    try:
+        sys.unraisablehook = seen.append
+        raise_on_signals()
+
+        class Broken:
+            def __del__(self):
+                raise ValueError("a finalizer's own bug")
+
+        Broken()
+        assert [type(u.exc_value) for u in seen] == [ValueError]
+    finally:
+        sys.unraisablehook = before

@@ -4,6 +4,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 EXIT_OK = 0  # every validity check and gate passed
@@ -132,6 +133,38 @@ def raise_on_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         for signum in SIGNAL_EXIT:
             signal.signal(signum, _raise)
+        if not isinstance(sys.unraisablehook, _Redeliver):
+            sys.unraisablehook = _Redeliver(sys.unraisablehook)
+
+
+class _Redeliver:
+    """sys.unraisablehook: a signal's Interrupted raised where Python cannot propagate it (a finalizer, a
+    gc callback such as torch's: "Exception ignored in ...") is sent to the main thread again, so its
+    handler raises it once the finalizer is done; without this the signal would be lost and the run would
+    go on until SLURM's SIGKILL. Any other unraisable goes to the hook that was there before."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        found = signal_in(unraisable.exc_value)
+        if found is None:
+            self.previous(unraisable)
+            return
+        signum = next(s for s, code in SIGNAL_EXIT.items() if code == found.exit_code)
+        # Sent from another thread a moment later, not raised here: the handler runs at the main thread's
+        # next bytecode, which inside this hook would be one more place Python swallows it. If it lands in
+        # a finalizer again, this hook sends it again.
+        main = threading.main_thread().ident
+        threading.Thread(target=_send_later, args=(main, signum), daemon=True).start()
+
+
+def _send_later(thread_id: int, signum: int) -> None:
+    time.sleep(REDELIVER_DELAY_S)
+    signal.pthread_kill(thread_id, signum)
+
+
+REDELIVER_DELAY_S = 0.005  # past the hook's return (microseconds); far below any SLURM grace period
 
 
 @contextmanager

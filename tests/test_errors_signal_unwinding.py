@@ -86,8 +86,9 @@ def test_the_trial_does_not_take_a_signal_for_the_method_failing():
 def test_real_signals_landing_inside_omegaconf_end_as_the_signal():
     """SIGALRM's handler raises Interrupted, as SIGTERM's does, at a random instant of a config merge
     (`typed`, where the CI run met it): every one ends as Interrupted, and some landed in a cleanup.
-    One that Python itself swallows (raised inside a finalizer: "Exception ignored in ...") is counted
-    and the loop moves on, so the test cannot wait forever."""
+    One that Python itself drops (raised inside a finalizer or a gc callback: "Exception ignored
+    in ...") is sent again by raise_on_signals' unraisablehook within milliseconds; one still missing a
+    second later is counted as lost and the loop moves on, so the test cannot wait forever."""
     fired = []
 
     def alarm(signum, frame):
@@ -104,7 +105,9 @@ def test_real_signals_landing_inside_omegaconf_end_as_the_signal():
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-5, 0.004))
                 while not fired:
                     typed(ProbeConfig, node, "probe")
-                typed(ProbeConfig, node, "probe")  # the handler ran and nothing was raised: once more
+                deadline = time.monotonic() + 1.0  # the handler ran and nothing was raised: dropped?
+                while time.monotonic() < deadline:
+                    typed(ProbeConfig, node, "probe")
             swallowed += 1
         except BaseException as err:  # noqa: BLE001 — the outcome is what is tested
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -113,11 +116,11 @@ def test_real_signals_landing_inside_omegaconf_end_as_the_signal():
         if in_cleanup >= 10:
             break
     assert outcomes == {"Interrupted"} and in_cleanup >= 10, (outcomes, in_cleanup, swallowed)
-    assert swallowed <= 10, swallowed
+    assert swallowed == 0, swallowed  # a dropped one arrives again (test_a_signal_python_swallows_...)
 
 
 def test_a_signal_python_swallows_in_a_finalizer_is_sent_again_and_ends_the_work():
-    """Python cannot raise out of a finalizer or a gc callback (torch installs one): a signal whose
+    """Python cannot raise out of a finalizer or a gc callback (hypothesis installs one): a signal whose
     handler runs there is printed as "Exception ignored" and lost. raise_on_signals' unraisablehook sends
     it again, so the work after the finalizer ends as the signal."""
 

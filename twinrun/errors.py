@@ -139,7 +139,7 @@ def raise_on_signals() -> None:
 
 class _Redeliver:
     """sys.unraisablehook: a signal's Interrupted raised where Python cannot propagate it (a finalizer, a
-    gc callback such as torch's: "Exception ignored in ...") is sent to the main thread again, so its
+    gc callback, as hypothesis installs: "Exception ignored in ...") is sent to the main thread again, so its
     handler raises it once the finalizer is done; without this the signal would be lost and the run would
     go on until SLURM's SIGKILL. Any other unraisable goes to the hook that was there before."""
 

@@ -72,23 +72,36 @@ def _near_row(sigma, twin_z, arm_z=40.0, near=True, ratio=(3.2, None), share=0.2
 
 def test_the_reading_names_the_weak_arm_and_claims_only_what_every_near_row_bounds():
     # the default run's shape: the twin barely detected in every row, the ratio bounded below only
-    rows = [_near_row(0.2, 2.3), _near_row(0.8, 3.9, ratio=(5.0, 13.0), share=0.12),
-            {"sigma": 0.5, "estimand": "all", "below_noise": False, "gate": True}]
+    gate = {"sigma": 0.5, "estimand": "all", "below_noise": False, "gate": True}
+    rows = [_near_row(0.2, 2.3), _near_row(0.8, 3.9, ratio=(5.0, 13.0), share=0.12), gate]
     text = reading_text(rows)
-    assert text.startswith("2 rows print a number: 2 of 2 cosine intervals and 1 of 2 norm-ratio")
+    assert text.startswith("2 effect rows print a number (besides 1 gate row): 2 of 2 cosine intervals and "
+                           "1 of 2 norm-ratio")
     assert "2 of 2 sit near the detection boundary: there the twin's |μ|² is only 2.3–3.9 SE" in text
-    assert "at least 3.2× the twin's" in text
-    assert "12–20% of the twin's noise" in text and "more images would" in text
-    # a lower end at or under 1 bounds no change of size: no "clear" claim
-    assert "clear" not in reading_text([_near_row(0.2, 2.3, ratio=(0.9, None))])
-    # where the intervention's |μ|² is the weak one, the size claim (about the twin) is not made
+    assert "at least 3.2× the twin's (the ratio's lower ends); in 1 the data do not bound how much" in text
+    assert "In the 2 of them with a pairing receipt the draws carry 12–20% of the twin's noise" in text
+    assert "more images would" in text
+    # every upper end bounded: no "do not bound" clause
+    both = reading_text([_near_row(0.8, 3.9, ratio=(5.0, 13.0))])
+    assert "at least 5× the twin's (the ratio's lower ends)." in both and "do not bound" not in both
+    # a lower end at or under 1, or open, in any near row bounds no change of size: no "clear" claim
+    assert "clear" not in reading_text([_near_row(0.2, 2.3, ratio=(0.9, None)), _near_row(0.8, 3.0)])
+    assert "clear" not in reading_text([_near_row(0.2, 2.3, ratio=(None, None)), _near_row(0.8, 3.0)])
+    # where the intervention's |μ|² is the weak one, neither the size nor the draws claim (both about the
+    # twin) is made
     weak_arm = reading_text([_near_row(0.2, 30.0, arm_z=2.5)])
-    assert "the intervention's |μ|² is only 2.5 SE" in weak_arm and "at least" not in weak_arm
-    # where the draws carry most of the noise, more draws would help: the images sentence is not said
-    assert "more images" not in reading_text([_near_row(0.2, 2.3, share=0.7)])
+    assert "the intervention's |μ|² is only 2.5 SE" in weak_arm
+    assert "at least" not in weak_arm and "draws" not in weak_arm
+    mixed = reading_text([_near_row(0.2, 30.0, arm_z=2.5), _near_row(0.8, 3.0)])
+    assert "the weaker arm's (the twin's in 1) |μ|² is only 2.5–3.0 SE" in mixed and "at least" not in mixed
+    # where the draws carry a quarter of the noise or more, more draws would help: not said otherwise
+    assert "more images" not in reading_text([_near_row(0.2, 2.3, share=0.3), _near_row(0.8, 3.0)])
+    assert "In the 1 of them" in reading_text([_near_row(0.2, 2.3, share=None), _near_row(0.8, 3.0)])
+    # a row whose SEs are not numbers says nothing of SEs (no "inf SE" or "nan SE")
+    odd = reading_text([{**_near_row(0.2, 2.3), "norm2_base_se": 0.0}])
+    assert "SE" not in odd and "near" not in odd
     # far from the boundary: counts only
     far = reading_text([_near_row(0.2, 30.0, near=False, ratio=(5.0, 9.0))])
-    assert far == ("1 row prints a number: 1 of 1 cosine intervals and 1 of 1 norm-ratio intervals are "
-                   "bounded on both sides.")
-    assert reading_text([{**_near_row(0.2, 1.0), "below_noise": True}]) is None
-
+    assert far == ("1 effect row prints a number: 1 of 1 cosine intervals and 1 of 1 norm-ratio intervals "
+                   "are bounded on both sides.")
+    assert reading_text([{**_near_row(0.2, 1.0), "below_noise": True}, gate]) is None

@@ -4,6 +4,8 @@ No number without its SE: a cosine or norm ratio is shown as `value ± se`, and 
 shows each arm's debiased |μ|² ± SE instead, so one can see how far from signal it was.
 """
 
+import math
+
 
 def pm(x: float | None, se: float | None, spec: str = ".4f", se_spec: str = ".1e") -> str:
     """`x ± se`, or "below noise" where the estimate was withheld."""
@@ -55,44 +57,63 @@ def reading_text(effects: list[dict]) -> str | None:
     """What the printed rows say together, in a few sentences (None: no row printed a number). Where rows
     sit near the detection boundary it says which arm's |μ|² put them there, what is still bounded (the
     ratio's lower ends) and, from the pairing receipt's draw share, whether more draws or more images
-    would sharpen them (docs/estimator.md, "Rows near the boundary")."""
+    would sharpen them (docs/estimator.md, "Rows near the boundary"). Each sentence is said only where
+    every row it speaks of bears it out."""
     rows = [e for e in effects if not e["gate"] and not e["below_noise"]]
     if not rows:
         return None
-    n = len(rows)
+    n, gates = len(rows), sum(1 for e in effects if e["gate"])
     bounded = lambda key: sum(1 for e in rows if e.get(key) and None not in e[key])
-    said = [(f"{n} {'row prints' if n == 1 else 'rows print'} a number: {bounded('cos_interval')} of {n} "
-             f"cosine intervals and {bounded('norm_ratio_interval')} of {n} norm-ratio intervals are bounded "
-             "on both sides.")]
-    near = [e for e in rows if e.get("near_boundary")]
+    besides = f" (besides {gates} gate {'row' if gates == 1 else 'rows'})" if gates else ""
+    rows_print = "row prints" if n == 1 else "rows print"
+    said = [(f"{n} effect {rows_print} a number{besides}: {bounded('cos_interval')} of {n} cosine intervals "
+             f"and {bounded('norm_ratio_interval')} of {n} norm-ratio intervals are bounded on both sides.")]
+    near = [(e, *_weaker_arm(e)) for e in rows if e.get("near_boundary")]
+    near = [(e, arm, z) for e, arm, z in near if math.isfinite(z)]  # (an exact row is never marked)
     if not near:
         return " ".join(said)
-    weak = [_weaker_arm(e) for e in near]
-    twin_weak = sum(1 for arm, _ in weak if arm == "twin")
+    twin_weak = sum(1 for _, arm, _ in near if arm == "twin")
     who = ("the twin's" if twin_weak == len(near) else "the intervention's" if not twin_weak
            else f"the weaker arm's (the twin's in {twin_weak})")
     said.append(f"{len(near)} of {n} sit near the detection boundary: there {who} |μ|² is only "
-                f"{_span([z for _, z in weak], '.1f')} SE above zero, so the test of signal shaped their "
+                f"{_span([z for _, _, z in near], '.1f')} SE above zero, so the test of signal shaped their "
                 "intervals.")
-    lows = [e["norm_ratio_interval"][0] for e in near if e.get("norm_ratio_interval")]
-    if twin_weak == len(near) and lows and None not in lows and min(lows) > 1:
+    if twin_weak < len(near):
+        return " ".join(said)
+    # The twin barely detected in every one: what the ratio (its denominator the twin's) still bounds.
+    ends = [e.get("norm_ratio_interval") or [None, None] for e, _, _ in near]
+    if all(lo is not None and lo > 1 for lo, _ in ends):
+        open_above = sum(1 for _, hi in ends if hi is None)
         said.append(f"The change of size is still clear: in each of them the intervention's |μ| is at "
-                    f"least {min(lows):.3g}× the twin's (the ratio's lower ends); what the data do not bound "
-                    "is how much larger.")
-    shares = [e["draw_share"] for e in near if e.get("draw_share") is not None]
-    if shares and max(shares) < 0.5:
-        said.append(f"The draws carry {_span([100 * x for x in shares], '.0f')}% of the twin's noise and the "
-                    "images the rest, so more draws (probe.n_draws) would barely sharpen these rows; more "
-                    "images would (probe.n_images, up to the held-out set).")
+                    f"least {min(lo for lo, _ in ends):.3g}× the twin's (the ratio's lower ends)"
+                    + (f"; in {open_above} the data do not bound how much larger." if open_above else "."))
+    shares = [e["draw_share"] for e, _, _ in near if e.get("draw_share") is not None]
+    if shares and max(shares) < DRAWS_BARELY:
+        said.append(f"In the {len(shares)} of them with a pairing receipt the draws carry "
+                    f"{_span([100 * x for x in shares], '.0f')}% of the twin's noise and the images the "
+                    "rest, so more draws (probe.n_draws) would barely sharpen them; more images would "
+                    "(probe.n_images, or more data where the run already reads all it has).")
     return " ".join(said)
 
 
+# Under this draw share, even infinitely many draws would shrink the twin's SE by under 14% (1 − √0.75).
+DRAWS_BARELY = 0.25
+
+
 def _weaker_arm(row: dict) -> tuple[str, float]:
-    """The arm whose debiased |μ|² stands fewer SEs above zero, and how many."""
-    z = {"twin": row["norm2_base"] / row["norm2_base_se"] if row["norm2_base_se"] else float("inf"),
-         "intervention": row["norm2"] / row["norm2_se"] if row["norm2_se"] else float("inf")}
+    """The arm whose debiased |μ|² stands fewer SEs above zero, and how many (nan where unknown)."""
+    z = {"twin": _z(row["norm2_base"], row["norm2_base_se"]),
+         "intervention": _z(row["norm2"], row["norm2_se"])}
+    if any(math.isnan(v) for v in z.values()):
+        return "twin", math.nan
     arm = min(z, key=z.get)
     return arm, z[arm]
+
+
+def _z(value, se) -> float:
+    if value is None or se is None or not se > 0:
+        return math.nan
+    return value / se
 
 
 def _span(values: list[float], spec: str) -> str:

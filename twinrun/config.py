@@ -162,10 +162,11 @@ class TrainConfig:
     # exceeds the chaos arm's by this factor (docs/training.md: the spread of the floor over
     # perturbations measured on this model).
     floor_margin: float = 10.0
-    # Which chaos an estimand is read against: "model" (the larger of its own floor and the whole model's,
-    # every trained weight's), so an effect smaller than the wobble the run carries through the model is
-    # never called one because it landed where chaos had not reached yet (`cond` at step 40); "estimand"
-    # (its own floor alone: what this run's chaos did there by this step; docs/training.md).
+    # Which chaos an estimand is read against: "model" (its own floor or the whole model's, every trained
+    # weight's, whichever sets the higher bar, floor x margin), so an effect smaller than the wobble the
+    # run carries through the model is never called one because it landed where chaos had not reached
+    # yet (`cond` at step 40); "estimand" (its own floor alone: what this run's chaos did there by this
+    # step; docs/training.md).
     floor_scope: str = "model"
     device: str = "auto"  # auto | cpu | cuda[:N], as probe.device
     # What a real loop has (twinrun/measures/train_loop.py; docs/training.md), each the arm's own setting

@@ -20,7 +20,7 @@ import pytest
 import torch
 from train_runs import compose_cfg, tiny_cfg, train_run
 
-from twinrun.analysis.train_effects import effect_rows
+from twinrun.analysis.train_effects import effect_rows, verdict
 from twinrun.analysis.train_reduce import Run, compare_stores, first_difference, gate_rows, reduce_train
 from twinrun.errors import ConfigError, DeviceMemoryError, TwinrunError
 from twinrun.job import run_job
@@ -668,6 +668,55 @@ def test_with_the_model_scope_an_estimand_is_read_against_the_larger_of_its_floo
     assert large["all"]["above_floor"] and large["cond"]["above_floor"]
     # the model's floor is read even where `all` is not a registered estimand; a larger own floor stays
     assert rows("model", {"cond": 1.4e-3}, names=("cond",))["cond"]["floor"] == 2.5e-3
+    # the verdict says whose floor it read, and what moved as far
+    said = verdict(list(small.values()), "cond", 10.0)
+    assert said.startswith("the intervention CANNOT be told from chaos (cond)")
+    assert "the whole model's (`all`: train.floor_scope=model; cond's own 1e-05, 140×)" in said
+    assert "a one-ulp wobble moves the whole model (`all`) nearly as far, for its update, as the " \
+           "intervention moves cond" in said
+    assert "ABOVE" in verdict(list(large.values()), "cond", 10.0)
     chaos["cond"] = (4e-3, 4e-3)
     own = rows("model", {"all": 1e-3, "cond": 1e-2})["cond"]
     assert own["floor"] == 4e-3 and "floor_from" not in own
+    # the model's floor is the larger but its bar is not (cond's chaos spread 5×): the model scope never
+    # reads an effect its own floor would not
+    chaos.update(all=(1.1e-5, 1.1e-5), cond=(1e-5, 2e-6))
+    for scope in ("model", "estimand"):
+        uneven = rows(scope, {"all": 1e-5, "cond": 3e-4})["cond"]
+        assert not uneven["above_floor"] and uneven["margin"] == pytest.approx(50), scope
+    # a distance nobody could read (no trained weight in the estimand) gives a sentence, not a traceback
+    blank = {**small["cond"], "distance": None, "floor_ratio": None, "own_floor_ratio": None}
+    assert "its distance from the twin is –" in verdict([blank], "cond", 10.0)
+
+
+def test_a_run_says_the_floor_scope_it_read_and_one_planned_before_it_reads_its_own_floors(tiny, tmp_path):
+    import yaml
+
+    from twinrun.protocol import config_hash
+    from twinrun.publish.train_rows import tracker_rows
+
+    s = tiny.summary
+    assert s["floor_scope"] == "model"
+    cond = [e for e in s["effects"] if e["estimand"] == "cond"]
+    assert cond and all(e["floor_from"] == "all" for e in cond)  # a tiny run's chaos reaches cond least
+    rows = tracker_rows(tiny.index, s)[0]
+    assert all(r["own_floor/cond"] == e["own_floor"] for r, e in zip(rows, cond, strict=True))
+    # A run planned before train.floor_scope existed: its arms' configs lack the key, and it reads each
+    # estimand against its own floor, as it did then.
+    run_dir = tmp_path / "old"
+    cfg = tiny_cfg()
+    plan_run(cfg, run_dir)
+    run = json.loads((run_dir / "run.json").read_text())
+    for arm in run["arms"]:
+        path = run_dir / "arms" / arm["name"] / "config.yaml"
+        config = yaml.safe_load(path.read_text())
+        del config["train"]["floor_scope"]
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        arm["config_hash"] = config_hash(config)
+    (run_dir / "run.json").write_text(json.dumps(run))
+    run_job(run_dir, trusted_targets(cfg))
+    old = reduce_train(run_dir).summary
+    assert old["floor_scope"] == "estimand" and not any("floor_from" in e for e in old["effects"])
+    # the same stores read under the model's floor would not: the scope is what differs
+    assert any(e["floor"] != o["floor"] for e, o in zip(s["effects"], old["effects"], strict=True)
+               if e["estimand"] == "cond")

@@ -102,6 +102,7 @@ def test_a_mechanism_that_changes_something_at_the_twins_values_fails_the_gate(t
     ("{train.segment_steps: 1}", "intervention.set[train.segment_steps]"),
     ("{train.heldout_images: 8}", "intervention.set[train.heldout_images]"),
     ("{train.chaos.ulps: 2}", "intervention.set[train.chaos.ulps]"),
+    ("{train.floor_scope: estimand}", "intervention.set[train.floor_scope]"),
     ("{train.start_checkpoint: x}", "intervention.set[train.start_checkpoint]"),
     ("{train.device: cpu}", "intervention.set[train.device]"),
     ("{seed: 3}", "intervention.set[seed]"),

@@ -14,9 +14,10 @@ def effect_rows(run, records: list[dict], found: dict, names: list[str]) -> tupl
     floor is the largest distance of the chaos arms and the replicates, and the margin is
     train.floor_margin times the chaos arms' spread there (largest / smallest: 1 with one arm), so an
     estimand whose chaos lands unevenly asks for more before it reads "above". With train.floor_scope=model
-    an estimand is read against the whole model's floor (every trained weight's: `all`) where that is the
-    larger, with its margin: chaos that has reached the model's update that far is what a longer run
-    carries into every part of it (docs/training.md)."""
+    an estimand is read against the whole model's floor (every trained weight's: `all`) with its margin
+    where that bar (floor × margin) is the higher: chaos that has reached the model's update that far is
+    what a longer run carries into every part of it, and the model scope never reads an effect that its
+    own floor would not (docs/training.md)."""
     inter, chaos = run.roles["intervention"], run.all_of("chaos")
     floor, effects = [], []
     for i, per in enumerate(records[1:], start=1):
@@ -28,7 +29,7 @@ def effect_rows(run, records: list[dict], found: dict, names: list[str]) -> tupl
             e = found[i, inter, name]
             floor_d, spread = own[name]
             read = name
-            if run.floor_scope == "model" and _larger(own[MODEL][0], floor_d):
+            if run.floor_scope == "model" and _larger(_bar(*own[MODEL]), _bar(floor_d, spread)):
                 read = MODEL
             floor_r, spread_r = own[read]
             margin = run.margin * spread_r
@@ -60,6 +61,11 @@ def _floor_at(run, found: dict, i: int, name: str) -> tuple[float | None, float]
     # (arms.replicate_segments: the replicates are measured in the first segments only)
     reps = [found[i, r, name]["distance"] for r in run.all_of("replicate") if (i, r, name) in found]
     return floor_of(c, reps), chaos_spread(c)
+
+
+def _bar(floor: float | None, spread: float) -> float | None:
+    """What an effect must exceed, up to train.floor_margin: the floor times the chaos arms' spread."""
+    return None if floor is None else floor * spread
 
 
 def _larger(a: float | None, b: float | None) -> bool:
@@ -107,15 +113,19 @@ def verdict(effects: list[dict], name: str, margin: float) -> str:
         return "no training step was stored after the start: nothing to read"
     last = rows[-1]
     above = [e["step"] for e in rows if e["above_floor"]]
-    times = "–" if last["floor_ratio"] is None else f"{last['floor_ratio']:.3g}"
+    times = _num(last["floor_ratio"])
+    scope = "floor_from" in last  # read against the whole model's floor (train.floor_scope=model)
     model = (f", the whole model's (`{last['floor_from']}`: train.floor_scope=model; {name}'s own "
-             f"{_num(last['own_floor'])}, {_num(last['own_floor_ratio'])}×)" if "floor_from" in last else "")
-    where = (f"at step {last['step']} its distance from the twin is {last['distance']:.3g}, the chaos floor "
-             f"{last['floor']:.3g}{model} ({times}×; a margin of {last['margin']:.3g}× is required: "
-             f"train.floor_margin={margin:g} × the chaos arms' spread)")
+             f"{_num(last['own_floor'])}, {_num(last['own_floor_ratio'])}×)" if scope else "")
+    whose = f"`{last['floor_from']}`'s chaos arms' spread" if scope else "the chaos arms' spread"
+    where = (f"at step {last['step']} its distance from the twin is {_num(last['distance'])}, the chaos "
+             f"floor {_num(last['floor'])}{model} ({times}×; a margin of {_num(last['margin'])}× is "
+             f"required: train.floor_margin={margin:g} × {whose})")
     if not above:
-        return (f"the intervention CANNOT be told from chaos ({name}): {where}; a one-ulp wobble moves this "
-                "run nearly as far as the intervention does at every stored step")
+        moves = (f"a one-ulp wobble moves the whole model (`{last['floor_from']}`) nearly as far, for its "
+                 f"update, as the intervention moves {name}" if scope else
+                 "a one-ulp wobble moves this run nearly as far as the intervention does")
+        return f"the intervention CANNOT be told from chaos ({name}): {where}; {moves} at every stored step"
     if last["above_floor"] and len(above) == len(rows):
         return f"the intervention is ABOVE the chaos floor at every stored step ({name}): {where}"
     if last["above_floor"]:

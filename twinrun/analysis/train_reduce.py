@@ -355,7 +355,8 @@ def analyse(run: Run, records: list[dict], losses: list[dict], found: dict, used
                     "INSTRUMENT BROKEN: a validity check or the machinery gate failed; effects are withheld"),
         "checks": checks, "gates": gates, "replicate": replicate_report(run, records, found),
         "first_differing": firsts, "floor": floor if ok else [], "effects": effects if ok else [],
-        "losses": loss_rows(run, records, losses, used["signal_alpha"]) if ok else []}
+        "losses": loss_rows(run, records, losses, used["signal_alpha"]) if ok else [],
+        "floor_scope": run.floor_scope}
     if summary["losses"]:
         summary["verdict"] += loss_sentence(summary["losses"])
     if ok and any(k[2] == EMA for k in found):

@@ -24,6 +24,7 @@ REFUSED = {
     "train.start_checkpoint": "every arm starts from one checkpoint (the distances are read from it)",
     "train.chaos": "the chaos arm's perturbation is the floor's, not an arm's training",
     "train.floor_margin": "the verdict's margin is the reading's, not an arm's training",
+    "train.floor_scope": "which floor the verdict reads is the reading's, not an arm's training",
     "train.device": "every arm trains on the run's device (one kernel path)",
     "train.compile": "compiling is the run's kernel path, shared by every arm",
     "train.offload": "where parked arms wait is the run's memory layout, not an arm's training",

@@ -21,8 +21,8 @@ from twinrun.measures.train_state import validate_optimizer
 
 # Where an intervention can act in training; one that overrides none of these acts nowhere.
 TRAINING_HOOKS = ("sigma_cond", "attach", "train_lr", "loss_weight", "train_settings")
-# Which floor an estimand is read against (train.floor_scope): the larger of its own and the model's,
-# or its own.
+# Which floor an estimand is read against (train.floor_scope): its own or the model's, whichever sets the
+# higher bar, or its own alone.
 FLOOR_SCOPES = ("model", "estimand")
 # Where the chaos arms' ulps land (train.chaos.weights): every weight, or one element of one.
 CHAOS_WEIGHTS = ("every", "one")

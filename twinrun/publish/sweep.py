@@ -86,16 +86,16 @@ def train_lines(points: list[dict], sd: SweepDir) -> list[str]:
         return []
     lines = ["", "## Training points", "",
              ("Each point's distance from its twin at its last stored step against the chaos floor (the "
-              "chaos arm's distance: how far a one-ulp wobble moves the same run), for the estimand its "
-              "verdict reads. A point not reduced (failed, interrupted, missing) is in the table above "
-              "only."),
+              "chaos arms' distance: how far a one-ulp wobble moves the same run; the whole model's, named, "
+              "where train.floor_scope=model read that), for the estimand its verdict reads. A point not "
+              "reduced (failed, interrupted, missing) is in the table above only."),
              "",
              "| point | step | estimand | distance | chaos floor | × floor | above floor | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     for p in trained:
         rel, e = Path(p["run_dir"]).relative_to(sd.path), p.get("train_effect")
         numbers = ("| – | – | – | – | – | –" if e is None else
-                   f"| {e['step']} | {e['estimand']} | {_num(e['distance'])} | {_num(e['floor'])} "
+                   f"| {e['step']} | {e['estimand']} | {_num(e['distance'])} | {_floor(e)} "
                    f"| {_num(e['floor_ratio'])} | {'yes' if e['above_floor'] else 'no'}")
         lines.append(f"| {rel} {numbers} | {p['verdict']} |")
     return lines
@@ -103,6 +103,11 @@ def train_lines(points: list[dict], sd: SweepDir) -> list[str]:
 
 def _num(x: float | None) -> str:
     return "–" if x is None else f"{x:.3g}"
+
+
+def _floor(e: dict) -> str:
+    """The floor a point was read against; the whole model's (train.floor_scope=model) says whose."""
+    return _num(e["floor"]) + (f" (`{e['floor_from']}`'s)" if e.get("floor_from") else "")
 
 
 def seed_lines(pooled: list[dict]) -> list[str]:

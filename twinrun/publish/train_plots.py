@@ -85,13 +85,21 @@ def plot_distance(summary: dict, path: Path, estimand: str) -> Path:
     return path
 
 
+def _floor_label(effects: list[dict]) -> str:
+    """The floor's line: the chaos arms' in this estimand, or the whole model's where it read that."""
+    models = sorted({e["floor_from"] for e in effects if "floor_from" in e})
+    if not models:
+        return "chaos floor (the chaos arms)"
+    read = sum("floor_from" in e for e in effects)
+    return f"chaos floor (`{models[0]}`'s at {read} of {len(effects)} steps)"
+
+
 def distance_figure(summary: dict, estimand: str) -> Figure:
     """The figure plot_distance saves."""
     fig = Figure(figsize=(8.4, 4.4), dpi=110)
     ax = fig.subplots()
     effects = [e for e in summary["effects"] if e["estimand"] == estimand]
     steps = [e["step"] for e in effects]
-    margin = effects[0]["margin"] if effects else 1.0
     # Only positive distances set the log axis's limits; exact zeros go to the strip below it.
     positive = [v for e in effects for v in (e["distance"], e["floor"], e.get("machinery_distance"),
                                               e.get("replicate_distance")) if v]
@@ -101,7 +109,7 @@ def distance_figure(summary: dict, estimand: str) -> Figure:
         values = [e.get(key) for e in effects]
         color, ls, marker = ROLE_STYLE[role]
         if any(values):
-            label = {"chaos": "chaos floor (the chaos arm)"}.get(role, role)
+            label = {"chaos": _floor_label(effects)}.get(role, role)
             shown = [v if v else np.nan for v in values]  # a zero has no place on a log axis: marked below
             ax.plot(steps, shown, ls, color=color, marker=marker, ms=5, label=label)
         zeros = [s for s, v in zip(steps, values, strict=True) if v == 0]
@@ -111,9 +119,9 @@ def distance_figure(summary: dict, estimand: str) -> Figure:
                     ls="none", ms=7, transform=ax.get_xaxis_transform(), clip_on=False,
                     label=f"{role}: bit-identical to the twin (exactly 0)")
     # The floor times the margin is the line an effect must clear to be read as the intervention's, not chaos.
-    floor = [e["floor"] * margin if e["floor"] else np.nan for e in effects]
+    floor = [e["floor"] * e["margin"] if e["floor"] else np.nan for e in effects]  # each step's own margin
     if any(np.isfinite(floor)):
-        ax.plot(steps, floor, ":", color="C0", label=f"floor × {margin:g} (above it: above the floor)")
+        ax.plot(steps, floor, ":", color="C0", label="floor × margin (above it: above the floor)")
     ax.set_yscale("log")
     _exact_strip(ax, positive)
     ax.set_xlabel("optimizer step")

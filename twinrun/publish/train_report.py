@@ -105,6 +105,14 @@ def _head(summary: dict) -> list[str]:
     return [said, "", "## Verdict", "", f"{state}{verdict[:1].upper()}{verdict[1:]}."]
 
 
+SCOPE_SAID = {
+    "model": ("This run reads each estimand against the whole model's floor (`all`'s) with its margin "
+              "where that bar is the higher (train.floor_scope=model; docs/training.md): such a row names "
+              "the floor it read and keeps its own beside it."),
+    "estimand": "This run reads each estimand against its own floor (train.floor_scope=estimand).",
+}
+
+
 def _floor_lines(summary: dict) -> list[str]:
     rows = [[f["step"], f["estimand"], num(f["distance"]), num(f["cos"], ".6f"),
              num(f.get("spread", 1.0), ".3g"), num(f.get("margin"), ".3g")] for f in summary["floor"]]
@@ -112,9 +120,7 @@ def _floor_lines(summary: dict) -> list[str]:
             "`train.chaos.weights`): its distance from the twin is how far this training run carries a "
             "rounding-sized wobble by each step. The floor is the largest of the chaos arms' distances and "
             "the replicates'; the margin an effect must clear is train.floor_margin × the chaos arms' spread "
-            "(largest / smallest) in that estimand. With train.floor_scope=model (the default) an estimand "
-            "is read against the whole model's floor (`all`'s) where that is the larger, and its margin "
-            "(docs/training.md).")
+            "(largest / smallest) in that estimand. " + SCOPE_SAID[summary.get("floor_scope", "estimand")])
     header = ["step", "estimand", "floor (distance to twin)", "cos of its update to the twin's",
               "chaos arms' spread", "margin"]
     return [said, "", f"![distance to the twin]({DISTANCE_PNG})", ""] + table(header, rows)

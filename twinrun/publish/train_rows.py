@@ -14,9 +14,12 @@ def tracker_rows(index: RunIndex, summary: dict) -> tuple[list[dict], list[dict]
     steps = []
     for e in summary["effects"]:
         n = e["estimand"]
+        # floor/{n} is the floor the row was read against (the whole model's under floor_scope=model, and
+        # then own_floor/{n} is the estimand's own)
         steps.append({"step": e["step"], f"distance/{n}": e["distance"], f"floor/{n}": e["floor"],
                       f"above_floor/{n}": float(e["above_floor"]), f"cos/{n}": e["cos"],
-                      f"norm_ratio/{n}": e["norm_ratio"]})
+                      f"norm_ratio/{n}": e["norm_ratio"],
+                      **({f"own_floor/{n}": e["own_floor"]} if "floor_from" in e else {})})
     own: dict = {"intervention": [], "twin": []}
     for r in summary.get("losses", []):
         if r["role"] not in own:
@@ -37,7 +40,9 @@ def last_train_effect(summary: dict) -> dict | None:
     if not rows:
         return None
     last = rows[-1]
-    return {k: last[k] for k in ("step", "estimand", "distance", "floor", "floor_ratio", "above_floor")}
+    # floor_from: the whole model's floor was read (train.floor_scope=model), not the estimand's own
+    return {k: last[k] for k in ("step", "estimand", "distance", "floor", "floor_ratio", "above_floor",
+                                 "floor_from") if k in last}
 
 
 def sweep_point(summary: dict) -> dict:

@@ -106,5 +106,7 @@ class TrainSummary(TypedDict):
     floor: list[FloorRow]  # per stored step and estimand: the chaos arm's distance from the twin
     effects: list[TrainEffectRow]  # per stored step and estimand: the intervention against twin and floor
     losses: list[LossRow]  # per stored step and arm: training and held-out loss (paired SE against twin)
+    # train.floor_scope the effects were read under (absent in a summary written before it existed)
+    floor_scope: NotRequired[Literal["model", "estimand"]]
     post_hoc: NotRequired[PostHoc]
     data_files: NotRequired[dict[str, str]]  # {path: sha256} of the caches the data were read from

@@ -156,7 +156,10 @@ class _Redeliver:
         # next bytecode, which inside this hook would be one more place Python swallows it. If it lands in
         # a finalizer again, this hook sends it again.
         main = threading.main_thread().ident
-        threading.Thread(target=_send_later, args=(main, signum), daemon=True).start()
+        try:
+            threading.Thread(target=_send_later, args=(main, signum), daemon=True).start()
+        except RuntimeError:  # the interpreter is shutting down: it ends anyway, and says why
+            self.previous(unraisable)
 
 
 def _send_later(thread_id: int, signum: int) -> None:

@@ -53,7 +53,7 @@ class Run:
     by_role: dict = field(default_factory=dict)  # role -> every arm of it (replicates: several)
     chaos_weights: str = "one"  # train.chaos.weights: one element of chaos_param, or every nonzero element
     nonzero: dict = field(default_factory=dict)  # at the start: trained weight -> its nonzero elements
-    floor_scope: str = "estimand"  # train.floor_scope: each estimand's own floor, or the model's where larger
+    floor_scope: str = "estimand"  # train.floor_scope: an estimand's own floor, or its own or the model's
 
     def all_of(self, role: str) -> list[str]:
         return self.by_role.get(role) or ([self.roles[role]] if role in self.roles else [])
